@@ -1,0 +1,40 @@
+# Set-up and checks. `make demo` and `make test` work on a fresh machine: each creates .venv,
+# installs torch first (a CPU build by default; set TORCH_SPEC to keep another), then the project.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.weightstream-installed
+
+.PHONY: demo test lint typecheck proto check-proto clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -e ".[server,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/weightstream demo
+
+test: $(STAMP) lint typecheck check-proto
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy core client service
+
+proto: $(STAMP)
+	$(BIN)/python scripts/generate_proto.py
+
+# The generated code is committed; this fails when it no longer matches proto/.
+check-proto: $(STAMP)
+	rm -rf build/proto-check
+	$(BIN)/python scripts/generate_proto.py --out build/proto-check
+	for f in build/proto-check/*.py*; do diff -u "core/v1/$$(basename $$f)" "$$f" || exit 1; done
+
+clean:
+	rm -rf $(VENV) build

@@ -1,0 +1,272 @@
+"""WeightStreamClient: manifests, tensor iterators and in-place loads over one gRPC channel."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import grpc
+import torch
+
+from weightstream import wire
+from weightstream.client.errors import IntegrityError, NotFoundError, WeightStreamError, from_rpc_error
+from weightstream.client.manifest import Manifest, TensorInfo, manifest_from_proto
+from weightstream.client.placement import Destination, Placers
+from weightstream.client.progress import byte_bar
+from weightstream.client.targets import plan_targets
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    # A message carries up to MAX_CHUNK_BYTES of payload plus chunk descriptors; gRPC's default
+    # limit of 4 MiB would refuse the server's larger messages.
+    ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
+    # Ping an idle connection every 30 s and give up after 10 s without an answer, so that a dead
+    # server is noticed in seconds rather than when the kernel's TCP timeout fires (minutes).
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What load_into did."""
+
+    model: str
+    tensors: int
+    bytes: int
+    seconds: float
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    transport: str = "grpc"
+
+    @property
+    def gbps(self) -> float:
+        """Gigabytes (10^9 bytes) per second."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightStreamClient:
+    """A client of one weightstream server.
+
+    Use it as a context manager, or call close(). The channel is made on first use. One client may
+    be used from several threads; each call runs its own stream.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        chunk_bytes: int | None = None,
+        timeout: float | None = 30.0,
+        progress: bool = True,
+    ) -> None:
+        self.target = target
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._chunk_bytes = wire.clamp_chunk_bytes(chunk_bytes or 0)
+        self._timeout = timeout
+        self._progress = progress
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.WeightStreamServiceStub | None = None
+
+    def __enter__(self) -> WeightStreamClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+            self._stub = None
+
+    @property
+    def stub(self) -> pb_grpc.WeightStreamServiceStub:
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            self._stub = pb_grpc.WeightStreamServiceStub(self._channel)
+        return self._stub
+
+    def manifest(self, model: str) -> Manifest:
+        """Every tensor of model: name, dtype, shape, size and file."""
+        with self._translated():
+            response = self.stub.GetManifest(
+                pb.GetManifestRequest(model=model), timeout=self._timeout, metadata=self._metadata
+            )
+        return manifest_from_proto(response)
+
+    def iter_tensors(
+        self, model: str, *, names: Iterable[str] | None = None, device: str | torch.device = "cpu"
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) for the tensors of model (all, or names), each as soon as it is complete.
+
+        Tensors are yielded in the order they complete, which is not the checkpoint's order. Each
+        tensor is allocated on device when its first chunk arrives and is the caller's once yielded;
+        memory held at once is bounded by the tensors in flight, not the model.
+        """
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], not {device}")
+        manifest = self.manifest(model)
+        infos = _select(manifest, names)
+        in_flight: dict[str, Destination] = {}
+
+        def destination(name: str) -> Destination:
+            dest = in_flight.get(name)
+            if dest is None:
+                info = infos[name]
+                dest = Destination(name, torch.empty(info.shape, dtype=info.dtype, device=device))
+                in_flight[name] = dest
+            return dest
+
+        for info in infos.values():
+            if info.nbytes == 0:
+                yield info.name, torch.empty(info.shape, dtype=info.dtype, device=device)
+        for dest in self._receive(manifest, infos, destination, description=f"{model}"):
+            del in_flight[dest.name]
+            yield dest.name, dest.target
+
+    def load_state_dict(self, model: str, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Every tensor of model, by name, in the checkpoint's order."""
+        tensors = dict(self.iter_tensors(model, device=device))
+        return {info.name: tensors[info.name] for info in self.manifest(model).tensors if info.name in tensors}
+
+    def load_into(self, module: torch.nn.Module, model: str, *, strict: bool = True) -> LoadReport:
+        """Write model's tensors into module's existing parameters and buffers, in place.
+
+        Names, shapes and dtypes are checked against the module before any byte is written; with
+        strict (the default) every module tensor must be in the checkpoint and every checkpoint
+        tensor in the module. An error raised after writing began has partially_written=True and
+        says how much of the module was written.
+        """
+        started = time.perf_counter()
+        manifest = self.manifest(model)
+        plan = plan_targets(module, manifest, strict=strict)
+        infos = {name: manifest[name] for name in plan.targets}
+        dests = {name: Destination(name, tensor) for name, tensor in plan.targets.items()}
+        received = 0
+        try:
+            for dest in self._receive(manifest, infos, dests.__getitem__, description=model):
+                received += dest.nbytes
+        except WeightStreamError as exc:
+            written = sum(1 for d in dests.values() if d.written)
+            complete = sum(1 for d in dests.values() if d.complete and d.nbytes)
+            if written:
+                detail = (
+                    f"the module was partly written: {complete} of {len(dests)} tensors complete, "
+                    f"{written} touched"
+                )
+            else:
+                detail = "the module was not written"
+            raise exc.with_write_state(bool(written), detail) from exc
+        seconds = time.perf_counter() - started
+        report = LoadReport(model, len(dests), received, seconds, plan.missing, plan.unexpected)
+        logger.info(
+            "loaded %s into %s: %d tensors, %d bytes in %.3f s (%.2f GB/s)",
+            model, type(module).__name__, report.tensors, report.bytes, seconds, report.gbps,
+        )
+        return report
+
+    def _receive(
+        self,
+        manifest: Manifest,
+        infos: dict[str, TensorInfo],
+        destination: Callable[[str], Destination],
+        *,
+        description: str,
+    ) -> Iterator[Destination]:
+        """Stream infos' bytes into destinations; yield each destination once it is complete.
+
+        Every chunk is checked (known tensor, CRC32C, bounds) before it is placed, and the stream is
+        checked to have delivered every byte of every tensor.
+        """
+        all_tensors = len(infos) == len(manifest.tensors)
+        request = pb.StreamTensorsRequest(
+            model=manifest.model,
+            tensors=[] if all_tensors else [pb.TensorRequest(name=name) for name in infos],
+            max_chunk_bytes=self._chunk_bytes,
+            revision=manifest.revision,
+        )
+        pending = {name for name, info in infos.items() if info.nbytes}
+        total = sum(info.nbytes for info in infos.values())
+        placers = Placers(self._chunk_bytes)
+        with self._translated(), byte_bar(total, description, self._progress) as bar:
+            call = self.stub.StreamTensors(request, metadata=self._metadata)
+            try:
+                for response in call:
+                    for chunk in response.chunks:
+                        dest = self._place(manifest, infos, destination, placers, chunk)
+                        bar.update(len(chunk.data))
+                        if dest is not None and dest.complete and dest.name in pending:
+                            placers.for_tensor(dest.buffer).finish(dest)
+                            pending.discard(dest.name)
+                            yield dest
+            finally:
+                call.cancel()
+                placers.close()
+        if pending:
+            missing_bytes = sum(infos[name].nbytes for name in pending)
+            raise IntegrityError(
+                f"model {manifest.model!r}: the stream ended with {len(pending)} tensors incomplete "
+                f"({missing_bytes} bytes missing), for example {sorted(pending)[0]!r}"
+            )
+
+    def _place(
+        self,
+        manifest: Manifest,
+        infos: dict[str, TensorInfo],
+        destination: Callable[[str], Destination],
+        placers: Placers,
+        chunk: pb.TensorChunk,
+    ) -> Destination | None:
+        info = infos.get(chunk.tensor)
+        if info is None:
+            raise IntegrityError(f"model {manifest.model!r}: received a chunk of unrequested tensor {chunk.tensor!r}")
+        data = chunk.data
+        end = chunk.offset + len(data)
+        if len(data) != chunk.length or end > info.nbytes:
+            raise IntegrityError(
+                f"model {manifest.model!r}: tensor {chunk.tensor!r}: chunk at offset {chunk.offset} with "
+                f"{len(data)} bytes (stated {chunk.length}) does not fit its {info.nbytes} bytes"
+            )
+        if wire.crc32c(data) != chunk.crc32c:
+            raise IntegrityError(
+                f"model {manifest.model!r}: tensor {chunk.tensor!r}: CRC32C mismatch in the chunk at offset "
+                f"{chunk.offset} ({len(data)} bytes); the data was corrupted in transit"
+            )
+        if not data:
+            return None
+        dest = destination(chunk.tensor)
+        placers.for_tensor(dest.buffer).place(dest, chunk.offset, data)
+        dest.written = True
+        dest.landed.add(chunk.offset, end)
+        return dest
+
+    @contextlib.contextmanager
+    def _translated(self) -> Iterator[None]:
+        """Turn gRPC errors raised inside into the client's exceptions (the one place that does)."""
+        try:
+            yield
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.target) from exc
+
+
+def _select(manifest: Manifest, names: Iterable[str] | None) -> dict[str, TensorInfo]:
+    if names is None:
+        return dict(manifest.by_name)
+    selected: dict[str, TensorInfo] = {}
+    for name in names:
+        if name not in manifest:
+            raise NotFoundError(f"model {manifest.model!r} has no tensor {name!r}")
+        selected[name] = manifest[name]
+    return selected

@@ -1,0 +1,140 @@
+"""Where chunks are placed: each chunk's bytes are written straight into its destination tensor.
+
+A Destination is one tensor being filled. Its bytes are written through a flat uint8 view of the
+tensor itself when the tensor is contiguous, so a CPU parameter receives each byte with exactly one
+copy (from the received message into the parameter). A non-contiguous target is filled through a
+contiguous staging tensor and copied once more when complete.
+
+CUDA destinations go through a small ring of pinned host buffers: the chunk is copied into a
+pinned buffer, then to the device with a non-blocking copy on a side stream, so the next chunk is
+received while the previous one is in flight. A tensor is handed out only after its copies have
+finished.
+
+Concurrency: placers and destinations are used by one thread, the one reading the stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from weightstream.client.errors import IntegrityError
+from weightstream.client.ranges import RangeSet
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (shares its memory)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class Destination:
+    """One tensor being filled, and which of its bytes have landed."""
+
+    def __init__(self, name: str, target: torch.Tensor) -> None:
+        self.name = name
+        self.target = target
+        self.nbytes = target.numel() * target.element_size()
+        if target.is_contiguous():
+            self._staging: torch.Tensor | None = None
+            self.buffer = byte_view(target)
+        else:
+            self._staging = torch.empty(self.nbytes, dtype=torch.uint8, device=target.device)
+            self.buffer = self._staging
+        self.landed = RangeSet(self.nbytes)
+        self.written = False
+
+    @property
+    def complete(self) -> bool:
+        return self.landed.complete
+
+    def finish(self) -> None:
+        """Make the target hold the landed bytes (copies out of staging, if any)."""
+        if self._staging is not None:
+            self.target.copy_(self._staging.view(self.target.dtype).view(self.target.shape))
+            self._staging = None
+
+
+class CpuPlacer:
+    """Writes chunks into host memory with one memmove each."""
+
+    def place(self, dest: Destination, offset: int, data: bytes) -> None:
+        # Bounds were checked by the caller against dest.nbytes; memmove itself checks nothing.
+        ctypes.memmove(dest.buffer.data_ptr() + offset, data, len(data))
+
+    def finish(self, dest: Destination) -> None:
+        dest.finish()
+
+    def close(self) -> None:
+        pass
+
+
+class CudaPlacer:
+    """Writes chunks into one CUDA device through pinned staging buffers and non-blocking copies."""
+
+    def __init__(self, device: torch.device, staging_bytes: int, depth: int = 4) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        # Destinations were allocated on the current stream; the side stream must not run ahead of that.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.staging = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+        self.events: list[torch.cuda.Event | None] = [None] * depth
+        self.next = 0
+
+    def place(self, dest: Destination, offset: int, data: bytes) -> None:
+        source = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+        size = self.staging[0].numel()
+        for start in range(0, len(data), size):
+            length = min(size, len(data) - start)
+            slot = self.next
+            self.next = (slot + 1) % len(self.staging)
+            event = self.events[slot]
+            if event is not None:
+                event.synchronize()  # the slot's previous copy to the device is done
+            staging = self.staging[slot]
+            # Copy 1 of 2: received bytes -> pinned host memory.
+            ctypes.memmove(staging.data_ptr(), source + start, length)
+            at = offset + start
+            with torch.cuda.stream(self.stream):
+                # Copy 2 of 2: pinned host -> device, asynchronous on the side stream.
+                dest.buffer[at : at + length].copy_(staging[:length], non_blocking=True)
+                recorded = torch.cuda.Event()
+                recorded.record(self.stream)
+            self.events[slot] = recorded
+
+    def finish(self, dest: Destination) -> None:
+        self.stream.synchronize()
+        dest.finish()
+        # Later work on the current stream (the caller's) sees the finished bytes.
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+Placer = CpuPlacer | CudaPlacer
+
+
+class Placers:
+    """One placer per device, made on first use."""
+
+    def __init__(self, staging_bytes: int) -> None:
+        self._staging_bytes = staging_bytes
+        self._by_device: dict[torch.device, Placer] = {}
+
+    def for_tensor(self, tensor: torch.Tensor) -> Placer:
+        device = tensor.device
+        placer = self._by_device.get(device)
+        if placer is None:
+            if device.type == "cpu":
+                placer = CpuPlacer()
+            elif device.type == "cuda":
+                placer = CudaPlacer(device, self._staging_bytes)
+            else:
+                raise IntegrityError(f"cannot place tensor bytes on device {device}")
+            self._by_device[device] = placer
+        return placer
+
+    def close(self) -> None:
+        for placer in self._by_device.values():
+            placer.close()

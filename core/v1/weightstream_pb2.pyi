@@ -1,0 +1,133 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_TYPE_UNSPECIFIED: _ClassVar[DataType]
+    DATA_TYPE_BOOL: _ClassVar[DataType]
+    DATA_TYPE_UINT8: _ClassVar[DataType]
+    DATA_TYPE_INT8: _ClassVar[DataType]
+    DATA_TYPE_INT16: _ClassVar[DataType]
+    DATA_TYPE_UINT16: _ClassVar[DataType]
+    DATA_TYPE_INT32: _ClassVar[DataType]
+    DATA_TYPE_UINT32: _ClassVar[DataType]
+    DATA_TYPE_INT64: _ClassVar[DataType]
+    DATA_TYPE_UINT64: _ClassVar[DataType]
+    DATA_TYPE_FLOAT16: _ClassVar[DataType]
+    DATA_TYPE_BFLOAT16: _ClassVar[DataType]
+    DATA_TYPE_FLOAT32: _ClassVar[DataType]
+    DATA_TYPE_FLOAT64: _ClassVar[DataType]
+    DATA_TYPE_FLOAT8_E4M3FN: _ClassVar[DataType]
+    DATA_TYPE_FLOAT8_E5M2: _ClassVar[DataType]
+DATA_TYPE_UNSPECIFIED: DataType
+DATA_TYPE_BOOL: DataType
+DATA_TYPE_UINT8: DataType
+DATA_TYPE_INT8: DataType
+DATA_TYPE_INT16: DataType
+DATA_TYPE_UINT16: DataType
+DATA_TYPE_INT32: DataType
+DATA_TYPE_UINT32: DataType
+DATA_TYPE_INT64: DataType
+DATA_TYPE_UINT64: DataType
+DATA_TYPE_FLOAT16: DataType
+DATA_TYPE_BFLOAT16: DataType
+DATA_TYPE_FLOAT32: DataType
+DATA_TYPE_FLOAT64: DataType
+DATA_TYPE_FLOAT8_E4M3FN: DataType
+DATA_TYPE_FLOAT8_E5M2: DataType
+
+class GetManifestRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class GetManifestResponse(_message.Message):
+    __slots__ = ("model", "revision", "total_bytes", "files", "tensors")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    total_bytes: int
+    files: _containers.RepeatedCompositeFieldContainer[FileInfo]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., total_bytes: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+
+class FileInfo(_message.Message):
+    __slots__ = ("name", "size_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorInfo(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "nbytes", "file_index")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    FILE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DataType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    file_index: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., file_index: _Optional[int] = ...) -> None: ...
+
+class ByteRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class TensorRequest(_message.Message):
+    __slots__ = ("name", "ranges")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ranges: _containers.RepeatedCompositeFieldContainer[ByteRange]
+    def __init__(self, name: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ...) -> None: ...
+
+class StreamTensorsRequest(_message.Message):
+    __slots__ = ("model", "tensors", "max_chunk_bytes", "revision")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorRequest]
+    max_chunk_bytes: int
+    revision: str
+    def __init__(self, model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorRequest, _Mapping]]] = ..., max_chunk_bytes: _Optional[int] = ..., revision: _Optional[str] = ...) -> None: ...
+
+class StreamTensorsResponse(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("tensor", "offset", "crc32c", "length", "data")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    offset: int
+    crc32c: int
+    length: int
+    data: bytes
+    def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

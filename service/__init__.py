@@ -1,0 +1,8 @@
+"""The weightstream server: serves safetensors checkpoints as gRPC streams of tensor chunks."""
+
+from __future__ import annotations
+
+from weightstream.server.grpc_server import WeightStreamServer, create_server
+from weightstream.server.settings import ServerSettings
+
+__all__ = ["ServerSettings", "WeightStreamServer", "create_server"]

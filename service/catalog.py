@@ -1,0 +1,108 @@
+"""Manifests: a model's tensors, dtypes, shapes and byte positions, built from its headers.
+
+A manifest is cached per model and rebuilt when any of its files changes size or modification
+time, so a request costs one stat per file, not a header parse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+
+from weightstream import wire
+from weightstream.server.errors import CorruptCheckpoint, TensorNotFound
+from weightstream.server.header import read_header
+from weightstream.server.source import INDEX_FILE, LocalSource, ModelFiles, SourceFile
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a model; file_offset is the absolute position of its first byte in its file."""
+
+    name: str
+    dtype: wire.DType
+    shape: tuple[int, ...]
+    nbytes: int
+    file_index: int
+    file_offset: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: str
+    revision: str
+    files: tuple[SourceFile, ...]
+    tensors: tuple[TensorEntry, ...]
+    by_name: dict[str, TensorEntry] = field(repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def tensor(self, name: str) -> TensorEntry:
+        entry = self.by_name.get(name)
+        if entry is None:
+            raise TensorNotFound(f"model {self.model!r} has no tensor {name[:200]!r}")
+        return entry
+
+
+class Catalog:
+    """Manifests of the models of one source. Safe to use from many threads."""
+
+    def __init__(self, source: LocalSource) -> None:
+        self.source = source
+        self._lock = threading.Lock()
+        self._cache: dict[str, Manifest] = {}
+
+    def manifest(self, model: str) -> Manifest:
+        located = self.source.resolve(model)
+        revision = _revision(located)
+        with self._lock:
+            cached = self._cache.get(model)
+        if cached is not None and cached.revision == revision:
+            return cached
+        manifest = build_manifest(located, revision)
+        with self._lock:
+            self._cache[model] = manifest
+        return manifest
+
+
+def build_manifest(located: ModelFiles, revision: str) -> Manifest:
+    """Read every file's header and join them into one manifest, checked against the index."""
+    tensors: list[TensorEntry] = []
+    by_name: dict[str, TensorEntry] = {}
+    for file_index, source_file in enumerate(located.files):
+        display = f"model {located.model!r}, file {source_file.name!r}"
+        for header_tensor in read_header(source_file.path, display):
+            if header_tensor.name in by_name:
+                other = located.files[by_name[header_tensor.name].file_index].name
+                raise CorruptCheckpoint(
+                    f"{display}: tensor {header_tensor.name!r} is also in file {other!r}"
+                )
+            entry = TensorEntry(
+                header_tensor.name,
+                header_tensor.dtype,
+                header_tensor.shape,
+                header_tensor.nbytes,
+                file_index,
+                header_tensor.start,
+            )
+            tensors.append(entry)
+            by_name[entry.name] = entry
+    if located.weight_map is not None:
+        for name, file_name in located.weight_map.items():
+            entry = by_name.get(name)
+            if entry is None or located.files[entry.file_index].name != file_name:
+                raise CorruptCheckpoint(
+                    f"model {located.model!r}: {INDEX_FILE} puts tensor {name!r} in {file_name!r}, "
+                    "but that file has no such tensor"
+                )
+    return Manifest(located.model, revision, located.files, tuple(tensors), by_name)
+
+
+def _revision(located: ModelFiles) -> str:
+    digest = hashlib.sha256()
+    for f in located.files:
+        digest.update(f"{f.name}\0{f.size}\0{f.mtime_ns}\n".encode())
+    return digest.hexdigest()[:24]

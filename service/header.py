@@ -1,0 +1,126 @@
+"""Reading and checking safetensors headers.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header, then the tensor data.
+Every check a hostile or damaged file could fail is made here, before any tensor byte is read.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from weightstream import wire
+from weightstream.server.errors import CorruptCheckpoint, UnsupportedCheckpoint
+
+# Real headers are kilobytes to a few MiB (hundreds of thousands of tensors); a larger one is
+# refused before it is read, so that a hostile file cannot make the server parse gigabytes of JSON.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_NAME_CHARS = 1024
+MAX_DIMS = 16
+
+
+@dataclass(frozen=True)
+class HeaderTensor:
+    """One tensor of one file; start and end are absolute byte offsets in the file."""
+
+    name: str
+    dtype: wire.DType
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def read_header(path: Path, display_name: str) -> list[HeaderTensor]:
+    """Parse and check the header of the safetensors file at path, in data-offset order.
+
+    display_name is how errors name the file (the model id and file name, never a server path).
+    """
+    with path.open("rb") as f:
+        file_size = f.seek(0, 2)
+        f.seek(0)
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CorruptCheckpoint(f"{display_name}: file is {file_size} bytes, too short for a header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len < 2 or header_len > MAX_HEADER_BYTES:
+            raise CorruptCheckpoint(
+                f"{display_name}: header length {header_len} is outside 2..{MAX_HEADER_BYTES} bytes"
+            )
+        if 8 + header_len > file_size:
+            raise CorruptCheckpoint(
+                f"{display_name}: truncated: header of {header_len} bytes, file of {file_size} bytes"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpoint(f"{display_name}: header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CorruptCheckpoint(f"{display_name}: header is not a JSON object")
+    data_start = 8 + header_len
+    data_size = file_size - data_start
+    tensors = [
+        _parse_entry(display_name, name, entry, data_start, data_size)
+        for name, entry in header.items()
+        if name != "__metadata__"
+    ]
+    tensors.sort(key=lambda t: (t.start, t.end))
+    previous: HeaderTensor | None = None
+    for tensor in tensors:
+        if tensor.nbytes == 0:
+            continue
+        if previous is not None and tensor.start < previous.end:
+            raise CorruptCheckpoint(
+                f"{display_name}: tensors {previous.name!r} and {tensor.name!r} overlap "
+                f"(bytes {previous.start - data_start}..{previous.end - data_start} and "
+                f"{tensor.start - data_start}..{tensor.end - data_start} of the data section)"
+            )
+        previous = tensor
+    return tensors
+
+
+def _parse_entry(display_name: str, name: object, entry: object, data_start: int, data_size: int) -> HeaderTensor:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or "\x00" in name:
+        raise CorruptCheckpoint(f"{display_name}: invalid tensor name {str(name)[:80]!r}")
+    if not isinstance(entry, dict):
+        raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: entry is not a JSON object")
+    dtype_code = entry.get("dtype")
+    shape = entry.get("shape")
+    offsets = entry.get("data_offsets")
+    if not isinstance(dtype_code, str):
+        raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: missing dtype")
+    dtype = wire.BY_SAFETENSORS.get(dtype_code)
+    if dtype is None:
+        raise UnsupportedCheckpoint(f"{display_name}: tensor {name!r}: unsupported dtype {dtype_code[:20]!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: invalid shape {str(shape)[:80]}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: invalid data_offsets {str(offsets)[:80]}")
+    begin, end = offsets
+    expected = wire.numel(tuple(shape)) * dtype.itemsize
+    if end - begin != expected:
+        raise CorruptCheckpoint(
+            f"{display_name}: tensor {name!r}: data_offsets span {end - begin} bytes, "
+            f"but shape {shape} of {dtype_code} needs {expected}"
+        )
+    if end > data_size:
+        raise CorruptCheckpoint(
+            f"{display_name}: truncated or bad offsets: tensor {name!r} ends at byte {end} of the "
+            f"data section, which holds {data_size} bytes"
+        )
+    return HeaderTensor(name, dtype, tuple(shape), data_start + begin, data_start + end)

@@ -1,0 +1,56 @@
+"""The REST endpoint next to the gRPC port: liveness, readiness and status as JSON."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from weightstream import __version__
+from weightstream.server.grpc_server import WeightStreamServer
+
+
+def create_app(server: WeightStreamServer, serving: threading.Event) -> FastAPI:
+    """The FastAPI app reporting on server; serving is set while gRPC accepts requests."""
+    app = FastAPI(title="weightstream", version=__version__)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        """Liveness: the process is up and answering."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        """Readiness: gRPC is serving and the model root is readable."""
+        source_ok = server.catalog.source.reachable()
+        ready = serving.is_set() and source_ok
+        body = {
+            "ready": ready,
+            "grpc_serving": serving.is_set(),
+            "sources": [{"source": server.catalog.source.describe(), "reachable": source_ok}],
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/status")
+    def status() -> dict[str, Any]:
+        """Version, uptime, ports and stream counters."""
+        return {
+            "version": __version__,
+            "grpc_port": server.port,
+            **server.stats.snapshot(),
+            "sources": [{"source": server.catalog.source.describe(), "reachable": server.catalog.source.reachable()}],
+        }
+
+    return app
+
+
+def start_http(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, threading.Thread]:
+    """Run app with uvicorn on a daemon thread; set server.should_exit to stop it."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    http_server = uvicorn.Server(config)
+    thread = threading.Thread(target=http_server.run, name="weightstream-http", daemon=True)
+    thread.start()
+    return http_server, thread

@@ -1,0 +1,118 @@
+"""Where tensor bytes are read: Run:ai Model Streamer file reads, and a pool of streamers.
+
+Concurrency: a FileStreamer is not thread-safe and holds one stream at a time, so each stream
+checks one out of the StreamerPool for its whole life and returns it when done. Streamers are
+kept open for the life of the process: starting one spawns its reader threads, and closing an
+object-storage streamer tears down the object-storage clients of the whole process.
+
+Memory: the bytes a stream reads ahead live in its streamer's ring of buffers, bounded by the
+read-ahead setting. With owned=False the chunk a reader yields is a view into that ring, valid
+only until the next chunk is taken: callers must copy it out before asking for more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from types import TracebackType
+
+import torch
+from runai_model_streamer import FileChunks, FileStreamer
+
+from weightstream.server.catalog import Manifest
+from weightstream.server.errors import CorruptCheckpoint, TooManyStreams
+from weightstream.server.plan import ChunkPlace, ReadPlan
+
+logger = logging.getLogger(__name__)
+
+
+class StreamerPool:
+    """Up to `size` open FileStreamers, each used by one stream at a time."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._free: list[FileStreamer] = []
+        self._lock = threading.Lock()
+        self._in_use = 0
+
+    @contextlib.contextmanager
+    def checkout(self) -> Iterator[FileStreamer]:
+        with self._lock:
+            if self._in_use >= self._size:
+                raise TooManyStreams(f"{self._size} streams are already running; try again later")
+            self._in_use += 1
+            streamer = self._free.pop() if self._free else None
+        try:
+            if streamer is None:
+                streamer = FileStreamer()
+                streamer.__enter__()
+            yield streamer
+        finally:
+            with self._lock:
+                self._in_use -= 1
+                if streamer is not None:
+                    self._free.append(streamer)
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for streamer in free:
+            streamer.__exit__(None, None, None)
+
+    def __enter__(self) -> StreamerPool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def read_chunks(
+    streamer: FileStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int
+) -> Iterator[tuple[ChunkPlace, torch.Tensor]]:
+    """Yield every planned chunk with its bytes, as the streamer completes them (files interleave).
+
+    Each yielded tensor is a uint8 view into the streamer's ring, valid until the next item is
+    taken. Every chunk's length is checked, and so is the count of chunks: a short or missing read
+    is a CorruptCheckpoint, never a silently short stream.
+    """
+    if not plan.files:
+        return
+    requests = [
+        FileChunks(i, str(manifest.files[fp.file_index].path), fp.offsets, fp.sizes) for i, fp in enumerate(plan.files)
+    ]
+    largest = max(max(fp.sizes) for fp in plan.files)
+    file_names = ", ".join(manifest.files[fp.file_index].name for fp in plan.files)
+    received = 0
+    try:
+        streamer.stream_files(requests, None, "cpu", memory_limit=max(read_ahead_bytes, largest), owned=False)
+        chunks = streamer.get_chunks()
+        try:
+            for file_id, range_index, data in chunks:
+                place = plan.files[file_id].places[range_index]
+                flat = data.view(-1)
+                if flat.numel() != place.length:
+                    raise CorruptCheckpoint(
+                        f"model {manifest.model!r}: tensor {place.tensor!r}: read {flat.numel()} bytes at "
+                        f"offset {place.offset}, expected {place.length}"
+                    )
+                received += 1
+                yield place, flat
+        finally:
+            chunks.close()
+    except ValueError as exc:
+        # The streamer's errors are terse ("End of file reached", "File access error"): name the
+        # model and files, since a file that changed after its header was read is the usual cause.
+        raise CorruptCheckpoint(f"model {manifest.model!r}: reading {file_names} failed: {exc}") from exc
+    if received != plan.num_chunks:
+        raise CorruptCheckpoint(
+            f"model {manifest.model!r}: the read of {file_names} ended after {received} of "
+            f"{plan.num_chunks} chunks"
+        )

@@ -1,0 +1,134 @@
+"""The gRPC servicer: translates between protobuf messages and the server's domain objects.
+
+Errors leave here and only here as gRPC status codes (errors.status_code chooses them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import grpc
+from runai_model_streamer import FileStreamer
+
+from weightstream import wire
+from weightstream.server.catalog import Catalog, Manifest
+from weightstream.server.errors import InvalidRequest, RevisionMismatch, ServerError, status_code
+from weightstream.server.plan import ReadPlan, plan_reads
+from weightstream.server.reader import StreamerPool, read_chunks
+from weightstream.server.settings import ServerSettings
+from weightstream.server.stats import ServerStats
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
+    def __init__(self, settings: ServerSettings, catalog: Catalog, pool: StreamerPool, stats: ServerStats) -> None:
+        self._settings = settings
+        self._catalog = catalog
+        self._pool = pool
+        self._stats = stats
+
+    def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
+        try:
+            return manifest_to_proto(self._catalog.manifest(request.model))
+        except Exception as exc:
+            self._abort(context, "GetManifest", request.model, exc)
+            raise  # unreachable: abort raises
+
+    def StreamTensors(
+        self, request: pb.StreamTensorsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.StreamTensorsResponse]:
+        started = time.monotonic()
+        sent = 0
+        self._stats.stream_started()
+        try:
+            manifest = self._catalog.manifest(request.model)
+            if request.revision and request.revision != manifest.revision:
+                raise RevisionMismatch(
+                    f"model {request.model!r} changed: revision {manifest.revision}, "
+                    f"the request expects {request.revision}"
+                )
+            if request.max_chunk_bytes and not wire.MIN_CHUNK_BYTES <= request.max_chunk_bytes:
+                raise InvalidRequest(
+                    f"max_chunk_bytes {request.max_chunk_bytes} is below the minimum of {wire.MIN_CHUNK_BYTES}"
+                )
+            chunk_bytes = wire.clamp_chunk_bytes(request.max_chunk_bytes or self._settings.chunk_bytes)
+            requested = [(t.name, [(r.start, r.end) for r in t.ranges]) for t in request.tensors]
+            plan = plan_reads(manifest, requested, chunk_bytes)
+            logger.info(
+                "stream %s: %d tensors, %d bytes in %d chunks from %d files, peer %s",
+                request.model, len(requested) or len(manifest.tensors), plan.total_bytes, plan.num_chunks,
+                len(plan.files), context.peer(),
+            )
+            with self._pool.checkout() as streamer:
+                for response in _batch(manifest, plan, streamer, self._settings.read_ahead_bytes, chunk_bytes):
+                    yield response
+                    sent += sum(c.length for c in response.chunks)
+            seconds = time.monotonic() - started
+            logger.info(
+                "stream %s done: %d bytes in %.3f s (%.2f GB/s)",
+                request.model, sent, seconds, sent / seconds / 1e9 if seconds else 0.0,
+            )
+        except GeneratorExit:
+            logger.info("stream %s ended by the client after %d bytes", request.model, sent)
+            raise
+        except Exception as exc:
+            self._abort(context, "StreamTensors", request.model, exc)
+        finally:
+            self._stats.stream_ended(sent)
+
+    def _abort(self, context: grpc.ServicerContext, method: str, model: str, exc: Exception) -> None:
+        code = status_code(exc)
+        self._stats.error(code.name)
+        if isinstance(exc, ServerError):
+            logger.warning("%s %r: %s: %s", method, model, code.name, exc)
+            context.abort(code, str(exc))
+        logger.exception("%s %r: internal error", method, model)
+        context.abort(code, f"internal error while serving model {model!r}: {type(exc).__name__}")
+
+
+def _batch(
+    manifest: Manifest, plan: ReadPlan, streamer: FileStreamer, read_ahead_bytes: int, chunk_bytes: int
+) -> Iterator[pb.StreamTensorsResponse]:
+    """Pack the chunks read into messages of at most about chunk_bytes of payload each.
+
+    Copies per byte on this side: file -> streamer ring (the read), ring -> bytes (tobytes below,
+    needed because protobuf owns its payloads), bytes -> the serialized message, then gRPC's own
+    buffers to the socket.
+    """
+    pending: list[pb.TensorChunk] = []
+    pending_bytes = 0
+    for place, data in read_chunks(streamer, manifest, plan, read_ahead_bytes):
+        payload = data.numpy().tobytes()
+        cost = len(payload) + len(place.tensor) + 32
+        if pending and pending_bytes + cost > chunk_bytes:
+            yield pb.StreamTensorsResponse(chunks=pending)
+            pending, pending_bytes = [], 0
+        pending.append(
+            pb.TensorChunk(
+                tensor=place.tensor, offset=place.offset, crc32c=wire.crc32c(payload),
+                length=len(payload), data=payload,
+            )
+        )
+        pending_bytes += cost
+    if pending:
+        yield pb.StreamTensorsResponse(chunks=pending)
+
+
+def manifest_to_proto(manifest: Manifest) -> pb.GetManifestResponse:
+    return pb.GetManifestResponse(
+        model=manifest.model,
+        revision=manifest.revision,
+        total_bytes=manifest.total_bytes,
+        files=[pb.FileInfo(name=f.name, size_bytes=f.size) for f in manifest.files],
+        tensors=[
+            pb.TensorInfo(
+                name=t.name, dtype=t.dtype.wire, shape=list(t.shape), nbytes=t.nbytes, file_index=t.file_index
+            )
+            for t in manifest.tensors
+        ],
+    )

@@ -1,0 +1,128 @@
+"""Where checkpoints live: resolving a model id to its safetensors files under a model root.
+
+The server never reads outside its model root: ids that are absolute or contain "..", and
+symlinks (of the model folder or of any file) that resolve outside the root, are refused before
+any file is opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from weightstream.server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, ModelNotFound
+
+INDEX_FILE = "model.safetensors.index.json"
+MAX_MODEL_ID_CHARS = 512
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+# One or more path components of letters, digits, ".", "_" and "-", none starting with a dot:
+# this rules out "..", hidden folders, absolute paths and backslashes in one place.
+_MODEL_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*\.safetensors")
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One checkpoint file: name relative to the model folder, resolved path, and its stat."""
+
+    name: str
+    path: Path
+    size: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The files of one model, and the index's tensor-to-file map when the model has an index."""
+
+    model: str
+    files: tuple[SourceFile, ...]
+    weight_map: dict[str, str] | None
+
+
+class LocalSource:
+    """Models stored as folders of safetensors files under one root directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(os.path.realpath(root))
+
+    def describe(self) -> str:
+        return f"model root {self.root}"
+
+    def reachable(self) -> bool:
+        return self.root.is_dir() and os.access(self.root, os.R_OK | os.X_OK)
+
+    def resolve(self, model: str) -> ModelFiles:
+        """The files of model, checked to lie inside the root; raises before reading any tensor."""
+        check_model_id(model)
+        folder = Path(os.path.realpath(self.root / model))
+        if not _inside(folder, self.root):
+            raise AccessDenied(f"model {model!r} resolves outside the model root; refused")
+        if not folder.is_dir():
+            raise ModelNotFound(f"model {model!r} not found")
+        weight_map = self._read_index(model, folder)
+        if weight_map is not None:
+            names = sorted(set(weight_map.values()))
+        else:
+            names = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not names:
+            raise ModelNotFound(f"model {model!r} has no *.safetensors files")
+        return ModelFiles(model, tuple(self._file(model, folder, name) for name in names), weight_map)
+
+    def _read_index(self, model: str, folder: Path) -> dict[str, str] | None:
+        index_path = folder / INDEX_FILE
+        if not index_path.exists():
+            return None
+        resolved = Path(os.path.realpath(index_path))
+        if not _inside(resolved, self.root):
+            raise AccessDenied(f"model {model!r}: {INDEX_FILE} resolves outside the model root; refused")
+        if resolved.stat().st_size > MAX_INDEX_BYTES:
+            raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} is larger than {MAX_INDEX_BYTES} bytes")
+        try:
+            index = json.loads(resolved.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} is not valid JSON: {exc}") from exc
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} has no valid weight_map")
+        for file_name in set(weight_map.values()):
+            if not _FILE_NAME.fullmatch(file_name):
+                raise CorruptCheckpoint(
+                    f"model {model!r}: {INDEX_FILE} names file {file_name[:80]!r}, which is not a plain "
+                    "*.safetensors name in the model folder"
+                )
+        return weight_map
+
+    def _file(self, model: str, folder: Path, name: str) -> SourceFile:
+        path = Path(os.path.realpath(folder / name))
+        if not _inside(path, self.root):
+            raise AccessDenied(f"model {model!r}: file {name!r} resolves outside the model root; refused")
+        try:
+            stat = path.stat()
+        except FileNotFoundError as exc:
+            raise ModelNotFound(f"model {model!r}: file {name!r} not found") from exc
+        if not path.is_file():
+            raise CorruptCheckpoint(f"model {model!r}: {name!r} is not a regular file")
+        return SourceFile(name, path, stat.st_size, stat.st_mtime_ns)
+
+
+def check_model_id(model: str) -> None:
+    """Raise InvalidModelId unless model is a relative path of plain names."""
+    if not model:
+        raise InvalidModelId("model id is empty")
+    if len(model) > MAX_MODEL_ID_CHARS:
+        raise InvalidModelId(f"model id is longer than {MAX_MODEL_ID_CHARS} characters")
+    if not _MODEL_ID.fullmatch(model):
+        raise InvalidModelId(
+            f"invalid model id {model[:80]!r}: use a relative name of letters, digits, '.', '_', '-' and '/', "
+            "with no '..' and no leading '/'"
+        )
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
