@@ -1,9 +1,9 @@
 """The weightstream client: load a model's weights from a weightstream server into torch.
 
-    from weightstream.client import WeightStreamClient
+from weightstream.client import WeightStreamClient
 
-    with WeightStreamClient("127.0.0.1:50051") as client:
-        report = client.load_into(model, "tiny-llama")
+with WeightStreamClient("127.0.0.1:50051") as client:
+    report = client.load_into(model, "tiny-llama")
 """
 
 from __future__ import annotations
@@ -36,6 +36,6 @@ __all__ = [
     "TensorInfo",
     "UnauthenticatedError",
     "UnavailableError",
-    "WeightStreamError",
     "WeightStreamClient",
+    "WeightStreamError",
 ]

@@ -163,8 +163,7 @@ class WeightStreamClient:
             complete = sum(1 for d in dests.values() if d.complete and d.nbytes)
             if written:
                 detail = (
-                    f"the module was partly written: {complete} of {len(dests)} tensors complete, "
-                    f"{written} touched"
+                    f"the module was partly written: {complete} of {len(dests)} tensors complete, {written} touched"
                 )
             else:
                 detail = "the module was not written"
@@ -173,7 +172,12 @@ class WeightStreamClient:
         report = LoadReport(model, len(dests), received, seconds, plan.missing, plan.unexpected)
         logger.info(
             "loaded %s into %s: %d tensors, %d bytes in %.3f s (%.2f GB/s)",
-            model, type(module).__name__, report.tensors, report.bytes, seconds, report.gbps,
+            model,
+            type(module).__name__,
+            report.tensors,
+            report.bytes,
+            seconds,
+            report.gbps,
         )
         return report
 

@@ -25,8 +25,9 @@ class WeightStreamError(Exception):
 
     code: grpc.StatusCode | None = None
 
-    def __init__(self, message: str, *, code: grpc.StatusCode | None = None,
-                 partially_written: bool | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: grpc.StatusCode | None = None, partially_written: bool | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:

@@ -48,7 +48,7 @@ class RangeSet:
         """The ranges not yet landed, in order."""
         gaps = []
         position = 0
-        for s, e in zip(self._starts, self._ends):
+        for s, e in zip(self._starts, self._ends, strict=True):
             if s > position:
                 gaps.append((position, s))
             position = e

@@ -41,8 +41,7 @@ def plan_targets(module: torch.nn.Module, manifest: Manifest, *, strict: bool) -
             )
         elif tensor.device.type == "meta":
             problems.append(
-                f"tensor {name!r} is on the meta device; materialise the module first "
-                "(module.to_empty(device=...))"
+                f"tensor {name!r} is on the meta device; materialise the module first (module.to_empty(device=...))"
             )
     if problems:
         raise _incompatible(manifest.model, "does not fit the module", problems)

@@ -8,8 +8,12 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from weightstream import __version__
+
+if TYPE_CHECKING:
+    from weightstream.client import WeightStreamClient
 
 SERVE_OPTIONS = (
     # (flag, settings field, type, help)
@@ -94,9 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"weightstream serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from weightstream.server.app import serve
 
     try:
@@ -107,20 +109,30 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _manifest(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+def _manifest(client: WeightStreamClient, args: argparse.Namespace) -> int:
     manifest = client.manifest(args.model)
     if args.json:
-        print(json.dumps({
-            "model": manifest.model,
-            "revision": manifest.revision,
-            "total_bytes": manifest.total_bytes,
-            "files": list(manifest.files),
-            "tensors": [
-                {"name": t.name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                 "nbytes": t.nbytes, "file": t.file}
-                for t in manifest.tensors
-            ],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": manifest.model,
+                    "revision": manifest.revision,
+                    "total_bytes": manifest.total_bytes,
+                    "files": list(manifest.files),
+                    "tensors": [
+                        {
+                            "name": t.name,
+                            "dtype": str(t.dtype).removeprefix("torch."),
+                            "shape": list(t.shape),
+                            "nbytes": t.nbytes,
+                            "file": t.file,
+                        }
+                        for t in manifest.tensors
+                    ],
+                },
+                indent=2,
+            )
+        )
         return 0
     width = max((len(t.name) for t in manifest.tensors), default=4)
     for t in manifest.tensors:
@@ -130,7 +142,7 @@ def _manifest(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
     return 0
 
 
-def _load(client, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+def _load(client: WeightStreamClient, args: argparse.Namespace) -> int:
     started = time.perf_counter()
     count = 0
     nbytes = 0

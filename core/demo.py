@@ -91,8 +91,10 @@ def run_demo() -> int:
             module = ParameterTree({n: (tuple(t.shape), t.dtype) for n, t in state.items()})
             with WeightStreamClient(target, progress=False) as client:
                 manifest = client.manifest(DEMO_MODEL)
-                print(f"manifest:   {len(manifest.tensors)} tensors, {manifest.total_bytes:,d} bytes, "
-                      f"files {', '.join(manifest.files)}")
+                print(
+                    f"manifest:   {len(manifest.tensors)} tensors, {manifest.total_bytes:,d} bytes, "
+                    f"files {', '.join(manifest.files)}"
+                )
                 started = time.perf_counter()
                 report = client.load_into(module, DEMO_MODEL)
                 seconds = time.perf_counter() - started
@@ -100,11 +102,14 @@ def run_demo() -> int:
             server.stop(grace=1.0)
     loaded = dict(module.named_parameters())
     mismatched = [
-        name for name, t in state.items()
+        name
+        for name, t in state.items()
         if not torch.equal(loaded[name].detach().view(torch.uint8), t.view(torch.uint8))
     ]
-    print(f"load_into:  {report.tensors} tensors, {report.bytes:,d} bytes in {seconds:.3f} s "
-          f"({report.bytes / seconds / 1e9:.2f} GB/s over loopback gRPC)")
+    print(
+        f"load_into:  {report.tensors} tensors, {report.bytes:,d} bytes in {seconds:.3f} s "
+        f"({report.bytes / seconds / 1e9:.2f} GB/s over loopback gRPC)"
+    )
     if mismatched:
         print(f"verify:     FAILED: {len(mismatched)} tensors differ, for example {mismatched[0]!r}")
         return 1

@@ -77,9 +77,7 @@ def build_manifest(located: ModelFiles, revision: str) -> Manifest:
         for header_tensor in read_header(source_file.path, display):
             if header_tensor.name in by_name:
                 other = located.files[by_name[header_tensor.name].file_index].name
-                raise CorruptCheckpoint(
-                    f"{display}: tensor {header_tensor.name!r} is also in file {other!r}"
-                )
+                raise CorruptCheckpoint(f"{display}: tensor {header_tensor.name!r} is also in file {other!r}")
             entry = TensorEntry(
                 header_tensor.name,
                 header_tensor.dtype,
@@ -92,8 +90,8 @@ def build_manifest(located: ModelFiles, revision: str) -> Manifest:
             by_name[entry.name] = entry
     if located.weight_map is not None:
         for name, file_name in located.weight_map.items():
-            entry = by_name.get(name)
-            if entry is None or located.files[entry.file_index].name != file_name:
+            listed = by_name.get(name)
+            if listed is None or located.files[listed.file_index].name != file_name:
                 raise CorruptCheckpoint(
                     f"model {located.model!r}: {INDEX_FILE} puts tensor {name!r} in {file_name!r}, "
                     "but that file has no such tensor"

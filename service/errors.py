@@ -1,17 +1,17 @@
 """The server's domain errors, and the one function that chooses their gRPC status codes.
 
-    ServerError
-    ├── InvalidModelId        INVALID_ARGUMENT   the model id is malformed (absolute, "..", NUL)
-    ├── InvalidRequest        INVALID_ARGUMENT   a request field is out of bounds or contradictory
-    ├── RangeOutOfBounds      OUT_OF_RANGE       a requested byte range lies outside its tensor
-    ├── ModelNotFound         NOT_FOUND          no such model, or it holds no safetensors file
-    ├── TensorNotFound        NOT_FOUND          the model has no tensor of that name
-    ├── AccessDenied          PERMISSION_DENIED  the id or a file resolves outside the model root
-    ├── CorruptCheckpoint     DATA_LOSS          a bad header, a truncated file, a short read
-    ├── UnsupportedCheckpoint FAILED_PRECONDITION a dtype torch cannot hold, and the like
-    ├── RevisionMismatch      FAILED_PRECONDITION the checkpoint changed since the client's manifest
-    ├── TooManyStreams        RESOURCE_EXHAUSTED the concurrent stream limit is reached
-    └── StorageUnavailable    UNAVAILABLE        storage failed in a way worth retrying
+ServerError
+├── InvalidModelId        INVALID_ARGUMENT   the model id is malformed (absolute, "..", NUL)
+├── InvalidRequest        INVALID_ARGUMENT   a request field is out of bounds or contradictory
+├── RangeOutOfBounds      OUT_OF_RANGE       a requested byte range lies outside its tensor
+├── ModelNotFound         NOT_FOUND          no such model, or it holds no safetensors file
+├── TensorNotFound        NOT_FOUND          the model has no tensor of that name
+├── AccessDenied          PERMISSION_DENIED  the id or a file resolves outside the model root
+├── CorruptCheckpoint     DATA_LOSS          a bad header, a truncated file, a short read
+├── UnsupportedCheckpoint FAILED_PRECONDITION a dtype torch cannot hold, and the like
+├── RevisionMismatch      FAILED_PRECONDITION the checkpoint changed since the client's manifest
+├── TooManyStreams        RESOURCE_EXHAUSTED the concurrent stream limit is reached
+└── StorageUnavailable    UNAVAILABLE        storage failed in a way worth retrying
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ _CODES: dict[type[ServerError], grpc.StatusCode] = {
 def status_code(error: BaseException) -> grpc.StatusCode:
     """The gRPC status code a request that failed with error ends with."""
     for cls in type(error).__mro__:
-        code = _CODES.get(cls)  # type: ignore[call-overload]
+        code = _CODES.get(cls)
         if code is not None:
             return code
     return grpc.StatusCode.INTERNAL

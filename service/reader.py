@@ -113,6 +113,5 @@ def read_chunks(
         raise CorruptCheckpoint(f"model {manifest.model!r}: reading {file_names} failed: {exc}") from exc
     if received != plan.num_chunks:
         raise CorruptCheckpoint(
-            f"model {manifest.model!r}: the read of {file_names} ended after {received} of "
-            f"{plan.num_chunks} chunks"
+            f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_chunks} chunks"
         )

@@ -61,8 +61,12 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
             plan = plan_reads(manifest, requested, chunk_bytes)
             logger.info(
                 "stream %s: %d tensors, %d bytes in %d chunks from %d files, peer %s",
-                request.model, len(requested) or len(manifest.tensors), plan.total_bytes, plan.num_chunks,
-                len(plan.files), context.peer(),
+                request.model,
+                len(requested) or len(manifest.tensors),
+                plan.total_bytes,
+                plan.num_chunks,
+                len(plan.files),
+                context.peer(),
             )
             with self._pool.checkout() as streamer:
                 for response in _batch(manifest, plan, streamer, self._settings.read_ahead_bytes, chunk_bytes):
@@ -71,7 +75,10 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
             seconds = time.monotonic() - started
             logger.info(
                 "stream %s done: %d bytes in %.3f s (%.2f GB/s)",
-                request.model, sent, seconds, sent / seconds / 1e9 if seconds else 0.0,
+                request.model,
+                sent,
+                seconds,
+                sent / seconds / 1e9 if seconds else 0.0,
             )
         except GeneratorExit:
             logger.info("stream %s ended by the client after %d bytes", request.model, sent)
@@ -110,8 +117,11 @@ def _batch(
             pending, pending_bytes = [], 0
         pending.append(
             pb.TensorChunk(
-                tensor=place.tensor, offset=place.offset, crc32c=wire.crc32c(payload),
-                length=len(payload), data=payload,
+                tensor=place.tensor,
+                offset=place.offset,
+                crc32c=wire.crc32c(payload),
+                length=len(payload),
+                data=payload,
             )
         )
         pending_bytes += cost

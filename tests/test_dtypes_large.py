@@ -13,8 +13,16 @@ from weightstream.client import WeightStreamClient
 
 MODEL = "many-dtypes"
 DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
 ]
 SMALL_TENSORS = 3000
 BIG_BYTES = 25 * 1024 * 1024
@@ -80,7 +88,9 @@ def test_manifest_describes_every_tensor(checkpoint: dict[str, torch.Tensor], cl
     for name, tensor in checkpoint.items():
         info = manifest[name]
         assert (info.dtype, info.shape, info.nbytes) == (
-            tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size()
+            tensor.dtype,
+            tuple(tensor.shape),
+            tensor.numel() * tensor.element_size(),
         )
     assert {manifest[n].dtype for n in checkpoint} == set(DTYPES)
 

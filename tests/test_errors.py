@@ -74,9 +74,7 @@ def _fifo(path: Path) -> Path:
 
 
 @pytest.mark.usefixtures("still_serving")
-def test_symlinked_folder_outside_root_is_refused_unread(
-    model_root: Path, tmp_path: Path, target: str
-) -> None:
+def test_symlinked_folder_outside_root_is_refused_unread(model_root: Path, tmp_path: Path, target: str) -> None:
     _fifo(tmp_path / "outside" / "model.safetensors")
     (model_root / "escape-dir").symlink_to(tmp_path / "outside", target_is_directory=True)
     with WeightStreamClient(target, timeout=10, progress=False) as client:
@@ -91,12 +89,14 @@ def test_symlinked_file_outside_root_is_refused_unread(model_root: Path, tmp_pat
     folder.mkdir()
     (folder / "model.safetensors").symlink_to(_fifo(tmp_path / "secret.safetensors"))
     with WeightStreamClient(target, timeout=10, progress=False) as client:
-        with pytest.raises(PermissionDeniedError, match="model.safetensors"):
+        with pytest.raises(PermissionDeniedError, match=r"model\.safetensors"):
             client.manifest("escape-file")
 
 
 @pytest.mark.usefixtures("still_serving")
-def test_symlink_inside_root_is_followed(model_root: Path, good: dict[str, torch.Tensor], client: WeightStreamClient) -> None:
+def test_symlink_inside_root_is_followed(
+    model_root: Path, good: dict[str, torch.Tensor], client: WeightStreamClient
+) -> None:
     (model_root / "alias-model").symlink_to(model_root / GOOD, target_is_directory=True)
     assert {t.name for t in client.manifest("alias-model").tensors} == set(good)
 
@@ -108,7 +108,7 @@ def test_truncated_file_is_data_loss_naming_the_file(model_root: Path, client: W
     save_file({"x": torch.randn(1000), "y": torch.randn(1000)}, str(path))
     with path.open("r+b") as f:
         f.truncate(path.stat().st_size - 100)
-    with pytest.raises(IntegrityError, match="model-00001.safetensors") as info:
+    with pytest.raises(IntegrityError, match=r"model-00001\.safetensors") as info:
         client.manifest("truncated")
     assert info.value.code == grpc.StatusCode.DATA_LOSS
     assert "truncated" in str(info.value)
@@ -196,7 +196,7 @@ def test_shape_or_dtype_mismatch_names_tensor_and_leaves_module_untouched(
     with torch.no_grad():
         for p in module.parameters():
             p.fill_(7)
-    with pytest.raises(IncompatibleModuleError, match="'a.bias'") as info:
+    with pytest.raises(IncompatibleModuleError, match=r"'a\.bias'") as info:
         client.load_into(module, GOOD)
     assert info.value.partially_written is False
     assert "not written" in str(info.value)
@@ -247,7 +247,10 @@ def test_unknown_tensor_name(good: dict[str, torch.Tensor], client: WeightStream
     ],
 )
 def test_bad_stream_requests(
-    good: dict[str, torch.Tensor], target: str, tensor: pb.TensorRequest, max_chunk_bytes: int,
+    good: dict[str, torch.Tensor],
+    target: str,
+    tensor: pb.TensorRequest,
+    max_chunk_bytes: int,
     code: grpc.StatusCode,
 ) -> None:
     request = pb.StreamTensorsRequest(model=GOOD, tensors=[tensor], max_chunk_bytes=max_chunk_bytes)

@@ -5,14 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import transformers
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from weightstream.client import WeightStreamClient
 from weightstream.demo import save_sharded
-
-
 
 MODEL = "tiny-llama"
 

@@ -1,0 +1,93 @@
+"""Load a ~1 GB Llama-like checkpoint through weightstream over loopback, beside safetensors from the page cache.
+
+Prints one table of medians (and min..max) over several runs, all measured in this one run:
+- baseline: safetensors.torch.load_file of every shard (page cache warm), into fresh tensors,
+  then module.load_state_dict (copy into the touched parameters);
+- weightstream load_into: gRPC over 127.0.0.1 straight into a module's existing (touched) parameters;
+- weightstream load_state_dict: gRPC into freshly allocated tensors (the same allocation as the baseline).
+
+Usage: python benchmarks/core_load.py [--gb 1.0] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from weightstream.client import WeightStreamClient
+from weightstream.demo import ParameterTree, llama_like_state_dict, save_sharded
+from weightstream.server import ServerSettings, create_server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (default 1.0)")
+    parser.add_argument("--runs", type=int, default=5, help="runs per path (default 5)")
+    args = parser.parse_args()
+
+    hidden, intermediate, vocab = 2048, 5632, 32000
+    layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * intermediate)
+    layers = max(1, round((args.gb * 1e9 - 2 * 2 * vocab * hidden) / layer_bytes))
+    state = llama_like_state_dict(layers=layers, hidden=hidden, intermediate=intermediate, vocab=vocab)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
+    with tempfile.TemporaryDirectory(prefix="weightstream-bench-") as tmp:
+        root = Path(tmp)
+        save_sharded(state, root / "bench", shards=4)
+        del state
+        files = sorted((root / "bench").glob("*.safetensors"))
+        module = ParameterTree(shapes)  # touched once (zeros), reused by every run
+        server = create_server(ServerSettings(model_root=root, host="127.0.0.1", grpc_port=0, http_port=0))
+        server.start()
+        results: dict[str, list[float]] = {
+            "safetensors load_file + load_state_dict": [],
+            "weightstream load_into": [],
+            "weightstream load_state_dict": [],
+        }
+        try:
+            with WeightStreamClient(f"127.0.0.1:{server.port}", progress=False) as client:
+                client.load_into(module, "bench")  # warm: page cache, streamer threads, channel
+                for _ in range(args.runs):
+                    started = time.perf_counter()
+                    loaded: dict[str, torch.Tensor] = {}
+                    for f in files:
+                        loaded.update(load_file(str(f)))
+                    module.load_state_dict(loaded)
+                    results["safetensors load_file + load_state_dict"].append(time.perf_counter() - started)
+                    del loaded
+
+                    started = time.perf_counter()
+                    client.load_into(module, "bench")
+                    results["weightstream load_into"].append(time.perf_counter() - started)
+
+                    started = time.perf_counter()
+                    sd = client.load_state_dict("bench")
+                    results["weightstream load_state_dict"].append(time.perf_counter() - started)
+                    del sd
+        finally:
+            server.stop(grace=1.0)
+
+    baseline = statistics.median(results["safetensors load_file + load_state_dict"])
+    print(
+        f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors, 4 shards; {args.runs} runs each; "
+        "2 cores shared by server and client"
+    )
+    print("| path | median GB/s | min..max GB/s | median s | vs baseline |")
+    print("|---|---|---|---|---|")
+    for name, times in results.items():
+        rates = sorted(total / t / 1e9 for t in times)
+        median = statistics.median(times)
+        print(
+            f"| {name} | {total / median / 1e9:.2f} | {rates[0]:.2f}..{rates[-1]:.2f} | {median:.3f} | "
+            f"{baseline / median:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Packaging: the client installs without the server's dependencies, the generated code matches proto/,
+the public names are in order, and the package is marked as typed."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import weightstream
+import weightstream.client
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER_ONLY = ("runai_model_streamer", "fastapi", "uvicorn", "safetensors", "boto3")
+GENERATED = ("weightstream_pb2.py", "weightstream_pb2.pyi", "weightstream_pb2_grpc.py")
+
+
+def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=120, cwd=cwd, check=False,
+    )
+
+
+def describe(result: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+
+def test_client_and_cli_import_without_server_dependencies(tmp_path: Path) -> None:
+    code = f"""
+        import importlib.abc
+        import sys
+
+        BLOCKED = {SERVER_ONLY!r}
+
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ImportError(f"{{name}} is blocked (server-only)")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        for name in BLOCKED:
+            sys.modules.pop(name, None)
+
+        # The blocker works: the server itself cannot be imported.
+        try:
+            import weightstream.server  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            raise SystemExit("weightstream.server imported although its dependencies are blocked")
+
+        import weightstream.cli
+        import weightstream.client
+        from weightstream.client import WeightStreamClient
+
+        client = WeightStreamClient("127.0.0.1:1")
+        client.close()
+        assert weightstream.cli.build_parser().prog == "weightstream"
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        assert not loaded, loaded
+        print("ok")
+    """
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, describe(result)
+    assert result.stdout.strip() == "ok", describe(result)
+
+
+def test_client_import_loads_no_server_modules(tmp_path: Path) -> None:
+    code = f"""
+        import sys
+        import weightstream.client
+        print(",".join(sorted(m for m in sys.modules if m.split(".")[0] in {SERVER_ONLY!r})))
+        print("weightstream.server" in sys.modules)
+    """
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, describe(result)
+    loaded, server_loaded = result.stdout.splitlines()
+    assert loaded == "", f"importing weightstream.client loaded server-only modules: {loaded}"
+    assert server_loaded == "False"
+
+
+def test_generated_grpc_code_matches_proto(tmp_path: Path) -> None:
+    out = tmp_path / "generated"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "generate_proto.py"), "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+    )
+    assert result.returncode == 0, describe(result)
+    generated = sorted(p.name for p in out.iterdir())
+    assert generated == sorted(GENERATED)
+    committed = ROOT / "core" / "v1"
+    stale = [name for name in generated if (out / name).read_bytes() != (committed / name).read_bytes()]
+    assert not stale, f"core/v1 is out of date with proto/ (run `make proto`): {stale}"
+
+
+def test_client_all_is_sorted_and_importable() -> None:
+    names = weightstream.client.__all__
+    assert names, "weightstream.client.__all__ is empty"
+    assert list(names) == sorted(names)
+    assert len(set(names)) == len(names)
+    module = importlib.import_module("weightstream.client")
+    missing = [name for name in names if not hasattr(module, name)]
+    assert not missing, missing
+    namespace: dict[str, object] = {}
+    exec("from weightstream.client import *", namespace)
+    assert set(names) <= namespace.keys()
+
+
+def test_package_ships_py_typed() -> None:
+    marker = importlib.resources.files("weightstream").joinpath("py.typed")
+    assert marker.is_file(), f"{marker} missing"
+    assert (Path(weightstream.__file__).parent / "py.typed").is_file()
