@@ -1,9 +1,11 @@
 """The weightstream client: load a model's weights from a weightstream server into torch.
 
-from weightstream.client import WeightStreamClient
+Example::
 
-with WeightStreamClient("127.0.0.1:50051") as client:
-    report = client.load_into(model, "tiny-llama")
+    from weightstream.client import WeightStreamClient
+
+    with WeightStreamClient("127.0.0.1:50051") as client:
+        report = client.load_into(model, "tiny-llama")
 """
 
 from __future__ import annotations

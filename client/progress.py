@@ -37,5 +37,5 @@ def byte_bar(total: int, description: str, enabled: bool) -> tqdm:
         mininterval=0.5,
         bar_format=BAR_FORMAT,
         disable=not (enabled and is_rank_zero()),
-        leave=False,
+        leave=True,
     )

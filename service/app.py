@@ -20,11 +20,11 @@ def serve(settings: ServerSettings) -> None:
     server = create_server(settings)
     serving = threading.Event()
     stop = threading.Event()
-    http_server = None
+    http = None
     if settings.http_port:
         from weightstream.server.http import create_app, start_http
 
-        http_server, _ = start_http(create_app(server, serving), settings.host, settings.http_port)
+        http = start_http(create_app(server, serving), settings.host, settings.http_port)
         logger.info("REST endpoint on http://%s:%d (/healthz, /readyz, /status)", settings.host, settings.http_port)
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -40,6 +40,8 @@ def serve(settings: ServerSettings) -> None:
     stop.wait()
     serving.clear()
     server.stop(STOP_GRACE_S)
-    if http_server is not None:
+    if http is not None:
+        http_server, thread = http
         http_server.should_exit = True
+        thread.join(timeout=STOP_GRACE_S)
     logger.info("stopped")

@@ -77,6 +77,8 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             # Clients ping every 30 s on idle connections to notice dead peers; allow it.
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # gRPC shares ports by default; a second server on a busy port must fail, not split the traffic.
+            ("grpc.so_reuseport", 0),
         ],
     )
     pb_grpc.add_WeightStreamServiceServicer_to_server(WeightStreamServicer(settings, catalog, pool, stats), server)

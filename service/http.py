@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from typing import Any
 
@@ -48,9 +49,15 @@ def create_app(server: WeightStreamServer, serving: threading.Event) -> FastAPI:
 
 
 def start_http(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, threading.Thread]:
-    """Run app with uvicorn on a daemon thread; set server.should_exit to stop it."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    """Run app with uvicorn on a thread; set server.should_exit and join the thread to stop it.
+
+    The socket is bound here, on the caller's thread, so that a port in use is an OSError for the
+    caller rather than a message from a background thread while gRPC carries on alone.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family)
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
     http_server = uvicorn.Server(config)
-    thread = threading.Thread(target=http_server.run, name="weightstream-http", daemon=True)
+    thread = threading.Thread(target=http_server.run, kwargs={"sockets": [sock]}, name="weightstream-http", daemon=True)
     thread.start()
     return http_server, thread

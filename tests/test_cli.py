@@ -343,3 +343,21 @@ def test_serve_with_missing_model_root(tmp_path: Path) -> None:
     result = run_cli("serve", "--model-root", missing, cwd=tmp_path)
     assert result.returncode != 0, describe(result)
     assert missing in result.stderr, describe(result)
+
+
+@pytest.mark.parametrize("busy", ["grpc", "http"])
+def test_serve_on_a_busy_port_fails(tiny_checkpoint: Checkpoint, tmp_path: Path, busy: str) -> None:
+    """A port already in use is an error at start-up, for gRPC and REST alike (no silent sharing)."""
+    holder = socket.create_server((LOOPBACK, 0))
+    try:
+        taken = holder.getsockname()[1]
+        (other,) = free_ports(1)
+        grpc_port, http_port = (taken, other) if busy == "grpc" else (other, taken)
+        result = run_cli(
+            "serve", "--model-root", str(tiny_checkpoint.root), "--host", LOOPBACK,
+            "--grpc-port", str(grpc_port), "--http-port", str(http_port), cwd=tmp_path, timeout=60,
+        )
+    finally:
+        holder.close()
+    assert result.returncode == 1, describe(result)
+    assert str(taken) in result.stderr or "in use" in result.stderr, describe(result)
