@@ -12,9 +12,15 @@ Usage: python benchmarks/core_load.py [--gb 1.0] [--runs 5]
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,7 +28,50 @@ from safetensors.torch import load_file
 
 from weightstream.client import WeightStreamClient
 from weightstream.demo import ParameterTree, llama_like_state_dict, save_sharded
-from weightstream.server import ServerSettings, create_server
+
+
+@contextmanager
+def server_process(root: Path) -> Iterator[int]:
+    """`weightstream serve` in its own process (as deployed), on a free port; yields the port."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weightstream",
+            "serve",
+            "--model-root",
+            str(root),
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--log-level",
+            "INFO",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    found: list[int] = []
+    ready = threading.Event()
+
+    def watch() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            match = re.search(r"grpc_port=(\d+)", line)
+            if match and not found:
+                found.append(int(match.group(1)))
+                ready.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        if not ready.wait(timeout=60):
+            raise RuntimeError("weightstream serve did not report its port within 60 s")
+        yield found[0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def main() -> None:
@@ -43,35 +92,30 @@ def main() -> None:
         del state
         files = sorted((root / "bench").glob("*.safetensors"))
         module = ParameterTree(shapes)  # touched once (zeros), reused by every run
-        server = create_server(ServerSettings(model_root=root, host="127.0.0.1", grpc_port=0, http_port=0))
-        server.start()
         results: dict[str, list[float]] = {
             "safetensors load_file + load_state_dict": [],
             "weightstream load_into": [],
             "weightstream load_state_dict": [],
         }
-        try:
-            with WeightStreamClient(f"127.0.0.1:{server.port}", progress=False) as client:
-                client.load_into(module, "bench")  # warm: page cache, streamer threads, channel
-                for _ in range(args.runs):
-                    started = time.perf_counter()
-                    loaded: dict[str, torch.Tensor] = {}
-                    for f in files:
-                        loaded.update(load_file(str(f)))
-                    module.load_state_dict(loaded)
-                    results["safetensors load_file + load_state_dict"].append(time.perf_counter() - started)
-                    del loaded
+        with server_process(root) as port, WeightStreamClient(f"127.0.0.1:{port}", progress=False) as client:
+            client.load_into(module, "bench")  # warm: page cache, streamer threads, channel
+            for _ in range(args.runs):
+                started = time.perf_counter()
+                loaded: dict[str, torch.Tensor] = {}
+                for f in files:
+                    loaded.update(load_file(str(f)))
+                module.load_state_dict(loaded)
+                results["safetensors load_file + load_state_dict"].append(time.perf_counter() - started)
+                del loaded
 
-                    started = time.perf_counter()
-                    client.load_into(module, "bench")
-                    results["weightstream load_into"].append(time.perf_counter() - started)
+                started = time.perf_counter()
+                client.load_into(module, "bench")
+                results["weightstream load_into"].append(time.perf_counter() - started)
 
-                    started = time.perf_counter()
-                    sd = client.load_state_dict("bench")
-                    results["weightstream load_state_dict"].append(time.perf_counter() - started)
-                    del sd
-        finally:
-            server.stop(grace=1.0)
+                started = time.perf_counter()
+                sd = client.load_state_dict("bench")
+                results["weightstream load_state_dict"].append(time.perf_counter() - started)
+                del sd
 
     baseline = statistics.median(results["safetensors load_file + load_state_dict"])
     print(

@@ -210,7 +210,7 @@ class WeightStreamClient:
                 for response in call:
                     for chunk in response.chunks:
                         dest = self._place(manifest, infos, destination, placers, chunk)
-                        bar.update(len(chunk.data))
+                        bar.update(chunk.length)  # checked against the payload in _place
                         if dest is not None and dest.complete and dest.name in pending:
                             placers.for_tensor(dest.buffer).finish(dest)
                             pending.discard(dest.name)

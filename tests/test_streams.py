@@ -1,0 +1,79 @@
+"""Streams that end early, and several streams at once, against one server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from weightstream.client import ResourceExhaustedError, WeightStreamClient
+from weightstream.server import ServerSettings, WeightStreamServer, create_server
+
+MODEL = "stream-model"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_root: Path) -> dict[str, torch.Tensor]:
+    torch.manual_seed(5)
+    state = {f"layer.{i}.weight": torch.randn(512, 1024) for i in range(16)}  # 32 MiB
+    (model_root / MODEL).mkdir()
+    save_file(dict(list(state.items())[:8]), str(model_root / MODEL / "a.safetensors"))
+    save_file(dict(list(state.items())[8:]), str(model_root / MODEL / "b.safetensors"))
+    return state
+
+
+def _wait_idle(server: WeightStreamServer, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.pool.in_use and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.pool.in_use == 0, "a stream still holds its streamer"
+
+
+def test_client_that_stops_early_frees_the_stream(
+    checkpoint: dict[str, torch.Tensor], server: WeightStreamServer, target: str
+) -> None:
+    for _ in range(3):
+        with WeightStreamClient(target, chunk_bytes=64 * 1024, progress=False) as client:
+            for _name, _tensor in client.iter_tensors(MODEL):
+                break
+        _wait_idle(server)
+    with WeightStreamClient(target, progress=False) as client:
+        got = client.load_state_dict(MODEL)
+    assert all(torch.equal(got[n], t) for n, t in checkpoint.items())
+
+
+def test_concurrent_loads_are_each_complete(checkpoint: dict[str, torch.Tensor], target: str) -> None:
+    def load() -> dict[str, torch.Tensor]:
+        with WeightStreamClient(target, chunk_bytes=256 * 1024, progress=False) as client:
+            return client.load_state_dict(MODEL)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda _: load(), range(4)))
+    for got in results:
+        assert set(got) == set(checkpoint)
+        assert all(torch.equal(got[n], t) for n, t in checkpoint.items())
+
+
+def test_streams_beyond_the_limit_are_resource_exhausted(
+    checkpoint: dict[str, torch.Tensor], model_root: Path
+) -> None:
+    server = create_server(
+        ServerSettings(model_root=model_root, host="127.0.0.1", grpc_port=0, http_port=0, max_streams=1)
+    )
+    server.start()
+    try:
+        target = f"127.0.0.1:{server.port}"
+        with WeightStreamClient(target, chunk_bytes=16 * 1024, progress=False) as first:
+            stream = first.iter_tensors(MODEL)
+            next(stream)  # the only stream slot is now held
+            with WeightStreamClient(target, progress=False) as second:
+                with pytest.raises(ResourceExhaustedError, match="1 streams are already running"):
+                    second.load_state_dict(MODEL)
+            rest = dict(stream)
+        assert len(rest) == len(checkpoint) - 1
+    finally:
+        server.stop(grace=1.0)
