@@ -120,7 +120,7 @@ def main() -> None:
     baseline = statistics.median(results["safetensors load_file + load_state_dict"])
     print(
         f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors, 4 shards; {args.runs} runs each; "
-        "2 cores shared by server and client"
+        "server in its own process on 127.0.0.1; it and the client share this machine's cores"
     )
     print("| path | median GB/s | min..max GB/s | median s | vs baseline |")
     print("|---|---|---|---|---|")

@@ -83,3 +83,45 @@ def numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         count *= dim
     return count
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# Field tags of TensorChunk and StreamTensorsResponse (field number << 3 | wire type).
+_TAG_TENSOR = b"\x0a"  # 1, length-delimited
+_TAG_OFFSET = b"\x10"  # 2, varint
+_TAG_CRC32C = b"\x18"  # 3, varint
+_TAG_LENGTH = b"\x20"  # 4, varint
+_TAG_DATA = b"\x7a"  # 15, length-delimited
+_TAG_CHUNKS = b"\x0a"  # StreamTensorsResponse.chunks, 1, length-delimited
+
+
+def encode_stream_response(chunks: list[tuple[str, int, int, bytes]]) -> bytes:
+    """Serialize a StreamTensorsResponse of (tensor, offset, crc32c, data) chunks.
+
+    The bytes are exactly what protobuf's SerializeToString gives for the same message (a test
+    checks this); building them here copies each payload once, into the message, where going
+    through a protobuf object copies it twice (into the object, then out of it).
+    """
+    parts: list[bytes] = []
+    for tensor, offset, crc, data in chunks:
+        name = tensor.encode()
+        head = bytearray()
+        if name:
+            head += _TAG_TENSOR + _varint(len(name)) + name
+        if offset:
+            head += _TAG_OFFSET + _varint(offset)
+        if crc:
+            head += _TAG_CRC32C + _varint(crc)
+        if data:
+            head += _TAG_LENGTH + _varint(len(data)) + _TAG_DATA + _varint(len(data))
+        parts.append(_TAG_CHUNKS + _varint(len(head) + len(data)) + bytes(head))
+        parts.append(data)
+    return b"".join(parts)

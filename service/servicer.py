@@ -39,9 +39,8 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
             self._abort(context, "GetManifest", request.model, exc)
             raise  # unreachable: abort raises
 
-    def StreamTensors(
-        self, request: pb.StreamTensorsRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.StreamTensorsResponse]:
+    def StreamTensors(self, request: pb.StreamTensorsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Serialized StreamTensorsResponse messages (see add_to_server: no serializer runs on them)."""
         started = time.monotonic()
         sent = 0
         self._stats.stream_started()
@@ -69,9 +68,11 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
                 context.peer(),
             )
             with self._pool.checkout() as streamer:
-                for response in _batch(manifest, plan, streamer, self._settings.read_ahead_bytes, chunk_bytes):
-                    yield response
-                    sent += sum(c.length for c in response.chunks)
+                for message, payload_bytes in _batch(
+                    manifest, plan, streamer, self._settings.read_ahead_bytes, chunk_bytes
+                ):
+                    yield message
+                    sent += payload_bytes
             seconds = time.monotonic() - started
             logger.info(
                 "stream %s done: %d bytes in %.3f s (%.2f GB/s)",
@@ -100,33 +101,45 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
 
 def _batch(
     manifest: Manifest, plan: ReadPlan, streamer: FileStreamer, read_ahead_bytes: int, chunk_bytes: int
-) -> Iterator[pb.StreamTensorsResponse]:
-    """Pack the chunks read into messages of at most about chunk_bytes of payload each.
+) -> Iterator[tuple[bytes, int]]:
+    """Pack the chunks read into (serialized StreamTensorsResponse, payload bytes) of about chunk_bytes each.
 
-    Copies per byte on this side: file -> streamer ring (the read), ring -> bytes (tobytes below,
-    needed because protobuf owns its payloads), bytes -> the serialized message, then gRPC's own
-    buffers to the socket.
+    Copies per byte on this side: file -> streamer ring (the read), ring -> bytes (tobytes below:
+    the ring slot is reused as soon as the next chunk is taken, and the CRC needs bytes), bytes ->
+    the serialized message, then gRPC's own buffer to the socket.
     """
-    pending: list[pb.TensorChunk] = []
+    pending: list[tuple[str, int, int, bytes]] = []
     pending_bytes = 0
+    pending_payload = 0
     for place, data in read_chunks(streamer, manifest, plan, read_ahead_bytes):
         payload = data.numpy().tobytes()
         cost = len(payload) + len(place.tensor) + 32
         if pending and pending_bytes + cost > chunk_bytes:
-            yield pb.StreamTensorsResponse(chunks=pending)
-            pending, pending_bytes = [], 0
-        pending.append(
-            pb.TensorChunk(
-                tensor=place.tensor,
-                offset=place.offset,
-                crc32c=wire.crc32c(payload),
-                length=len(payload),
-                data=payload,
-            )
-        )
+            yield wire.encode_stream_response(pending), pending_payload
+            pending, pending_bytes, pending_payload = [], 0, 0
+        pending.append((place.tensor, place.offset, wire.crc32c(payload), payload))
         pending_bytes += cost
+        pending_payload += len(payload)
     if pending:
-        yield pb.StreamTensorsResponse(chunks=pending)
+        yield wire.encode_stream_response(pending), pending_payload
+
+
+def add_to_server(servicer: WeightStreamServicer, server: grpc.Server) -> None:
+    """Register servicer; StreamTensors yields messages already serialized, so it has no serializer."""
+    handlers = {
+        "GetManifest": grpc.unary_unary_rpc_method_handler(
+            servicer.GetManifest,
+            request_deserializer=pb.GetManifestRequest.FromString,
+            response_serializer=pb.GetManifestResponse.SerializeToString,
+        ),
+        "StreamTensors": grpc.unary_stream_rpc_method_handler(
+            servicer.StreamTensors,
+            request_deserializer=pb.StreamTensorsRequest.FromString,
+            response_serializer=None,
+        ),
+    }
+    service = pb.DESCRIPTOR.services_by_name["WeightStreamService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
 def manifest_to_proto(manifest: Manifest) -> pb.GetManifestResponse:

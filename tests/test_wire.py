@@ -1,0 +1,62 @@
+"""The shared wire helpers: dtype table, chunk splitting, hand-built messages, landed ranges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import _TYPES as SAFETENSORS_TYPES  # the dtype spellings safetensors writes
+
+from weightstream import wire
+from weightstream.client.ranges import RangeSet
+from weightstream.v1 import weightstream_pb2 as pb
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [("a", 0, 0, b"")],
+        [("model.layers.0.w", 0, 123, b"xyz")],
+        [("t", 2**40 + 5, 2**32 - 1, bytes(range(256)) * 700), ("", 1, 1, b"\x00")],
+        [(f"n{i}", i * 300, i, bytes([i % 256]) * i) for i in range(200)],
+        [("ünïcode", 7, 9, b"\x01\x02")],
+    ],
+)
+def test_encoded_response_equals_protobuf(chunks: list[tuple[str, int, int, bytes]]) -> None:
+    message = pb.StreamTensorsResponse(
+        chunks=[pb.TensorChunk(tensor=t, offset=o, crc32c=c, length=len(d), data=d) for t, o, c, d in chunks]
+    )
+    encoded = wire.encode_stream_response(chunks)
+    assert encoded == message.SerializeToString()
+    assert pb.StreamTensorsResponse.FromString(encoded) == message
+
+
+def test_dtype_table_covers_safetensors_spellings_torch_holds() -> None:
+    for code, dtype in SAFETENSORS_TYPES.items():
+        if code in wire.BY_SAFETENSORS:
+            assert wire.BY_SAFETENSORS[code].torch == dtype, code
+    for entry in wire.BY_SAFETENSORS.values():
+        assert torch.empty((), dtype=entry.torch).element_size() == entry.itemsize
+        assert wire.BY_WIRE[entry.wire] is entry and wire.BY_TORCH[entry.torch] is entry
+    assert len(wire.BY_WIRE) == len(pb.DataType.values()) - 1  # every enum value but UNSPECIFIED
+
+
+def test_split_range_and_clamp() -> None:
+    assert list(wire.split_range(10, 35, 10)) == [(10, 10), (20, 10), (30, 5)]
+    assert list(wire.split_range(5, 5, 10)) == []
+    assert wire.clamp_chunk_bytes(0) == wire.DEFAULT_CHUNK_BYTES
+    assert wire.clamp_chunk_bytes(1 << 30) == wire.MAX_CHUNK_BYTES
+    assert wire.clamp_chunk_bytes(1) == wire.MIN_CHUNK_BYTES
+
+
+def test_range_set_merges_out_of_order_and_repeated_ranges() -> None:
+    ranges = RangeSet(100)
+    assert ranges.add(50, 60) == 10
+    assert ranges.add(0, 10) == 10
+    assert ranges.missing() == [(10, 50), (60, 100)]
+    assert ranges.add(5, 55) == 40  # overlaps both: only the gap is new
+    assert ranges.add(0, 60) == 0  # re-sent bytes count once
+    assert not ranges.complete
+    assert ranges.add(60, 100) == 40
+    assert ranges.complete and ranges.missing() == []
+    with pytest.raises(ValueError, match="outside"):
+        ranges.add(90, 101)
