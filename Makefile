@@ -23,6 +23,7 @@ test: $(STAMP) lint typecheck check-proto
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
 	$(BIN)/mypy core client service

@@ -55,7 +55,8 @@ def weightstream_cmd(how: str = "script") -> list[str]:
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without WEIGHTSTREAM_* settings and proxies, plus extra."""
     env = {
-        k: v for k, v in os.environ.items()
+        k: v
+        for k, v in os.environ.items()
         if not k.startswith("WEIGHTSTREAM_") and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
     }
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
@@ -63,11 +64,21 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, how: str = "script", env: dict[str, str] | None = None, cwd: Path | None = None,
-            timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str,
+    how: str = "script",
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = COMMAND_TIMEOUT_S,
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*weightstream_cmd(how), *args],
-        capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=cwd, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or clean_env(),
+        cwd=cwd,
+        check=False,
     )
 
 
@@ -107,22 +118,21 @@ class ServerProcess:
         try:
             return self.proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(
-                f"weightstream serve still running {STOP_TIMEOUT_S} s after SIGTERM:\n{self.output()}"
-            )
+            pytest.fail(f"weightstream serve still running {STOP_TIMEOUT_S} s after SIGTERM:\n{self.output()}")
 
 
 @contextlib.contextmanager
-def serve_process(
-    args: list[str], workdir: Path, env: dict[str, str] | None = None
-) -> Iterator[ServerProcess]:
+def serve_process(args: list[str], workdir: Path, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """Start `weightstream serve ARGS` with its output in a log file; always killed on the way out."""
     log = workdir / "serve.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(
             [*weightstream_cmd(), "serve", *args],
-            stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-            env=env or clean_env(), cwd=workdir,
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env or clean_env(),
+            cwd=workdir,
         )
     server = ServerProcess(proc, log)
     try:
@@ -163,9 +173,7 @@ def wait_grpc_ready(server: ServerProcess, target: str, model: str) -> int:
             except UnavailableError as exc:
                 last = str(exc)
         time.sleep(POLL_S)
-    pytest.fail(
-        f"gRPC on {target} not answering after {READY_TIMEOUT_S} s (last: {last}):\n{server.output()}"
-    )
+    pytest.fail(f"gRPC on {target} not answering after {READY_TIMEOUT_S} s (last: {last}):\n{server.output()}")
 
 
 @dataclass
@@ -244,16 +252,20 @@ def test_demo(tmp_path: Path) -> None:
 # --- serve ---------------------------------------------------------------------------------------
 
 
-def test_serve_manifest_load_and_sigterm(
-    tiny_checkpoint: Checkpoint, tmp_path: Path, http: httpx.Client
-) -> None:
+def test_serve_manifest_load_and_sigterm(tiny_checkpoint: Checkpoint, tmp_path: Path, http: httpx.Client) -> None:
     grpc_port, http_port = free_ports(2)
     target = f"{LOOPBACK}:{grpc_port}"
     base = f"http://{LOOPBACK}:{http_port}"
     state = tiny_checkpoint.state
     args = [
-        "--model-root", str(tiny_checkpoint.root), "--host", LOOPBACK,
-        "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+        "--model-root",
+        str(tiny_checkpoint.root),
+        "--host",
+        LOOPBACK,
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
     ]
     with serve_process(args, tmp_path) as server:
         wait_http_ready(server, http, f"{base}/readyz")
@@ -354,8 +366,17 @@ def test_serve_on_a_busy_port_fails(tiny_checkpoint: Checkpoint, tmp_path: Path,
         (other,) = free_ports(1)
         grpc_port, http_port = (taken, other) if busy == "grpc" else (other, taken)
         result = run_cli(
-            "serve", "--model-root", str(tiny_checkpoint.root), "--host", LOOPBACK,
-            "--grpc-port", str(grpc_port), "--http-port", str(http_port), cwd=tmp_path, timeout=60,
+            "serve",
+            "--model-root",
+            str(tiny_checkpoint.root),
+            "--host",
+            LOOPBACK,
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            cwd=tmp_path,
+            timeout=60,
         )
     finally:
         holder.close()

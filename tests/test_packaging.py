@@ -21,7 +21,11 @@ GENERATED = ("weightstream_pb2.py", "weightstream_pb2.pyi", "weightstream_pb2_gr
 def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=120, cwd=cwd, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        check=False,
     )
 
 
@@ -88,7 +92,11 @@ def test_generated_grpc_code_matches_proto(tmp_path: Path) -> None:
     out = tmp_path / "generated"
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "generate_proto.py"), "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
     )
     assert result.returncode == 0, describe(result)
     generated = sorted(p.name for p in out.iterdir())

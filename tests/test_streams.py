@@ -58,9 +58,7 @@ def test_concurrent_loads_are_each_complete(checkpoint: dict[str, torch.Tensor],
         assert all(torch.equal(got[n], t) for n, t in checkpoint.items())
 
 
-def test_streams_beyond_the_limit_are_resource_exhausted(
-    checkpoint: dict[str, torch.Tensor], model_root: Path
-) -> None:
+def test_streams_beyond_the_limit_are_resource_exhausted(checkpoint: dict[str, torch.Tensor], model_root: Path) -> None:
     server = create_server(
         ServerSettings(model_root=model_root, host="127.0.0.1", grpc_port=0, http_port=0, max_streams=1)
     )
