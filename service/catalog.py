@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from weightstream import wire
-from weightstream.server.errors import CorruptCheckpoint, TensorNotFound
+from weightstream.server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, TensorNotFound
 from weightstream.server.header import read_header
-from weightstream.server.source import INDEX_FILE, LocalSource, ModelFiles, SourceFile
+from weightstream.server.source import INDEX_FILE, ModelFiles, Source, SourceFile
 
 
 @dataclass(frozen=True)
@@ -48,33 +49,45 @@ class Manifest:
 
 
 class Catalog:
-    """Manifests of the models of one source. Safe to use from many threads."""
+    """Manifests of the models of every configured source. Safe to use from many threads."""
 
-    def __init__(self, source: LocalSource) -> None:
-        self.source = source
+    def __init__(self, sources: Sequence[Source]) -> None:
+        self.sources = tuple(sources)
         self._lock = threading.Lock()
         self._cache: dict[str, Manifest] = {}
 
+    def source_for(self, model: str) -> Source:
+        for source in self.sources:
+            if source.claims(model):
+                return source
+        if model.startswith("s3://"):
+            raise AccessDenied(f"model {model[:200]!r}: this server serves no S3 buckets")
+        if "://" in model:
+            raise InvalidModelId(f"model {model[:200]!r}: unsupported URL scheme")
+        raise AccessDenied(f"model {model[:200]!r}: this server has no model root")
+
     def manifest(self, model: str) -> Manifest:
-        located = self.source.resolve(model)
+        source = self.source_for(model)
+        located = source.resolve(model)
         revision = _revision(located)
         with self._lock:
             cached = self._cache.get(model)
         if cached is not None and cached.revision == revision:
             return cached
-        manifest = build_manifest(located, revision)
+        manifest = build_manifest(source, located, revision)
         with self._lock:
             self._cache[model] = manifest
         return manifest
 
 
-def build_manifest(located: ModelFiles, revision: str) -> Manifest:
+def build_manifest(source: Source, located: ModelFiles, revision: str) -> Manifest:
     """Read every file's header and join them into one manifest, checked against the index."""
     tensors: list[TensorEntry] = []
     by_name: dict[str, TensorEntry] = {}
     for file_index, source_file in enumerate(located.files):
         display = f"model {located.model!r}, file {source_file.name!r}"
-        for header_tensor in read_header(source_file.path, display):
+        read = _reader(source, source_file)
+        for header_tensor in read_header(read, source_file.size, display):
             if header_tensor.name in by_name:
                 other = located.files[by_name[header_tensor.name].file_index].name
                 raise CorruptCheckpoint(f"{display}: tensor {header_tensor.name!r} is also in file {other!r}")
@@ -99,8 +112,12 @@ def build_manifest(located: ModelFiles, revision: str) -> Manifest:
     return Manifest(located.model, revision, located.files, tuple(tensors), by_name)
 
 
+def _reader(source: Source, file: SourceFile) -> Callable[[int, int], bytes]:
+    return lambda start, length: source.read_range(file, start, length)
+
+
 def _revision(located: ModelFiles) -> str:
     digest = hashlib.sha256()
     for f in located.files:
-        digest.update(f"{f.name}\0{f.size}\0{f.mtime_ns}\n".encode())
+        digest.update(f"{f.name}\0{f.size}\0{f.version}\n".encode())
     return digest.hexdigest()[:24]

@@ -15,7 +15,7 @@ from weightstream.server.catalog import Catalog
 from weightstream.server.reader import StreamerPool
 from weightstream.server.servicer import WeightStreamServicer, add_to_server
 from weightstream.server.settings import ServerSettings
-from weightstream.server.source import LocalSource
+from weightstream.server.source import LocalSource, Source
 from weightstream.server.stats import ServerStats
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ class WeightStreamServer:
 
     def start(self) -> None:
         self.grpc_server.start()
-        logger.info("gRPC serving %s on %s:%d", self.catalog.source.describe(), self.settings.host, self.port)
+        served = ", ".join(source.describe() for source in self.catalog.sources)
+        logger.info("gRPC serving %s on %s:%d", served, self.settings.host, self.port)
 
     def stop(self, grace: float | None = None) -> None:
         self.grpc_server.stop(grace).wait()
@@ -61,10 +62,7 @@ def configure_process(settings: ServerSettings) -> None:
 def create_server(settings: ServerSettings) -> WeightStreamServer:
     """A gRPC server for settings, bound to settings.host:settings.grpc_port (0 picks a free port)."""
     configure_process(settings)
-    source = LocalSource(settings.model_root)
-    if not source.reachable():
-        raise ValueError(f"model root {settings.model_root} is not a readable directory")
-    catalog = Catalog(source)
+    catalog = Catalog(build_sources(settings))
     pool = StreamerPool(settings.max_streams)
     stats = ServerStats()
     server = grpc.server(
@@ -87,6 +85,17 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     if port == 0:
         raise OSError(f"could not bind gRPC to {settings.host}:{settings.grpc_port}")
     return WeightStreamServer(server, port, settings, catalog, pool, stats)
+
+
+def build_sources(settings: ServerSettings) -> list[Source]:
+    """The sources settings name, each checked to be usable at start-up."""
+    sources: list[Source] = []
+    if settings.model_root is not None:
+        local = LocalSource(settings.model_root)
+        if not local.reachable():
+            raise ValueError(f"model root {settings.model_root} is not a readable directory")
+        sources.append(local)
+    return sources
 
 
 def _tune_malloc() -> None:

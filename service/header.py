@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from weightstream import wire
 from weightstream.server.errors import CorruptCheckpoint, UnsupportedCheckpoint
@@ -36,27 +36,26 @@ class HeaderTensor:
         return self.end - self.start
 
 
-def read_header(path: Path, display_name: str) -> list[HeaderTensor]:
-    """Parse and check the header of the safetensors file at path, in data-offset order.
+def read_header(read_range: Callable[[int, int], bytes], file_size: int, display_name: str) -> list[HeaderTensor]:
+    """Parse and check the header of a safetensors file of file_size bytes, in data-offset order.
 
-    display_name is how errors name the file (the model id and file name, never a server path).
+    read_range(start, length) reads the file's bytes (a local read or a ranged GET); only the
+    length prefix and the header are read. display_name is how errors name the file (the model id
+    and file name, never a server path or credentials).
     """
-    with path.open("rb") as f:
-        file_size = f.seek(0, 2)
-        f.seek(0)
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CorruptCheckpoint(f"{display_name}: file is {file_size} bytes, too short for a header")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len < 2 or header_len > MAX_HEADER_BYTES:
-            raise CorruptCheckpoint(
-                f"{display_name}: header length {header_len} is outside 2..{MAX_HEADER_BYTES} bytes"
-            )
-        if 8 + header_len > file_size:
-            raise CorruptCheckpoint(
-                f"{display_name}: truncated: header of {header_len} bytes, file of {file_size} bytes"
-            )
-        raw = f.read(header_len)
+    if file_size < 8:
+        raise CorruptCheckpoint(f"{display_name}: file is {file_size} bytes, too short for a header")
+    prefix = read_range(0, 8)
+    if len(prefix) < 8:
+        raise CorruptCheckpoint(f"{display_name}: truncated: read {len(prefix)} of 8 header-length bytes")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len < 2 or header_len > MAX_HEADER_BYTES:
+        raise CorruptCheckpoint(f"{display_name}: header length {header_len} is outside 2..{MAX_HEADER_BYTES} bytes")
+    if 8 + header_len > file_size:
+        raise CorruptCheckpoint(f"{display_name}: truncated: header of {header_len} bytes, file of {file_size} bytes")
+    raw = read_range(8, header_len)
+    if len(raw) != header_len:
+        raise CorruptCheckpoint(f"{display_name}: truncated: read {len(raw)} of {header_len} header bytes")
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

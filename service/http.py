@@ -26,13 +26,9 @@ def create_app(server: WeightStreamServer, serving: threading.Event) -> FastAPI:
     @app.get("/readyz")
     def readyz() -> JSONResponse:
         """Readiness: gRPC is serving and the model root is readable."""
-        source_ok = server.catalog.source.reachable()
-        ready = serving.is_set() and source_ok
-        body = {
-            "ready": ready,
-            "grpc_serving": serving.is_set(),
-            "sources": [{"source": server.catalog.source.describe(), "reachable": source_ok}],
-        }
+        sources = _sources(server)
+        ready = serving.is_set() and all(s["reachable"] for s in sources)
+        body = {"ready": ready, "grpc_serving": serving.is_set(), "sources": sources}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/status")
@@ -42,10 +38,14 @@ def create_app(server: WeightStreamServer, serving: threading.Event) -> FastAPI:
             "version": __version__,
             "grpc_port": server.port,
             **server.stats.snapshot(),
-            "sources": [{"source": server.catalog.source.describe(), "reachable": server.catalog.source.reachable()}],
+            "sources": _sources(server),
         }
 
     return app
+
+
+def _sources(server: WeightStreamServer) -> list[dict[str, Any]]:
+    return [{"source": s.describe(), "reachable": s.reachable()} for s in server.catalog.sources]
 
 
 def start_http(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, threading.Thread]:

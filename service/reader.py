@@ -86,7 +86,7 @@ def read_chunks(
     if not plan.files:
         return
     requests = [
-        FileChunks(i, str(manifest.files[fp.file_index].path), fp.offsets, fp.sizes) for i, fp in enumerate(plan.files)
+        FileChunks(i, manifest.files[fp.file_index].path, fp.offsets, fp.sizes) for i, fp in enumerate(plan.files)
     ]
     largest = max(max(fp.sizes) for fp in plan.files)
     file_names = ", ".join(manifest.files[fp.file_index].name for fp in plan.files)

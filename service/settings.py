@@ -18,7 +18,7 @@ ENV_PREFIX = "WEIGHTSTREAM_"
 class ServerSettings:
     """Everything `weightstream serve` can be told; each field is also WEIGHTSTREAM_<FIELD>."""
 
-    model_root: Path
+    model_root: Path | None = None
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     # 0 turns the REST endpoint off.
@@ -47,6 +47,8 @@ class ServerSettings:
             problems.append(f"read_ahead_bytes must be at least {wire.MAX_CHUNK_BYTES}, not {self.read_ahead_bytes}")
         if self.streamer_concurrency is not None and self.streamer_concurrency < 1:
             problems.append(f"streamer_concurrency must be at least 1, not {self.streamer_concurrency}")
+        if self.model_root is None:
+            problems.append("no model root: pass --model-root DIR or set WEIGHTSTREAM_MODEL_ROOT")
         if problems:
             raise ValueError("invalid server settings: " + "; ".join(problems))
 
@@ -63,9 +65,8 @@ class ServerSettings:
                     continue
                 value = _convert(f.name, str(f.type), raw)
             values[f.name] = value
-        if "model_root" not in values:
-            raise ValueError("no model root: pass --model-root DIR or set WEIGHTSTREAM_MODEL_ROOT")
-        values["model_root"] = Path(values["model_root"])
+        if values.get("model_root") is not None:
+            values["model_root"] = Path(values["model_root"])
         return cls(**values)
 
 

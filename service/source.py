@@ -1,8 +1,8 @@
-"""Where checkpoints live: resolving a model id to its safetensors files under a model root.
+"""Where checkpoints live: a Source resolves a model id to its safetensors files and reads their bytes.
 
-The server never reads outside its model root: ids that are absolute or contain "..", and
-symlinks (of the model folder or of any file) that resolve outside the root, are refused before
-any file is opened.
+LocalSource serves folders under a model root. It never reads outside that root: ids that are
+absolute or contain "..", and symlinks (of the model folder or of any file) that resolve outside
+the root, are refused before any file is opened.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from weightstream.server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, ModelNotFound
 
@@ -26,12 +27,16 @@ _FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*\.safetensors")
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One checkpoint file: name relative to the model folder, resolved path, and its stat."""
+    """One checkpoint file: its name in the model folder, where the streamer reads it, size, version.
+
+    path is a local path or an object URL (s3://bucket/key); version changes when the content may
+    have (modification time, ETag).
+    """
 
     name: str
-    path: Path
+    path: str
     size: int
-    mtime_ns: int
+    version: str
 
 
 @dataclass(frozen=True)
@@ -43,14 +48,42 @@ class ModelFiles:
     weight_map: dict[str, str] | None
 
 
+class Source(Protocol):
+    """A place models are stored. Implementations are safe to use from many threads."""
+
+    def claims(self, model: str) -> bool:
+        """Whether model ids of this form belong to this source."""
+        ...
+
+    def describe(self) -> str: ...
+
+    def reachable(self) -> bool: ...
+
+    def resolve(self, model: str) -> ModelFiles:
+        """The files of model, checked to be readable by this server; raises ServerError."""
+        ...
+
+    def read_range(self, file: SourceFile, start: int, length: int) -> bytes:
+        """Up to length bytes of file from start (fewer only at its end)."""
+        ...
+
+
 class LocalSource:
     """Models stored as folders of safetensors files under one root directory."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(os.path.realpath(root))
 
+    def claims(self, model: str) -> bool:
+        return "://" not in model
+
     def describe(self) -> str:
         return f"model root {self.root}"
+
+    def read_range(self, file: SourceFile, start: int, length: int) -> bytes:
+        with open(file.path, "rb") as f:
+            f.seek(start)
+            return f.read(length)
 
     def reachable(self) -> bool:
         return self.root.is_dir() and os.access(self.root, os.R_OK | os.X_OK)
@@ -108,7 +141,7 @@ class LocalSource:
             raise ModelNotFound(f"model {model!r}: file {name!r} not found") from exc
         if not path.is_file():
             raise CorruptCheckpoint(f"model {model!r}: {name!r} is not a regular file")
-        return SourceFile(name, path, stat.st_size, stat.st_mtime_ns)
+        return SourceFile(name, str(path), stat.st_size, str(stat.st_mtime_ns))
 
 
 def check_model_id(model: str) -> None:
