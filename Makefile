@@ -5,6 +5,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.weightstream-installed
+# The S3-protocol server the tests start (npm); moto, the other one, comes with the dev extra.
+S3RVER := tests/s3/node_modules/s3rver/bin/s3rver.js
 
 .PHONY: demo test lint typecheck proto check-proto clean
 
@@ -18,7 +20,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/weightstream demo
 
-test: $(STAMP) lint typecheck check-proto
+$(S3RVER): tests/s3/package.json
+	npm install --prefix tests/s3 --no-audit --no-fund --no-package-lock
+	touch $(S3RVER)
+
+test: $(STAMP) $(S3RVER) lint typecheck check-proto
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)

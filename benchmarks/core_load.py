@@ -31,16 +31,18 @@ from weightstream.demo import ParameterTree, llama_like_state_dict, save_sharded
 
 
 @contextmanager
-def server_process(root: Path) -> Iterator[int]:
-    """`weightstream serve` in its own process (as deployed), on a free port; yields the port."""
+def server_process(root: Path | None) -> Iterator[int]:
+    """`weightstream serve` in its own process (as deployed), on a free port; yields the port.
+
+    Settings beyond the model root come from WEIGHTSTREAM_* variables of this process.
+    """
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "weightstream",
             "serve",
-            "--model-root",
-            str(root),
+            *(["--model-root", str(root)] if root is not None else []),
             "--host",
             "127.0.0.1",
             "--grpc-port",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 
 import grpc
@@ -22,6 +24,9 @@ from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+
+# Where the client finds a bearer token when none is passed.
+TOKEN_ENV = "WEIGHTSTREAM_TOKEN"
 
 _CHANNEL_OPTIONS: list[tuple[str, int]] = [
     # A message carries up to MAX_CHUNK_BYTES of payload plus chunk descriptors; gRPC's default
@@ -57,6 +62,11 @@ class WeightStreamClient:
 
     Use it as a context manager, or call close(). The channel is made on first use. One client may
     be used from several threads; each call runs its own stream.
+
+    token is sent as "authorization: Bearer <token>" on every call; without one, the environment
+    variable WEIGHTSTREAM_TOKEN is used when set. tls=True connects over TLS, verifying the server
+    against ca_file (PEM; the system's roots when None); client_cert and client_key (PEM) are this
+    client's certificate for servers that require mutual TLS. The files are read here, once.
     """
 
     def __init__(
@@ -64,12 +74,21 @@ class WeightStreamClient:
         target: str,
         *,
         token: str | None = None,
+        tls: bool = False,
+        ca_file: str | Path | None = None,
+        client_cert: str | Path | None = None,
+        client_key: str | Path | None = None,
         chunk_bytes: int | None = None,
         timeout: float | None = 30.0,
         progress: bool = True,
     ) -> None:
         self.target = target
+        if token is None:
+            token = os.environ.get(TOKEN_ENV)
+        # A token read from a file or a variable often ends in a newline, which gRPC metadata refuses.
+        token = token.strip() if token else None
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._credentials = _channel_credentials(tls, ca_file, client_cert, client_key)
         self._chunk_bytes = wire.clamp_chunk_bytes(chunk_bytes or 0)
         self._timeout = timeout
         self._progress = progress
@@ -93,7 +112,10 @@ class WeightStreamClient:
     @property
     def stub(self) -> pb_grpc.WeightStreamServiceStub:
         if self._stub is None:
-            self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            if self._credentials is None:
+                self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+            else:
+                self._channel = grpc.secure_channel(self.target, self._credentials, options=_CHANNEL_OPTIONS)
             self._stub = pb_grpc.WeightStreamServiceStub(self._channel)
         return self._stub
 
@@ -263,6 +285,23 @@ class WeightStreamClient:
             yield
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.target) from exc
+
+
+def _channel_credentials(
+    tls: bool, ca_file: str | Path | None, client_cert: str | Path | None, client_key: str | Path | None
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from PEM files, or None for a plaintext channel."""
+    if not tls:
+        if ca_file is not None or client_cert is not None or client_key is not None:
+            raise ValueError("ca_file, client_cert and client_key need tls=True")
+        return None
+    if (client_cert is None) != (client_key is None):
+        raise ValueError("mutual TLS needs both client_cert and client_key")
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca_file).read_bytes() if ca_file is not None else None,
+        private_key=Path(client_key).read_bytes() if client_key is not None else None,
+        certificate_chain=Path(client_cert).read_bytes() if client_cert is not None else None,
+    )
 
 
 def _select(manifest: Manifest, names: Iterable[str] | None) -> dict[str, TensorInfo]:

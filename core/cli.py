@@ -26,6 +26,18 @@ SERVE_OPTIONS = (
     ("--chunk-bytes", "chunk_bytes", int, "default payload bytes per chunk (default 4 MiB)"),
     ("--streamer-concurrency", "streamer_concurrency", int, "Run:ai streamer reader threads per stream"),
     ("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
+    ("--s3-bucket", "s3_buckets", "append", "serve s3://NAME/... models (repeatable; env: comma-separated)"),
+    ("--s3-endpoint", "s3_endpoint", str, "S3-compatible endpoint URL (default: AWS_ENDPOINT_URL or AWS)"),
+    ("--s3-region", "s3_region", str, "S3 region (default: AWS_REGION or the profile's)"),
+    ("--s3-path-style", "s3_path_style", "flag", "path-style S3 addressing, for MinIO and other S3-compatible stores"),
+    ("--s3-ca-bundle", "s3_ca_bundle", str, "CA bundle file for the S3 endpoint's certificate"),
+    ("--s3-request-timeout-ms", "s3_request_timeout_ms", int, "S3 request timeout of the streamer (default 30000)"),
+    ("--streamer-chunk-bytes", "streamer_chunk_bytes", int, "bytes per storage request of the Run:ai streamer"),
+    ("--token-file", "token_file", str, "file of bearer tokens clients must send, one per line (default: no auth)"),
+    ("--tls-cert", "tls_cert", str, "PEM certificate chain: serve gRPC over TLS (needs --tls-key)"),
+    ("--tls-key", "tls_key", str, "PEM private key of --tls-cert"),
+    ("--tls-client-ca", "tls_client_ca", str, "PEM CA bundle; clients must show a certificate it signed (mutual TLS)"),
+    ("--drain-seconds", "drain_seconds", float, "seconds streams in flight get to finish after SIGTERM (default 30)"),
 )
 
 
@@ -43,9 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the safetensors models under --model-root over gRPC. "
         "Every option can also be set as WEIGHTSTREAM_<OPTION>, for example WEIGHTSTREAM_MODEL_ROOT.",
     )
-    for flag, _field, kind, text in SERVE_OPTIONS:
-        env = "WEIGHTSTREAM_" + flag[2:].replace("-", "_").upper()
-        serve.add_argument(flag, type=kind, default=None, help=f"{text} [env {env}]")
+    for flag, field, kind, text in SERVE_OPTIONS:
+        env = "WEIGHTSTREAM_" + field.upper()
+        if kind == "append":
+            serve.add_argument(flag, dest=field, action="append", default=None, help=f"{text} [env {env}]")
+        elif kind == "flag":
+            serve.add_argument(flag, dest=field, action="store_true", default=None, help=f"{text} [env {env}=1]")
+        else:
+            serve.add_argument(flag, dest=field, type=kind, default=None, help=f"{text} [env {env}]")
 
     commands.add_parser(
         "demo",
@@ -58,13 +75,23 @@ def build_parser() -> argparse.ArgumentParser:
     manifest.add_argument("model", help="model id, for example tiny-llama")
     manifest.add_argument("--target", required=True, help="server address, HOST:PORT")
     manifest.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    _add_connection_options(manifest)
 
     load = commands.add_parser("load", help="stream a model's tensors, verify them and report the speed")
     load.add_argument("model", help="model id, for example tiny-llama")
     load.add_argument("--target", required=True, help="server address, HOST:PORT")
     load.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
     load.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
+    _add_connection_options(load)
     return parser
+
+
+def _add_connection_options(parser: argparse.ArgumentParser) -> None:
+    """TLS options of the client commands; the token comes from WEIGHTSTREAM_TOKEN."""
+    parser.add_argument("--tls", action="store_true", help="connect over TLS")
+    parser.add_argument("--tls-ca", metavar="FILE", help="PEM CA bundle to verify the server (default: system roots)")
+    parser.add_argument("--tls-cert", metavar="FILE", help="PEM client certificate, for mutual TLS (with --tls-key)")
+    parser.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,11 +107,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from weightstream.client import WeightStreamClient, WeightStreamError
 
     try:
-        with WeightStreamClient(args.target, progress=not getattr(args, "no_progress", False)) as client:
+        with WeightStreamClient(
+            args.target,
+            tls=args.tls or bool(args.tls_ca or args.tls_cert),
+            ca_file=args.tls_ca,
+            client_cert=args.tls_cert,
+            client_key=args.tls_key,
+            progress=not getattr(args, "no_progress", False),
+        ) as client:
             if args.command == "manifest":
                 return _manifest(client, args)
             return _load(client, args)
-    except WeightStreamError as exc:
+    except (WeightStreamError, OSError, ValueError) as exc:
         print(f"weightstream {args.command}: {exc}", file=sys.stderr)
         return 1
 
@@ -92,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from weightstream.server.settings import ServerSettings
 
-    given = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field, _k, _t in SERVE_OPTIONS}
+    given = {field: getattr(args, field) for _flag, field, _k, _t in SERVE_OPTIONS}
     try:
         settings = ServerSettings.load(given)
     except ValueError as exc:

@@ -1,8 +1,14 @@
-"""Running the server as a process: gRPC plus REST, until SIGTERM or SIGINT."""
+"""Running the server as a process: gRPC plus REST, until SIGTERM or SIGINT, then a drain.
+
+The first SIGTERM (or SIGINT) starts the drain: new streams are refused with UNAVAILABLE, /readyz
+and gRPC health report not serving, and the streams in flight get drain_seconds to finish; those
+still running then are cancelled and the process exits 0. A second signal exits at once, with 1.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -11,37 +17,48 @@ from weightstream.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
-# Seconds that streams in flight get to finish after SIGTERM before they are cancelled.
-STOP_GRACE_S = 10.0
+# Seconds that RPCs other than streams (manifests, health checks) get after the drain.
+STOP_GRACE_S = 1.0
+HTTP_STOP_TIMEOUT_S = 5.0
 
 
 def serve(settings: ServerSettings) -> None:
-    """Serve until a signal arrives; logs where it listens."""
+    """Serve until a signal arrives, then drain and stop; logs where it listens."""
     server = create_server(settings)
-    serving = threading.Event()
     stop = threading.Event()
-    http = None
+    received: list[str] = []
+    rest = None
     if settings.http_port:
         from weightstream.server.http import create_app, start_http
 
-        http = start_http(create_app(server, serving), settings.host, settings.http_port)
-        logger.info("REST endpoint on http://%s:%d (/healthz, /readyz, /status)", settings.host, settings.http_port)
+        rest = start_http(create_app(server), settings.host, settings.http_port)
+        logger.info("REST endpoint on http://%s:%d (/healthz, /readyz, /status, /metrics)", settings.host, rest.port)
 
     def on_signal(signum: int, _frame: object) -> None:
-        logger.info("received %s; stopping", signal.Signals(signum).name)
+        # Runs on the main thread between bytecodes: only set state here (logging could deadlock
+        # on a lock the interrupted code holds), except for the second signal, which must not wait.
+        if stop.is_set():
+            os.write(2, f"received {signal.Signals(signum).name} again; exiting now\n".encode())
+            os._exit(1)
+        received.append(signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
-    serving.set()
     # Printed for scripts and tests that start the server on port 0 and need the real port.
     logger.info("weightstream ready: grpc_port=%d", server.port)
     stop.wait()
-    serving.clear()
+    logger.info(
+        "received %s; draining: no new streams, %d in flight get up to %.1f s to finish",
+        received[0],
+        server.stats.active_streams,
+        settings.drain_seconds,
+    )
+    left = server.drain(settings.drain_seconds)
+    if left:
+        logger.warning("%d streams still running after %.1f s; cancelling them", left, settings.drain_seconds)
     server.stop(STOP_GRACE_S)
-    if http is not None:
-        http_server, thread = http
-        http_server.should_exit = True
-        thread.join(timeout=STOP_GRACE_S)
+    if rest is not None:
+        rest.stop(HTTP_STOP_TIMEOUT_S)
     logger.info("stopped")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from weightstream import wire
 from weightstream.server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, TensorNotFound
 from weightstream.server.header import read_header
-from weightstream.server.source import INDEX_FILE, ModelFiles, Source, SourceFile
+from weightstream.server.source import INDEX_FILE, S3_SCHEME, ModelFiles, Source, SourceFile, parse_s3_model_id
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,9 @@ class Catalog:
         for source in self.sources:
             if source.claims(model):
                 return source
-        if model.startswith("s3://"):
-            raise AccessDenied(f"model {model[:200]!r}: this server serves no S3 buckets")
+        if model.startswith(S3_SCHEME):
+            bucket = parse_s3_model_id(model).bucket
+            raise AccessDenied(f"model {model[:200]!r}: bucket {bucket!r} is not served by this server; refused")
         if "://" in model:
             raise InvalidModelId(f"model {model[:200]!r}: unsupported URL scheme")
         raise AccessDenied(f"model {model[:200]!r}: this server has no model root")

@@ -11,6 +11,7 @@ ServerError
 ├── UnsupportedCheckpoint FAILED_PRECONDITION a dtype torch cannot hold, and the like
 ├── RevisionMismatch      FAILED_PRECONDITION the checkpoint changed since the client's manifest
 ├── TooManyStreams        RESOURCE_EXHAUSTED the concurrent stream limit is reached
+├── StorageUnauthenticated UNAUTHENTICATED   storage rejected the server's credentials
 └── StorageUnavailable    UNAVAILABLE        storage failed in a way worth retrying
 """
 
@@ -63,7 +64,19 @@ class TooManyStreams(ServerError):
     pass
 
 
+class StorageUnauthenticated(ServerError):
+    pass
+
+
 class StorageUnavailable(ServerError):
+    pass
+
+
+class Draining(ServerError):
+    pass
+
+
+class Unauthenticated(ServerError):
     pass
 
 
@@ -78,7 +91,10 @@ _CODES: dict[type[ServerError], grpc.StatusCode] = {
     UnsupportedCheckpoint: grpc.StatusCode.FAILED_PRECONDITION,
     RevisionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    StorageUnauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     StorageUnavailable: grpc.StatusCode.UNAVAILABLE,
+    Draining: grpc.StatusCode.UNAVAILABLE,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 

@@ -7,11 +7,17 @@ import logging
 import os
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
 from weightstream import wire
+from weightstream.server.auth import AuthInterceptor, TokenFile
 from weightstream.server.catalog import Catalog
+from weightstream.server.health import HEALTH_SERVICE_NAME, SERVICE_NAME, Readiness, ReadinessHealthServicer
 from weightstream.server.reader import StreamerPool
 from weightstream.server.servicer import WeightStreamServicer, add_to_server
 from weightstream.server.settings import ServerSettings
@@ -25,7 +31,11 @@ _streamer_configured = False
 
 @dataclass
 class WeightStreamServer:
-    """A gRPC server and what it serves from; stop() also closes the streamers."""
+    """A gRPC server and what it serves from; stop() also closes the streamers.
+
+    Lifecycle: start(), then optionally drain() (no new streams, health NOT_SERVING, wait for the
+    streams in flight), then stop(). tokens is None when the server takes requests without a token.
+    """
 
     grpc_server: grpc.Server
     port: int
@@ -33,13 +43,33 @@ class WeightStreamServer:
     catalog: Catalog
     pool: StreamerPool
     stats: ServerStats
+    readiness: Readiness
+    health: ReadinessHealthServicer
+    tokens: TokenFile | None
+
+    @property
+    def tls(self) -> bool:
+        return self.settings.tls_cert is not None
 
     def start(self) -> None:
         self.grpc_server.start()
+        self.readiness.mark_serving()
+        self.health.refresh()
         served = ", ".join(source.describe() for source in self.catalog.sources)
-        logger.info("gRPC serving %s on %s:%d", served, self.settings.host, self.port)
+        security = ("mutual TLS" if self.settings.tls_client_ca else "TLS") if self.tls else "plaintext"
+        auth = "bearer tokens" if self.tokens is not None else "no authentication"
+        logger.info("gRPC serving %s on %s:%d (%s, %s)", served, self.settings.host, self.port, security, auth)
+
+    def drain(self, timeout: float) -> int:
+        """Refuse new streams, report NOT_SERVING, wait up to timeout s for streams in flight; how many remain."""
+        self.readiness.start_draining()
+        self.health.refresh()
+        self.stats.wait_idle(timeout)
+        return self.stats.active_streams
 
     def stop(self, grace: float | None = None) -> None:
+        self.readiness.start_draining()
+        self.health.refresh()
         self.grpc_server.stop(grace).wait()
         self.pool.close()
 
@@ -56,19 +86,37 @@ def configure_process(settings: ServerSettings) -> None:
     os.environ.setdefault("RUNAI_STREAMER_FS_STRATEGY", "sync_buffered")
     if settings.streamer_concurrency is not None:
         os.environ["RUNAI_STREAMER_CONCURRENCY"] = str(settings.streamer_concurrency)
+    if settings.streamer_chunk_bytes is not None:
+        os.environ["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(settings.streamer_chunk_bytes)
     _streamer_configured = True
+
+
+def configure_s3(settings: ServerSettings) -> None:
+    """Set the streamer's S3 options; they are process-wide, so the last S3 server made decides."""
+    if settings.s3_path_style:
+        os.environ["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = "0"
+    os.environ["RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS"] = str(settings.s3_request_timeout_ms)
+    if settings.s3_ca_bundle:
+        os.environ["AWS_CA_BUNDLE"] = settings.s3_ca_bundle
 
 
 def create_server(settings: ServerSettings) -> WeightStreamServer:
     """A gRPC server for settings, bound to settings.host:settings.grpc_port (0 picks a free port)."""
     configure_process(settings)
     catalog = Catalog(build_sources(settings))
-    pool = StreamerPool(settings.max_streams)
+    s3_credentials = None
+    if settings.s3_buckets:
+        configure_s3(settings)
+        s3_credentials = S3Credentials(endpoint=settings.s3_endpoint, region_name=settings.s3_region)
+    pool = StreamerPool(settings.max_streams, s3_credentials)
     stats = ServerStats()
+    tokens = TokenFile(settings.token_file) if settings.token_file is not None else None
+    readiness = Readiness(catalog.sources)
     server = grpc.server(
         # Streams beyond max_streams are refused with RESOURCE_EXHAUSTED by the pool; the extra
-        # workers keep manifest calls answered while every stream slot is busy.
+        # workers keep manifest calls and health checks answered while every stream slot is busy.
         futures.ThreadPoolExecutor(max_workers=settings.max_streams + 8, thread_name_prefix="weightstream-rpc"),
+        interceptors=[AuthInterceptor(tokens, stats)] if tokens is not None else None,
         options=[
             # A message holds up to MAX_CHUNK_BYTES of payload plus its chunk descriptors.
             ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
@@ -80,11 +128,42 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    add_to_server(WeightStreamServicer(settings, catalog, pool, stats), server)
-    port = server.add_insecure_port(f"{_host_for_grpc(settings.host)}:{settings.grpc_port}")
+    add_to_server(WeightStreamServicer(settings, catalog, pool, stats, readiness), server)
+    health_servicer = ReadinessHealthServicer(readiness)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # Reflection lets grpcurl and similar tools call the server without the .proto files.
+    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{_host_for_grpc(settings.host)}:{settings.grpc_port}"
+    credentials = server_credentials(settings)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind gRPC to {settings.host}:{settings.grpc_port}")
-    return WeightStreamServer(server, port, settings, catalog, pool, stats)
+    return WeightStreamServer(server, port, settings, catalog, pool, stats, readiness, health_servicer, tokens)
+
+
+def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials from settings' PEM files (mutual TLS with tls_client_ca); None for plaintext."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    chain = _read_pem(settings.tls_cert, "tls_cert")
+    key = _read_pem(settings.tls_key, "tls_key")
+    client_ca = _read_pem(settings.tls_client_ca, "tls_client_ca") if settings.tls_client_ca is not None else None
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def _read_pem(path: Path, what: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: {exc.strerror or exc}") from exc
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{what} {path} is not a PEM file")
+    return data
 
 
 def build_sources(settings: ServerSettings) -> list[Source]:
@@ -95,6 +174,11 @@ def build_sources(settings: ServerSettings) -> list[Source]:
         if not local.reachable():
             raise ValueError(f"model root {settings.model_root} is not a readable directory")
         sources.append(local)
+    if settings.s3_buckets:
+        from weightstream.server.s3 import S3Source, make_client
+
+        client = make_client(settings)
+        sources.extend(S3Source(bucket, client) for bucket in settings.s3_buckets)
     return sources
 
 

@@ -1,55 +1,183 @@
-"""The REST endpoint next to the gRPC port: liveness, readiness and status as JSON."""
+"""The REST endpoint next to the gRPC port: liveness, readiness, status (JSON) and Prometheus metrics.
+
+/healthz and /readyz are always open (probes send no token); /status and /metrics need the
+server's bearer token when it has one.
+"""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import uvicorn
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, HTTPException
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
 
 from weightstream import __version__
+from weightstream.server import metrics
 from weightstream.server.grpc_server import WeightStreamServer
+from weightstream.server.health import ReadinessReport, SourceState
+
+logger = logging.getLogger(__name__)
 
 
-def create_app(server: WeightStreamServer, serving: threading.Event) -> FastAPI:
-    """The FastAPI app reporting on server; serving is set while gRPC accepts requests."""
-    app = FastAPI(title="weightstream", version=__version__)
+class Health(BaseModel):
+    status: str = Field(description='"ok" while the process is up')
 
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
+
+class SourceStatus(BaseModel):
+    source: str = Field(description="what the source is, for example 'model root /models'")
+    reachable: bool
+    error: str | None = Field(default=None, description="why it is not reachable, when checking it failed")
+
+
+class ReadinessStatus(BaseModel):
+    ready: bool
+    grpc_serving: bool = Field(description="gRPC has started and not stopped")
+    draining: bool = Field(description="SIGTERM arrived: no new streams are taken")
+    sources: list[SourceStatus]
+    reasons: list[str] = Field(description="why the server is not ready; empty when it is")
+
+
+class ModelStatus(BaseModel):
+    streams: int = Field(description="streams of this model that ended (any status)")
+    bytes_served: int = Field(description="tensor bytes sent for this model")
+
+
+class ServerStatus(BaseModel):
+    version: str
+    uptime_s: float
+    grpc_port: int
+    tls: bool = Field(description="gRPC is served over TLS")
+    auth: bool = Field(description="gRPC calls and /status, /metrics need a bearer token")
+    draining: bool
+    max_streams: int
+    active_streams: int
+    streams_total: int = Field(description="streams started since the server started")
+    bytes_served_total: int = Field(description="tensor bytes handed to gRPC for sending")
+    storage_bytes_read_total: int = Field(description="tensor bytes read from storage")
+    errors_total: dict[str, int] = Field(description="RPCs that ended in an error, by gRPC status code name")
+    sources: list[SourceStatus]
+    models: dict[str, ModelStatus] = Field(description="per-model counters, by model id")
+
+
+_UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
+    401: {"description": "The server has tokens and the request carries none it accepts"}
+}
+_bearer = HTTPBearer(auto_error=False, description="a token from the server's --token-file")
+
+
+def create_app(server: WeightStreamServer) -> FastAPI:
+    """The FastAPI app reporting on server."""
+    app = FastAPI(
+        title="weightstream",
+        version=__version__,
+        description="Health, readiness, status and metrics of a weightstream server (the data is served over gRPC).",
+    )
+    registry = metrics.create_registry(server.stats, server.settings.max_streams)
+    tokens = server.tokens
+
+    def require_token(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+        if tokens is not None and (credentials is None or not tokens.accepts(credentials.credentials)):
+            raise HTTPException(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+
+    guard = [Depends(require_token)] if tokens is not None else []
+    unauthorized = _UNAUTHORIZED if tokens is not None else {}
+
+    @app.get("/healthz", response_model=Health)
+    def healthz() -> Health:
         """Liveness: the process is up and answering."""
-        return {"status": "ok"}
+        return Health(status="ok")
 
-    @app.get("/readyz")
+    @app.get(
+        "/readyz",
+        response_model=ReadinessStatus,
+        responses={503: {"model": ReadinessStatus, "description": "Not ready; `reasons` says why"}},
+    )
     def readyz() -> JSONResponse:
-        """Readiness: gRPC is serving and the model root is readable."""
-        sources = _sources(server)
-        ready = serving.is_set() and all(s["reachable"] for s in sources)
-        body = {"ready": ready, "grpc_serving": serving.is_set(), "sources": sources}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        """Readiness: gRPC is serving, the server is not draining, and every source is reachable."""
+        report = server.readiness.report()
+        body = _readiness(report)
+        return JSONResponse(body.model_dump(), status_code=200 if report.ready else 503)
 
-    @app.get("/status")
-    def status() -> dict[str, Any]:
-        """Version, uptime, ports and stream counters."""
-        return {
-            "version": __version__,
-            "grpc_port": server.port,
-            **server.stats.snapshot(),
-            "sources": _sources(server),
-        }
+    @app.get("/status", response_model=ServerStatus, dependencies=guard, responses=unauthorized)
+    def status() -> ServerStatus:
+        """Version, uptime, ports, stream and byte counters, errors by code, sources, per-model counters."""
+        snap = server.stats.snapshot()
+        report = server.readiness.report()
+        return ServerStatus(
+            version=__version__,
+            uptime_s=snap.uptime_s,
+            grpc_port=server.port,
+            tls=server.tls,
+            auth=tokens is not None,
+            draining=report.draining,
+            max_streams=server.settings.max_streams,
+            active_streams=snap.active_streams,
+            streams_total=snap.streams_total,
+            bytes_served_total=snap.bytes_served_total,
+            storage_bytes_read_total=snap.storage_bytes_read_total,
+            errors_total=snap.errors_total,
+            sources=[_source(s) for s in report.sources],
+            models={m: ModelStatus(streams=c.streams, bytes_served=c.bytes_served) for m, c in snap.models.items()},
+        )
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        dependencies=guard,
+        responses={
+            200: {
+                "description": "Prometheus text exposition; every name starts with weightstream_",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **unauthorized,
+        },
+    )
+    def prometheus_metrics() -> Response:
+        """Prometheus metrics: bytes served, active streams, stream durations, errors by code, storage bytes read."""
+        return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
 
     return app
 
 
-def _sources(server: WeightStreamServer) -> list[dict[str, Any]]:
-    return [{"source": s.describe(), "reachable": s.reachable()} for s in server.catalog.sources]
+def _source(state: SourceState) -> SourceStatus:
+    return SourceStatus(source=state.source, reachable=state.reachable, error=state.error)
 
 
-def start_http(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, threading.Thread]:
-    """Run app with uvicorn on a thread; set server.should_exit and join the thread to stop it.
+def _readiness(report: ReadinessReport) -> ReadinessStatus:
+    return ReadinessStatus(
+        ready=report.ready,
+        grpc_serving=report.grpc_serving,
+        draining=report.draining,
+        sources=[_source(s) for s in report.sources],
+        reasons=report.reasons,
+    )
+
+
+@dataclass
+class RestServer:
+    """A running uvicorn server on its own thread, and the port it is bound to."""
+
+    uvicorn_server: uvicorn.Server
+    thread: threading.Thread
+    port: int
+
+    def stop(self, timeout: float) -> None:
+        """Ask uvicorn to exit and wait up to timeout seconds for its thread."""
+        self.uvicorn_server.should_exit = True
+        self.thread.join(timeout=timeout)
+        if self.thread.is_alive():
+            logger.warning("the REST endpoint did not stop within %.1f s", timeout)
+
+
+def start_http(app: FastAPI, host: str, port: int) -> RestServer:
+    """Run app with uvicorn on a thread (port 0 picks a free port); RestServer.stop() ends it.
 
     The socket is bound here, on the caller's thread, so that a port in use is an OSError for the
     caller rather than a message from a background thread while gRPC carries on alone.
@@ -60,4 +188,4 @@ def start_http(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, thre
     http_server = uvicorn.Server(config)
     thread = threading.Thread(target=http_server.run, kwargs={"sockets": [sock]}, name="weightstream-http", daemon=True)
     thread.start()
-    return http_server, thread
+    return RestServer(http_server, thread, sock.getsockname()[1])

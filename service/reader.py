@@ -1,9 +1,11 @@
-"""Where tensor bytes are read: Run:ai Model Streamer file reads, and a pool of streamers.
+"""Where tensor bytes are read: Run:ai Model Streamer reads of files and S3 objects, and a pool of streamers.
 
 Concurrency: a FileStreamer is not thread-safe and holds one stream at a time, so each stream
 checks one out of the StreamerPool for its whole life and returns it when done. Streamers are
-kept open for the life of the process: starting one spawns its reader threads, and closing an
-object-storage streamer tears down the object-storage clients of the whole process.
+kept open for the life of the process: starting one spawns its reader threads, and closing a
+streamer that has read S3 tears down the S3 clients of the whole process, so that any other
+stream in flight ends early with no error. Once any stream of the process has read S3, closing a
+pool parks its streamers for the rest of the process instead of closing them.
 
 Memory: the bytes a stream reads ahead live in its streamer's ring of buffers, bounded by the
 read-ahead setting. With owned=False the chunk a reader yields is a view into that ring, valid
@@ -16,29 +18,49 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import TracebackType
 
 import torch
 from runai_model_streamer import FileChunks, FileStreamer
+from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
 from weightstream.server.catalog import Manifest
-from weightstream.server.errors import CorruptCheckpoint, TooManyStreams
+from weightstream.server.errors import CorruptCheckpoint, StorageUnavailable, TooManyStreams
 from weightstream.server.plan import ChunkPlace, ReadPlan
 
 logger = logging.getLogger(__name__)
 
+_S3_SCHEME = "s3://"
+# Streamers of closed pools, kept open once S3 has been read in this process (see the module doc).
+_parked: list[FileStreamer] = []
+_s3_used = threading.Event()
+
+
+@dataclass
+class PooledStreamer:
+    """A FileStreamer checked out of a pool, with the S3 settings its reads use."""
+
+    file_streamer: FileStreamer
+    s3_credentials: S3Credentials | None
+
 
 class StreamerPool:
-    """Up to `size` open FileStreamers, each used by one stream at a time."""
+    """Up to `size` open FileStreamers, each used by one stream at a time.
 
-    def __init__(self, size: int) -> None:
+    s3_credentials carries the endpoint and region for S3 reads; keys are left to the AWS
+    credential chain of the streamer's S3 backend.
+    """
+
+    def __init__(self, size: int, s3_credentials: S3Credentials | None = None) -> None:
         self._size = size
+        self._s3_credentials = s3_credentials
         self._free: list[FileStreamer] = []
         self._lock = threading.Lock()
         self._in_use = 0
 
     @contextlib.contextmanager
-    def checkout(self) -> Iterator[FileStreamer]:
+    def checkout(self) -> Iterator[PooledStreamer]:
         with self._lock:
             if self._in_use >= self._size:
                 raise TooManyStreams(f"{self._size} streams are already running; try again later")
@@ -48,7 +70,7 @@ class StreamerPool:
             if streamer is None:
                 streamer = FileStreamer()
                 streamer.__enter__()
-            yield streamer
+            yield PooledStreamer(streamer, self._s3_credentials)
         finally:
             with self._lock:
                 self._in_use -= 1
@@ -62,6 +84,9 @@ class StreamerPool:
     def close(self) -> None:
         with self._lock:
             free, self._free = self._free, []
+        if _s3_used.is_set():
+            _parked.extend(free)
+            return
         for streamer in free:
             streamer.__exit__(None, None, None)
 
@@ -75,13 +100,14 @@ class StreamerPool:
 
 
 def read_chunks(
-    streamer: FileStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int
+    streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int
 ) -> Iterator[tuple[ChunkPlace, torch.Tensor]]:
     """Yield every planned chunk with its bytes, as the streamer completes them (files interleave).
 
     Each yielded tensor is a uint8 view into the streamer's ring, valid until the next item is
     taken. Every chunk's length is checked, and so is the count of chunks: a short or missing read
-    is a CorruptCheckpoint, never a silently short stream.
+    is an error, never a silently short stream: CorruptCheckpoint for local files, and
+    StorageUnavailable (worth a retry) for S3, where the usual cause is the store or the network.
     """
     if not plan.files:
         return
@@ -90,16 +116,27 @@ def read_chunks(
     ]
     largest = max(max(fp.sizes) for fp in plan.files)
     file_names = ", ".join(manifest.files[fp.file_index].name for fp in plan.files)
+    remote = requests[0].path.startswith(_S3_SCHEME)
+    if remote:
+        _s3_used.set()
+    failure = StorageUnavailable if remote else CorruptCheckpoint
     received = 0
+    file_streamer = streamer.file_streamer
     try:
-        streamer.stream_files(requests, None, "cpu", memory_limit=max(read_ahead_bytes, largest), owned=False)
-        chunks = streamer.get_chunks()
+        file_streamer.stream_files(
+            requests,
+            streamer.s3_credentials if remote else None,
+            "cpu",
+            memory_limit=max(read_ahead_bytes, largest),
+            owned=False,
+        )
+        chunks = file_streamer.get_chunks()
         try:
             for file_id, range_index, data in chunks:
                 place = plan.files[file_id].places[range_index]
                 flat = data.view(-1)
                 if flat.numel() != place.length:
-                    raise CorruptCheckpoint(
+                    raise failure(
                         f"model {manifest.model!r}: tensor {place.tensor!r}: read {flat.numel()} bytes at "
                         f"offset {place.offset}, expected {place.length}"
                     )
@@ -109,9 +146,9 @@ def read_chunks(
             chunks.close()
     except ValueError as exc:
         # The streamer's errors are terse ("End of file reached", "File access error"): name the
-        # model and files, since a file that changed after its header was read is the usual cause.
-        raise CorruptCheckpoint(f"model {manifest.model!r}: reading {file_names} failed: {exc}") from exc
+        # model and files. Locally the usual cause is a file changed after its header was read.
+        raise failure(f"model {manifest.model!r}: reading {file_names} failed: {exc}") from exc
     if received != plan.num_chunks:
-        raise CorruptCheckpoint(
+        raise failure(
             f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_chunks} chunks"
         )

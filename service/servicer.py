@@ -8,15 +8,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
-from runai_model_streamer import FileStreamer
 
 from weightstream import wire
 from weightstream.server.catalog import Catalog, Manifest
-from weightstream.server.errors import InvalidRequest, RevisionMismatch, ServerError, status_code
-from weightstream.server.plan import ReadPlan, plan_reads
-from weightstream.server.reader import StreamerPool, read_chunks
+from weightstream.server.errors import Draining, InvalidRequest, RevisionMismatch, ServerError, status_code
+from weightstream.server.health import Readiness
+from weightstream.server.plan import MAX_REQUESTED_TENSORS, ReadPlan, plan_reads
+from weightstream.server.reader import PooledStreamer, StreamerPool, read_chunks
 from weightstream.server.settings import ServerSettings
 from weightstream.server.stats import ServerStats
 from weightstream.v1 import weightstream_pb2 as pb
@@ -25,12 +26,28 @@ from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Tally:
+    """The bytes of one stream: read from storage, and handed to gRPC to send."""
+
+    read: int = 0
+    sent: int = 0
+
+
 class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
-    def __init__(self, settings: ServerSettings, catalog: Catalog, pool: StreamerPool, stats: ServerStats) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        catalog: Catalog,
+        pool: StreamerPool,
+        stats: ServerStats,
+        readiness: Readiness,
+    ) -> None:
         self._settings = settings
         self._catalog = catalog
         self._pool = pool
         self._stats = stats
+        self._readiness = readiness
 
     def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
         try:
@@ -40,54 +57,66 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
             raise  # unreachable: abort raises
 
     def StreamTensors(self, request: pb.StreamTensorsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Serialized StreamTensorsResponse messages (see add_to_server: no serializer runs on them)."""
+        """Serialized StreamTensorsResponse messages (see add_to_server: no serializer runs on them).
+
+        Every stream, however it ends, is counted in the stats and logged in one line at its end.
+        """
         started = time.monotonic()
-        sent = 0
+        tally = _Tally()
+        model: str | None = None
+        tensors = 0
+        code = grpc.StatusCode.OK
         self._stats.stream_started()
         try:
+            # Manifests are still served while draining: a load in flight may ask for one again.
+            if self._readiness.draining:
+                raise Draining("the server is shutting down and takes no new streams; retry on another server")
+            check_stream_request(request)
             manifest = self._catalog.manifest(request.model)
+            model = manifest.model
             if request.revision and request.revision != manifest.revision:
                 raise RevisionMismatch(
                     f"model {request.model!r} changed: revision {manifest.revision}, "
                     f"the request expects {request.revision}"
                 )
-            if request.max_chunk_bytes and not wire.MIN_CHUNK_BYTES <= request.max_chunk_bytes:
-                raise InvalidRequest(
-                    f"max_chunk_bytes {request.max_chunk_bytes} is below the minimum of {wire.MIN_CHUNK_BYTES}"
-                )
             chunk_bytes = wire.clamp_chunk_bytes(request.max_chunk_bytes or self._settings.chunk_bytes)
             requested = [(t.name, [(r.start, r.end) for r in t.ranges]) for t in request.tensors]
             plan = plan_reads(manifest, requested, chunk_bytes)
-            logger.info(
-                "stream %s: %d tensors, %d bytes in %d chunks from %d files, peer %s",
+            tensors = len(requested) or len(manifest.tensors)
+            logger.debug(
+                "stream %r from %s: %d tensors, %d bytes in %d chunks from %d files",
                 request.model,
-                len(requested) or len(manifest.tensors),
+                context.peer(),
+                tensors,
                 plan.total_bytes,
                 plan.num_chunks,
                 len(plan.files),
-                context.peer(),
             )
             with self._pool.checkout() as streamer:
                 for message, payload_bytes in _batch(
-                    manifest, plan, streamer, self._settings.read_ahead_bytes, chunk_bytes
+                    manifest, plan, streamer, self._settings.read_ahead_bytes, chunk_bytes, tally
                 ):
                     yield message
-                    sent += payload_bytes
-            seconds = time.monotonic() - started
-            logger.info(
-                "stream %s done: %d bytes in %.3f s (%.2f GB/s)",
-                request.model,
-                sent,
-                seconds,
-                sent / seconds / 1e9 if seconds else 0.0,
-            )
+                    tally.sent += payload_bytes
         except GeneratorExit:
-            logger.info("stream %s ended by the client after %d bytes", request.model, sent)
+            code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
+            code = status_code(exc)
             self._abort(context, "StreamTensors", request.model, exc)
         finally:
-            self._stats.stream_ended(sent)
+            seconds = time.monotonic() - started
+            self._stats.stream_ended(model, sent=tally.sent, read=tally.read, seconds=seconds)
+            logger.info(
+                "stream end: model=%r peer=%s tensors=%d bytes=%d seconds=%.3f gbps=%.2f code=%s",
+                request.model,
+                context.peer(),
+                tensors,
+                tally.sent,
+                seconds,
+                tally.sent / seconds / 1e9 if seconds else 0.0,
+                code.name,
+            )
 
     def _abort(self, context: grpc.ServicerContext, method: str, model: str, exc: Exception) -> None:
         code = status_code(exc)
@@ -99,8 +128,24 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
         context.abort(code, f"internal error while serving model {model!r}: {type(exc).__name__}")
 
 
+def check_stream_request(request: pb.StreamTensorsRequest) -> None:
+    """Refuse a request whose sizes are out of bounds, before any work is done for it."""
+    if request.max_chunk_bytes and not wire.MIN_CHUNK_BYTES <= request.max_chunk_bytes <= wire.MAX_CHUNK_BYTES:
+        raise InvalidRequest(
+            f"max_chunk_bytes {request.max_chunk_bytes} is outside {wire.MIN_CHUNK_BYTES}..{wire.MAX_CHUNK_BYTES}"
+            " (0 means the server's default)"
+        )
+    if len(request.tensors) > MAX_REQUESTED_TENSORS:
+        raise InvalidRequest(f"request names {len(request.tensors)} tensors, more than {MAX_REQUESTED_TENSORS}")
+
+
 def _batch(
-    manifest: Manifest, plan: ReadPlan, streamer: FileStreamer, read_ahead_bytes: int, chunk_bytes: int
+    manifest: Manifest,
+    plan: ReadPlan,
+    streamer: PooledStreamer,
+    read_ahead_bytes: int,
+    chunk_bytes: int,
+    tally: _Tally,
 ) -> Iterator[tuple[bytes, int]]:
     """Pack the chunks read into (serialized StreamTensorsResponse, payload bytes) of about chunk_bytes each.
 
@@ -113,6 +158,7 @@ def _batch(
     pending_payload = 0
     for place, data in read_chunks(streamer, manifest, plan, read_ahead_bytes):
         payload = data.numpy().tobytes()
+        tally.read += len(payload)
         cost = len(payload) + len(place.tensor) + 32
         if pending and pending_bytes + cost > chunk_bytes:
             yield wire.encode_stream_response(pending), pending_payload

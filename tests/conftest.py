@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.helpers import write_many_dtypes, write_tiny_llama
+from tests.s3_servers import REGION, S3RVER_KEY, S3Process, s3rver
 from weightstream.client import WeightStreamClient
 from weightstream.server import ServerSettings, WeightStreamServer, create_server
 
@@ -35,3 +39,67 @@ def target(server: WeightStreamServer) -> str:
 def client(target: str) -> Iterator[WeightStreamClient]:
     with WeightStreamClient(target, progress=False) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_folder(model_root: Path) -> Path:
+    """model_root/tiny-llama: a random transformers Llama in 3 shards with an index."""
+    folder = model_root / "tiny-llama"
+    write_tiny_llama(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def many_dtypes(model_root: Path) -> dict[str, torch.Tensor]:
+    """model_root/many-dtypes: over 300 MB, thousands of tensors of every dtype; returns what was written."""
+    state = write_many_dtypes(model_root / "many-dtypes")
+    assert sum(t.numel() * t.element_size() for t in state.values()) > 300 * 1000 * 1000
+    return state
+
+
+S3_BUCKET = "ws-models"
+S3_OTHER_BUCKET = "ws-not-allowed"
+
+
+@pytest.fixture(scope="session")
+def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Process]:
+    """An s3rver process on 127.0.0.1, with the AWS credential chain of this process pointed at its keys."""
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": S3RVER_KEY,
+        "AWS_SECRET_ACCESS_KEY": S3RVER_KEY,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        os.environ[name] = value
+    with s3rver(tmp_path_factory.mktemp("s3rver")) as store:
+        client = store.client()
+        for bucket in (S3_BUCKET, S3_OTHER_BUCKET):
+            client.create_bucket(Bucket=bucket)
+        yield store
+
+
+def s3_settings(store: S3Process, **overrides: object) -> ServerSettings:
+    values: dict[str, object] = {
+        "host": "127.0.0.1",
+        "grpc_port": 0,
+        "http_port": 0,
+        "s3_buckets": (S3_BUCKET, "ws-missing-bucket"),
+        "s3_endpoint": store.endpoint,
+        "s3_region": REGION,
+        "s3_path_style": True,
+    }
+    values.update(overrides)
+    return ServerSettings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def s3_server(s3_store: S3Process) -> Iterator[WeightStreamServer]:
+    """A weightstream server that serves only S3 (no model root), from the s3rver store."""
+    server = create_server(s3_settings(s3_store))
+    server.start()
+    yield server
+    server.stop(grace=1.0)
+
+
+@pytest.fixture(scope="session")
+def s3_target(s3_server: WeightStreamServer) -> str:
+    return f"127.0.0.1:{s3_server.port}"

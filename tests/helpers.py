@@ -1,10 +1,32 @@
-"""Test helpers: writing safetensors files by hand (including broken ones)."""
+"""Test helpers: the checkpoints the tests share, and safetensors files written by hand (broken ones too)."""
 
 from __future__ import annotations
 
 import json
+import random
 import struct
 from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from weightstream.demo import save_sharded
+
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+SMALL_TENSORS = 3000
+BIG_BYTES = 25 * 1024 * 1024
 
 
 def write_raw_safetensors(path: Path, header: dict[str, object], data: bytes) -> None:
@@ -12,3 +34,83 @@ def write_raw_safetensors(path: Path, header: dict[str, object], data: bytes) ->
     encoded = json.dumps(header).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+
+
+def llama_config() -> transformers.LlamaConfig:
+    """A tiny Llama (head size 16), built offline from this config with random weights."""
+    return transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+
+
+def write_tiny_llama(folder: Path, seed: int = 1234) -> None:
+    """A random tiny Llama saved as 3 safetensors shards with an index."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(llama_config()).eval()
+    save_sharded({k: v.contiguous() for k, v in model.state_dict().items()}, folder, shards=3)
+
+
+def load_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every safetensors file in folder, read locally with safetensors."""
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    return state
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Random bit patterns of dtype (NaNs and all), so comparisons are of bytes, not values."""
+    count = 1
+    for d in shape:
+        count *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=generator, dtype=torch.uint8).bool()
+    raw = torch.randint(0, 256, (count * itemsize,), generator=generator, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def write_many_dtypes(folder: Path) -> dict[str, torch.Tensor]:
+    """Over 300 MB in 3 files: 20 big tensors and 3000 small ones of every dtype, 0-dim and zero-size included."""
+    generator = torch.Generator().manual_seed(7)
+    rng = random.Random(7)
+    state: dict[str, torch.Tensor] = {}
+    for i, dtype in enumerate(DTYPES * 2):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        rows = BIG_BYTES // itemsize // 1024 - i  # uneven sizes, so chunk boundaries vary
+        state[f"big.{i}.{str(dtype).removeprefix('torch.')}"] = random_tensor((rows, 1024), dtype, generator)
+    for i in range(SMALL_TENSORS):
+        dtype = DTYPES[i % len(DTYPES)]
+        kind = i % 7
+        shape: tuple[int, ...]
+        if kind == 0:
+            shape = ()
+        elif kind == 1:
+            shape = (0,)
+        elif kind == 2:
+            shape = (3, 0, 2)
+        else:
+            shape = tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3)))
+        state[f"layers.{i // 10}.t{i % 10}"] = random_tensor(shape, dtype, generator)
+    folder.mkdir(parents=True)
+    names = list(state)
+    rng.shuffle(names)
+    for part in range(3):
+        subset = names[part::3]
+        save_file({n: state[n] for n in subset}, str(folder / f"part-{part}.safetensors"))
+    return state
+
+
+def assert_bytes_identical(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        other = got[name]
+        assert other.dtype == tensor.dtype and other.shape == tensor.shape, name
+        assert torch.equal(other.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name

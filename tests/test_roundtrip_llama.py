@@ -7,58 +7,28 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 
+from tests.helpers import llama_config, load_folder
 from weightstream.client import WeightStreamClient
-from weightstream.demo import save_sharded
 
 MODEL = "tiny-llama"
 
 
-def _config() -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-
-
-@pytest.fixture(scope="module")
-def llama_folder(model_root: Path) -> Path:
-    torch.manual_seed(1234)
-    model = transformers.LlamaForCausalLM(_config()).eval()
-    folder = model_root / MODEL
-    save_sharded({k: v.contiguous() for k, v in model.state_dict().items()}, folder, shards=3)
-    return folder
-
-
-def _reference(folder: Path) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(path)))
-    return state
-
-
-def test_three_shards_with_index(llama_folder: Path, client: WeightStreamClient) -> None:
+def test_three_shards_with_index(tiny_llama_folder: Path, client: WeightStreamClient) -> None:
     manifest = client.manifest(MODEL)
     assert len(manifest.files) == 3
-    assert (llama_folder / "model.safetensors.index.json").exists()
-    reference = _reference(llama_folder)
+    assert (tiny_llama_folder / "model.safetensors.index.json").exists()
+    reference = load_folder(tiny_llama_folder)
     assert {t.name for t in manifest.tensors} == set(reference)
     assert manifest.total_bytes == sum(t.numel() * t.element_size() for t in reference.values())
 
 
 def test_load_into_fresh_model_is_bit_identical_and_gives_same_logits(
-    llama_folder: Path, client: WeightStreamClient
+    tiny_llama_folder: Path, client: WeightStreamClient
 ) -> None:
-    reference = _reference(llama_folder)
+    reference = load_folder(tiny_llama_folder)
     torch.manual_seed(99)  # different random init, so a no-op load cannot pass
-    model = transformers.LlamaForCausalLM(_config()).eval()
+    model = transformers.LlamaForCausalLM(llama_config()).eval()
     assert not torch.equal(model.lm_head.weight, reference["lm_head.weight"])
 
     report = client.load_into(model, MODEL)
@@ -69,36 +39,36 @@ def test_load_into_fresh_model_is_bit_identical_and_gives_same_logits(
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor.view(torch.uint8), reference[name].view(torch.uint8)), name
 
-    local = transformers.LlamaForCausalLM(_config()).eval()
+    local = transformers.LlamaForCausalLM(llama_config()).eval()
     local.load_state_dict(reference)
     tokens = torch.tensor([[1, 17, 42, 7, 300, 5, 11, 2]])
     with torch.no_grad():
         assert torch.equal(model(tokens).logits, local(tokens).logits)
 
 
-def test_load_into_meta_model_materialised_with_to_empty(llama_folder: Path, client: WeightStreamClient) -> None:
+def test_load_into_meta_model_materialised_with_to_empty(tiny_llama_folder: Path, client: WeightStreamClient) -> None:
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(_config())
+        model = transformers.LlamaForCausalLM(llama_config())
     model.to_empty(device="cpu")
     client.load_into(model, MODEL)
-    reference = _reference(llama_folder)
+    reference = load_folder(tiny_llama_folder)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor.view(torch.uint8), reference[name].view(torch.uint8)), name
 
 
-def test_meta_model_without_to_empty_is_refused_untouched(llama_folder: Path, client: WeightStreamClient) -> None:
+def test_meta_model_without_to_empty_is_refused_untouched(tiny_llama_folder: Path, client: WeightStreamClient) -> None:
     from weightstream.client import IncompatibleModuleError
 
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(_config())
+        model = transformers.LlamaForCausalLM(llama_config())
     with pytest.raises(IncompatibleModuleError, match="meta device") as info:
         client.load_into(model, MODEL)
     assert info.value.partially_written is False
 
 
-def test_iter_tensors_feeds_load_weights_style_consumers(llama_folder: Path, client: WeightStreamClient) -> None:
-    reference = _reference(llama_folder)
-    model = transformers.LlamaForCausalLM(_config()).eval()
+def test_iter_tensors_feeds_load_weights_style_consumers(tiny_llama_folder: Path, client: WeightStreamClient) -> None:
+    reference = load_folder(tiny_llama_folder)
+    model = transformers.LlamaForCausalLM(llama_config()).eval()
     params = dict(model.named_parameters())
     seen = []
     for name, tensor in client.iter_tensors(MODEL):

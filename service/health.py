@@ -1,0 +1,119 @@
+"""Readiness: whether the server takes new streams, as REST /readyz and grpc.health.v1 report it.
+
+A server is ready while gRPC is serving, it is not draining, and every source (model root, S3
+bucket) answers. Sources are asked at each check, so a probe costs one reachability check per
+source; S3 sources should keep theirs quick.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from weightstream.server.source import Source
+from weightstream.v1 import weightstream_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["WeightStreamService"].full_name
+HEALTH_SERVICE_NAME: str = health.SERVICE_NAME
+
+
+@dataclass(frozen=True)
+class SourceState:
+    source: str
+    reachable: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ReadinessReport:
+    ready: bool
+    grpc_serving: bool
+    draining: bool
+    sources: tuple[SourceState, ...]
+
+    @property
+    def reasons(self) -> list[str]:
+        """Why the server is not ready, one phrase per cause; empty when it is."""
+        reasons = []
+        if not self.grpc_serving:
+            reasons.append("gRPC is not serving")
+        if self.draining:
+            reasons.append("draining: the server is shutting down")
+        reasons += [
+            f"{s.source} is not reachable" + (f" ({s.error})" if s.error else "")
+            for s in self.sources
+            if not s.reachable
+        ]
+        return reasons
+
+
+class Readiness:
+    """The server's lifecycle (serving, draining) and its sources' reachability. Thread-safe.
+
+    serving is set once gRPC has started; draining once shutdown has begun. Neither is undone.
+    """
+
+    def __init__(self, sources: Sequence[Source]) -> None:
+        self._sources = tuple(sources)
+        self._serving = threading.Event()
+        self._draining = threading.Event()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def mark_serving(self) -> None:
+        self._serving.set()
+
+    def start_draining(self) -> None:
+        self._draining.set()
+
+    def report(self) -> ReadinessReport:
+        sources = tuple(_probe(source) for source in self._sources)
+        serving, draining = self._serving.is_set(), self._draining.is_set()
+        ready = serving and not draining and all(s.reachable for s in sources)
+        return ReadinessReport(ready, serving, draining, sources)
+
+
+class ReadinessHealthServicer(health.HealthServicer):
+    """grpc.health.v1.Health answering from Readiness: SERVING when ready, else NOT_SERVING.
+
+    It knows the overall service ("") and weightstream.v1.WeightStreamService; other names are
+    NOT_FOUND. Check asks Readiness afresh; Watch streams see a change when refresh() runs, which
+    every Check and every lifecycle change (start, drain) does.
+    """
+
+    def __init__(self, readiness: Readiness) -> None:
+        super().__init__()
+        self._readiness = readiness
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Set every known service's status from Readiness now; whether the server is ready."""
+        ready = self._readiness.report().ready
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in (health.OVERALL_HEALTH, SERVICE_NAME):
+            self.set(name, status)
+        return ready
+
+    def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        self.refresh()
+        return super().Check(request, context)
+
+
+def _probe(source: Source) -> SourceState:
+    try:
+        return SourceState(source.describe(), bool(source.reachable()))
+    except Exception as exc:
+        # A probe must answer, not raise: an error here is the source being unreachable.
+        logger.warning("checking %s failed: %s", source.describe(), exc)
+        return SourceState(source.describe(), False, f"{type(exc).__name__}: {exc}")

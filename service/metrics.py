@@ -1,0 +1,87 @@
+"""Prometheus metrics: the server's counters (ServerStats) as Prometheus text, for REST /metrics.
+
+The metrics are read from ServerStats at scrape time rather than kept in prometheus-client objects
+beside it, so /status and /metrics can never disagree. Each server has its own registry: several
+servers in one process (tests, the demo) do not mix their numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from weightstream import __version__
+from weightstream.server.stats import DURATION_BUCKETS_S, ServerStats
+
+PREFIX = "weightstream_"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class StatsCollector(Collector):
+    """Every weightstream_* metric, read from one ServerStats snapshot per scrape."""
+
+    def __init__(self, stats: ServerStats, max_streams: int) -> None:
+        self._stats = stats
+        self._max_streams = max_streams
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats.snapshot()
+        info = GaugeMetricFamily(PREFIX + "info", "The server's version; always 1.", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        yield GaugeMetricFamily(PREFIX + "active_streams", "Streams in flight now.", value=s.active_streams)
+        yield GaugeMetricFamily(
+            PREFIX + "max_streams", "Concurrent streams allowed; more get RESOURCE_EXHAUSTED.", value=self._max_streams
+        )
+        streams = CounterMetricFamily(
+            PREFIX + "streams",
+            "Streams ended, by model (empty when the stream ended before its model was found).",
+            labels=["model"],
+        )
+        served = CounterMetricFamily(
+            PREFIX + "bytes_served", "Tensor bytes handed to gRPC for sending, by model.", labels=["model"]
+        )
+        unresolved_streams = s.streams_ended - sum(m.streams for m in s.models.values())
+        if unresolved_streams:
+            streams.add_metric([""], unresolved_streams)
+        for model, counts in s.models.items():
+            streams.add_metric([model], counts.streams)
+            served.add_metric([model], counts.bytes_served)
+        yield streams
+        yield served
+        yield CounterMetricFamily(
+            PREFIX + "storage_bytes_read",
+            "Tensor bytes read from storage by streams (more than served when a stream ends early).",
+            value=s.storage_bytes_read_total,
+        )
+        errors = CounterMetricFamily(PREFIX + "errors", "RPCs that ended in an error, by gRPC status.", labels=["code"])
+        for code, count in sorted(s.errors_total.items()):
+            errors.add_metric([code], count)
+        yield errors
+        buckets = [(_bound(le), count) for le, count in zip(DURATION_BUCKETS_S, s.duration_counts, strict=True)]
+        buckets.append(("+Inf", s.streams_ended))
+        yield HistogramMetricFamily(
+            PREFIX + "stream_duration_seconds",
+            "Wall time of each stream, from its request to its end (any status).",
+            buckets=buckets,
+            sum_value=s.duration_sum_s,
+        )
+
+
+def create_registry(stats: ServerStats, max_streams: int) -> CollectorRegistry:
+    """A registry holding only this server's metrics."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(stats, max_streams))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text exposition of registry (CONTENT_TYPE)."""
+    return generate_latest(registry)
+
+
+def _bound(seconds: float) -> str:
+    return repr(float(seconds))
