@@ -58,7 +58,8 @@ def serve(settings: ServerSettings) -> None:
     left = server.drain(settings.drain_seconds)
     if left:
         logger.warning("%d streams still running after %.1f s; cancelling them", left, settings.drain_seconds)
-    server.stop(STOP_GRACE_S)
+    # Past the deadline nothing more is waited for; otherwise calls other than streams get a moment.
+    server.stop(0 if left else STOP_GRACE_S)
     if rest is not None:
         rest.stop(HTTP_STOP_TIMEOUT_S)
     logger.info("stopped")

@@ -1,4 +1,9 @@
-"""Turning a stream request into the byte ranges to read, file by file, cut into chunks."""
+"""Turning a stream request into the byte ranges to read, file by file.
+
+Reads are cut into units of READ_UNIT_BYTES (a whole number of chunks), larger than the chunks that
+are sent: fewer, larger reads cost the storage less per byte (one S3 GET per unit), while the
+messages stay at the chunk size that gRPC moves fastest. The reader cuts each unit into chunks.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,12 @@ from weightstream.server.errors import InvalidRequest, RangeOutOfBounds
 
 MAX_REQUESTED_TENSORS = 1_000_000
 MAX_RANGES_PER_TENSOR = 4096
+READ_UNIT_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class ChunkPlace:
-    """Where one chunk read from a file belongs: its tensor and the byte offset within it."""
+    """Where bytes read from a file belong: their tensor and the byte offset within it."""
 
     tensor: str
     offset: int
@@ -24,7 +30,7 @@ class ChunkPlace:
 
 @dataclass
 class FilePlan:
-    """The ranges to read from one file, with a ChunkPlace for each, in the same order."""
+    """The read units of one file, with a ChunkPlace for each, in the same order."""
 
     file_index: int
     offsets: list[int] = field(default_factory=list)
@@ -36,7 +42,9 @@ class FilePlan:
 class ReadPlan:
     files: tuple[FilePlan, ...]
     total_bytes: int
-    num_chunks: int
+    num_reads: int
+    # Largest payload of one sent chunk; every read unit is a whole number of these but its last.
+    chunk_bytes: int
 
 
 def plan_reads(
@@ -61,20 +69,21 @@ def plan_reads(
             seen.add(name)
             entry = manifest.tensor(name)
             selection.append((entry, _check_ranges(entry, ranges)))
+    unit_bytes = max(1, READ_UNIT_BYTES // chunk_bytes) * chunk_bytes
     per_file: dict[int, FilePlan] = {}
     total = 0
     count = 0
     for entry, ranges in selection:
         plan = per_file.setdefault(entry.file_index, FilePlan(entry.file_index))
         for start, end in ranges:
-            for offset, length in wire.split_range(start, end, chunk_bytes):
+            for offset, length in wire.split_range(start, end, unit_bytes):
                 plan.offsets.append(entry.file_offset + offset)
                 plan.sizes.append(length)
                 plan.places.append(ChunkPlace(entry.name, offset, length))
                 total += length
                 count += 1
     files = tuple(p for _, p in sorted(per_file.items()) if p.sizes)
-    return ReadPlan(files, total, count)
+    return ReadPlan(files, total, count, chunk_bytes)
 
 
 def _check_ranges(entry: TensorEntry, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -102,10 +102,10 @@ class StreamerPool:
 def read_chunks(
     streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int
 ) -> Iterator[tuple[ChunkPlace, torch.Tensor]]:
-    """Yield every planned chunk with its bytes, as the streamer completes them (files interleave).
+    """Yield every chunk of the plan with its bytes, as the streamer completes reads (files interleave).
 
     Each yielded tensor is a uint8 view into the streamer's ring, valid until the next item is
-    taken. Every chunk's length is checked, and so is the count of chunks: a short or missing read
+    taken. Every read's length is checked, and so is the count of reads: a short or missing read
     is an error, never a silently short stream: CorruptCheckpoint for local files, and
     StorageUnavailable (worth a retry) for S3, where the usual cause is the store or the network.
     """
@@ -133,22 +133,24 @@ def read_chunks(
         chunks = file_streamer.get_chunks()
         try:
             for file_id, range_index, data in chunks:
-                place = plan.files[file_id].places[range_index]
+                unit = plan.files[file_id].places[range_index]
                 flat = data.view(-1)
-                if flat.numel() != place.length:
+                if flat.numel() != unit.length:
                     raise failure(
-                        f"model {manifest.model!r}: tensor {place.tensor!r}: read {flat.numel()} bytes at "
-                        f"offset {place.offset}, expected {place.length}"
+                        f"model {manifest.model!r}: tensor {unit.tensor!r}: read {flat.numel()} bytes at "
+                        f"offset {unit.offset}, expected {unit.length}"
                     )
                 received += 1
-                yield place, flat
+                for start in range(0, unit.length, plan.chunk_bytes):
+                    length = min(plan.chunk_bytes, unit.length - start)
+                    yield ChunkPlace(unit.tensor, unit.offset + start, length), flat[start : start + length]
         finally:
             chunks.close()
     except ValueError as exc:
         # The streamer's errors are terse ("End of file reached", "File access error"): name the
         # model and files. Locally the usual cause is a file changed after its header was read.
         raise failure(f"model {manifest.model!r}: reading {file_names} failed: {exc}") from exc
-    if received != plan.num_chunks:
+    if received != plan.num_reads:
         raise failure(
-            f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_chunks} chunks"
+            f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_reads} reads"
         )

@@ -62,6 +62,8 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
         Every stream, however it ends, is counted in the stats and logged in one line at its end.
         """
         started = time.monotonic()
+        # Asked now: once a call is cancelled, context.peer() is empty.
+        peer = context.peer()
         tally = _Tally()
         model: str | None = None
         tensors = 0
@@ -84,12 +86,12 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
             plan = plan_reads(manifest, requested, chunk_bytes)
             tensors = len(requested) or len(manifest.tensors)
             logger.debug(
-                "stream %r from %s: %d tensors, %d bytes in %d chunks from %d files",
+                "stream %r from %s: %d tensors, %d bytes in %d reads from %d files",
                 request.model,
-                context.peer(),
+                peer,
                 tensors,
                 plan.total_bytes,
-                plan.num_chunks,
+                plan.num_reads,
                 len(plan.files),
             )
             with self._pool.checkout() as streamer:
@@ -110,7 +112,7 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
             logger.info(
                 "stream end: model=%r peer=%s tensors=%d bytes=%d seconds=%.3f gbps=%.2f code=%s",
                 request.model,
-                context.peer(),
+                peer,
                 tensors,
                 tally.sent,
                 seconds,
