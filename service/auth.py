@@ -40,8 +40,11 @@ class TokenFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._stamp = self._stat()
-        digests = self._read()
+        try:
+            self._stamp = self._stat()
+            digests = self._read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"token file {path}: {getattr(exc, 'strerror', None) or exc}") from exc
         if not digests:
             raise ValueError(f"token file {path} holds no token (one token per line)")
         self._digests = digests
@@ -74,7 +77,7 @@ class TokenFile:
             if stamp != self._stamp:
                 try:
                     digests = self._read()
-                except OSError as exc:
+                except (OSError, UnicodeDecodeError) as exc:
                     logger.warning("token file %s: %s; keeping the tokens read before", self.path, exc)
                     return self._digests
                 if digests:

@@ -1,14 +1,16 @@
 """Readiness: whether the server takes new streams, as REST /readyz and grpc.health.v1 report it.
 
 A server is ready while gRPC is serving, it is not draining, and every source (model root, S3
-bucket) answers. Sources are asked at each check, so a probe costs one reachability check per
-source; S3 sources should keep theirs quick.
+bucket) answers. Sources are asked again when their last answer is older than PROBE_TTL_S, by one
+caller at a time: a store that hangs (an S3 endpoint gone quiet) holds at most one thread, and
+every other probe meanwhile gets the last answer at once. Serving and draining are never cached.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["WeightStreamService"].full_name
 HEALTH_SERVICE_NAME: str = health.SERVICE_NAME
+# How long a source's reachability answer is reused; probes come every few seconds at most.
+PROBE_TTL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,9 @@ class Readiness:
         self._sources = tuple(sources)
         self._serving = threading.Event()
         self._draining = threading.Event()
+        self._probe_lock = threading.Lock()
+        self._states = tuple(_probe(source) for source in self._sources)
+        self._probed_at = time.monotonic()
 
     @property
     def draining(self) -> bool:
@@ -76,10 +83,22 @@ class Readiness:
         self._draining.set()
 
     def report(self) -> ReadinessReport:
-        sources = tuple(_probe(source) for source in self._sources)
+        sources = self._source_states()
         serving, draining = self._serving.is_set(), self._draining.is_set()
         ready = serving and not draining and all(s.reachable for s in sources)
         return ReadinessReport(ready, serving, draining, sources)
+
+    def _source_states(self) -> tuple[SourceState, ...]:
+        if time.monotonic() - self._probed_at < PROBE_TTL_S:
+            return self._states
+        if not self._probe_lock.acquire(blocking=False):
+            return self._states  # another thread is probing; its answer is at most as fresh
+        try:
+            self._states = tuple(_probe(source) for source in self._sources)
+            self._probed_at = time.monotonic()
+        finally:
+            self._probe_lock.release()
+        return self._states
 
 
 class ReadinessHealthServicer(health.HealthServicer):

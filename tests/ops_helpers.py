@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import ipaddress
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from weightstream.server import ServerSettings, WeightStreamServer, create_serve
 from weightstream.server.http import RestServer, create_app, start_http
 
 LOOPBACK = "127.0.0.1"
+# Source reachability is cached for about a second (health.PROBE_TTL_S); waits for a change are bounded by this.
+CHANGE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -64,6 +67,15 @@ def running(model_root: Path, **settings: object) -> Iterator[Running]:
         http.close()
         rest.stop(5.0)
         server.stop(grace=1.0)
+
+
+def eventually(check: Callable[[], bool], what: str, timeout: float = CHANGE_TIMEOUT_S) -> None:
+    """Poll check every 50 ms until it is true; fail with what after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not seen within {timeout} s")
+        time.sleep(0.05)
 
 
 def write_model(root: Path, name: str, tensors: int, numel: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -19,8 +19,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.ops_helpers import LOOPBACK, write_model
-from tests.test_cli import no_proxy, serve_process, wait_http_ready  # noqa: F401  (no_proxy is a fixture)
 from tests.test_cli import free_ports as _free_ports
+from tests.test_cli import no_proxy, serve_process, wait_http_ready  # noqa: F401  (no_proxy is a fixture)
 from weightstream.client import UnavailableError, WeightStreamClient, WeightStreamError
 
 MODEL = "drain-model"
@@ -143,6 +143,7 @@ def test_streams_past_the_drain_deadline_are_cancelled(
     assert code == 0, output
     assert took < 10, f"exited {took:.1f} s after SIGTERM with --drain-seconds 0.5:\n{output}"
     assert "1 streams still running after 0.5 s; cancelling them" in output, output
+    assert f"stream end: model='{MODEL}' peer=ipv4:{LOOPBACK}:" in output and "code=CANCELLED" in output, output
 
 
 def test_a_second_sigterm_exits_at_once(

@@ -13,7 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from tests.ops_helpers import Running, nbytes, running, write_model
+from tests.ops_helpers import Running, eventually, nbytes, running, write_model
 from weightstream import wire
 from weightstream.client import UnavailableError, WeightStreamClient
 from weightstream.server.plan import MAX_REQUESTED_TENSORS
@@ -81,9 +81,7 @@ def _stream_error(channel: grpc.Channel, request: pb.StreamTensorsRequest) -> gr
 
 
 @pytest.mark.parametrize("chunk", [wire.MIN_CHUNK_BYTES - 1, wire.MAX_CHUNK_BYTES + 1, 2**32 - 1])
-def test_chunk_size_out_of_bounds_is_invalid(
-    channel: grpc.Channel, state: dict[str, torch.Tensor], chunk: int
-) -> None:
+def test_chunk_size_out_of_bounds_is_invalid(channel: grpc.Channel, state: dict[str, torch.Tensor], chunk: int) -> None:
     error = _stream_error(channel, pb.StreamTensorsRequest(model=MODEL, max_chunk_bytes=chunk))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_chunk_bytes" in (error.details() or "")
@@ -146,7 +144,7 @@ def test_health_follows_source_reachability(tmp_path: Path) -> None:
         assert _health(channel) == SERVING
         root.rename(tmp_path / "aside")
         try:
-            assert _health(channel) == NOT_SERVING
+            eventually(lambda: _health(channel) == NOT_SERVING, "NOT_SERVING")
         finally:
             (tmp_path / "aside").rename(root)
-        assert _health(channel) == SERVING
+        eventually(lambda: _health(channel) == SERVING, "SERVING again")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +16,9 @@ import schemathesis
 import torch
 
 import weightstream
-from tests.ops_helpers import Running, nbytes, running, samples, write_model
+from tests.ops_helpers import Running, eventually, nbytes, running, samples, write_model
 from weightstream.client import NotFoundError, ResourceExhaustedError, WeightStreamClient
+from weightstream.server import health
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
@@ -68,7 +72,9 @@ def test_status_fields(served: Running, state: dict[str, torch.Tensor]) -> None:
     assert body["bytes_served_total"] >= nbytes(state)
     assert body["storage_bytes_read_total"] >= nbytes(state)
     assert isinstance(body["errors_total"], dict)
-    assert body["sources"] == [{"source": served.server.catalog.sources[0].describe(), "reachable": True, "error": None}]
+    assert body["sources"] == [
+        {"source": served.server.catalog.sources[0].describe(), "reachable": True, "error": None}
+    ]
     assert body["models"][MODEL]["streams"] >= 1
     assert body["models"][MODEL]["bytes_served"] >= nbytes(state)
     assert body["tls"] is False and body["auth"] is False and body["draining"] is False
@@ -165,6 +171,7 @@ def test_readyz_names_the_unreachable_source(tmp_path: Path) -> None:
     with running(root) as r:
         assert r.get("/readyz").status_code == 200
         with _moved(root):
+            eventually(lambda: r.get("/readyz").status_code == 503, "/readyz 503")
             response = r.get("/readyz")
             assert response.status_code == 503
             body = response.json()
@@ -173,7 +180,7 @@ def test_readyz_names_the_unreachable_source(tmp_path: Path) -> None:
             assert any(str(root) in reason and "not reachable" in reason for reason in body["reasons"]), body
             assert r.get("/status").json()["sources"][0]["reachable"] is False
             assert r.get("/healthz").status_code == 200  # liveness does not depend on storage
-        assert r.get("/readyz").status_code == 200
+        eventually(lambda: r.get("/readyz").status_code == 200, "/readyz 200 again")
 
 
 def test_readyz_is_503_while_draining(tmp_path: Path) -> None:
@@ -220,3 +227,45 @@ def test_rest_api_conforms_to_its_openapi_schema(served_with_token: Running) -> 
                 case.call_and_validate(headers=headers)
 
         check()
+
+
+class _HangingSource:
+    """A fake source whose reachability check fails, and blocks first while hanging is set: a real
+    store that hangs on demand cannot be arranged here."""
+
+    def __init__(self) -> None:
+        self.hanging = False
+        self.release = threading.Event()
+        self.calls = 0
+
+    def describe(self) -> str:
+        return "s3://hanging"
+
+    def reachable(self) -> bool:
+        self.calls += 1
+        if self.hanging:
+            self.release.wait(10)
+        raise ConnectionError("endpoint timed out")
+
+
+def test_a_hanging_source_holds_one_probe_and_others_get_the_last_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(health, "PROBE_TTL_S", 0.0)
+    source = _HangingSource()
+    readiness = health.Readiness([source])  # type: ignore[list-item]
+    readiness.mark_serving()
+    first = readiness.report()
+    assert first.sources[0].reachable is False
+    assert first.sources[0].error == "ConnectionError: endpoint timed out"
+    assert "s3://hanging is not reachable (ConnectionError: endpoint timed out)" in first.reasons
+    probes = source.calls
+    source.hanging = True
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        hung = pool.submit(readiness.report)
+        eventually(lambda: source.calls == probes + 1, "the hanging probe")
+        started = time.monotonic()
+        for _ in range(5):
+            assert readiness.report().ready is False  # answered from the last probe, not blocked
+        assert time.monotonic() - started < 1.0
+        assert source.calls == probes + 1
+        source.release.set()
+        assert hung.result(timeout=10).ready is False
