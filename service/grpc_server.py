@@ -177,8 +177,8 @@ def build_sources(settings: ServerSettings) -> list[Source]:
     if settings.s3_buckets:
         from weightstream.server.s3 import S3Source, make_client
 
-        client = make_client(settings)
-        sources.extend(S3Source(bucket, client) for bucket in settings.s3_buckets)
+        client, probe_client = make_client(settings), make_client(settings, probe=True)
+        sources.extend(S3Source(bucket, client, probe_client) for bucket in settings.s3_buckets)
     return sources
 
 

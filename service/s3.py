@@ -53,13 +53,17 @@ _UNAUTHENTICATED = {
 _DATA_LOSS = {"InvalidRange"}
 
 
-def make_client(settings: ServerSettings) -> Any:
-    """A boto3 S3 client for settings (thread-safe; shared by every S3 source of a server)."""
+def make_client(settings: ServerSettings, *, probe: bool = False) -> Any:
+    """A boto3 S3 client for settings (thread-safe; shared by every S3 source of a server).
+
+    A probe client answers readiness checks: one attempt with short timeouts, so that a dead store
+    makes /readyz say so within a probe's timeout instead of after a series of retries.
+    """
     config = Config(
         s3={"addressing_style": "path" if settings.s3_path_style else "auto"},
-        retries={"mode": "standard", "max_attempts": 3},
-        connect_timeout=5,
-        read_timeout=max(1, settings.s3_request_timeout_ms // 1000),
+        retries={"mode": "standard", "max_attempts": 1 if probe else 3},
+        connect_timeout=1 if probe else 5,
+        read_timeout=1 if probe else max(1, settings.s3_request_timeout_ms // 1000),
     )
     return boto3.session.Session().client(
         "s3",
@@ -73,9 +77,10 @@ def make_client(settings: ServerSettings) -> Any:
 class S3Source:
     """The models under one allowed bucket."""
 
-    def __init__(self, bucket: str, client: Any) -> None:
+    def __init__(self, bucket: str, client: Any, probe_client: Any) -> None:
         self.bucket = bucket
         self._client = client
+        self._probe_client = probe_client
 
     def claims(self, model: str) -> bool:
         return model == S3_SCHEME + self.bucket or model.startswith(f"{S3_SCHEME}{self.bucket}/")
@@ -85,7 +90,7 @@ class S3Source:
 
     def reachable(self) -> bool:
         try:
-            self._client.head_bucket(Bucket=self.bucket)
+            self._probe_client.head_bucket(Bucket=self.bucket)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
             return False
         return True

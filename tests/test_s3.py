@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -169,3 +170,12 @@ def test_truncated_object_and_bad_header_are_data_loss(
     assert info.value.code == grpc.StatusCode.DATA_LOSS
     # The server keeps serving.
     assert len(s3_client.manifest(LLAMA).tensors) > 0
+
+
+def test_readiness_reports_each_bucket(s3_server: WeightStreamServer) -> None:
+    """The allowed bucket that exists is reachable; the allowed one that does not is not (and says so fast)."""
+    by_name = {source.describe(): source for source in s3_server.catalog.sources}
+    assert by_name[f"s3://{S3_BUCKET}"].reachable()
+    started = time.monotonic()
+    assert not by_name["s3://ws-missing-bucket"].reachable()
+    assert time.monotonic() - started < 5

@@ -139,6 +139,9 @@ def test_unreachable_store_is_unavailable(s3_store: S3Process) -> None:
             with pytest.raises(UnavailableError, match=r"s3://ws-models/x/.*unreachable") as info:
                 client.manifest("s3://ws-models/x")
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        started = time.monotonic()
+        assert not any(source.reachable() for source in server.catalog.sources)
+        assert time.monotonic() - started < 5, "a readiness probe of a dead store must answer within seconds"
     finally:
         server.stop(grace=1.0)
 
