@@ -76,22 +76,27 @@ def server_process(root: Path | None) -> Iterator[int]:
         proc.wait(timeout=30)
 
 
+def write_checkpoint(folder: Path, gb: float) -> tuple[int, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """A Llama-shaped bfloat16 checkpoint of about gb GB in 4 shards; returns its bytes and tensor shapes."""
+    hidden, intermediate, vocab = 2048, 5632, 32000
+    layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * intermediate)
+    layers = max(1, round((gb * 1e9 - 2 * 2 * vocab * hidden) / layer_bytes))
+    state = llama_like_state_dict(layers=layers, hidden=hidden, intermediate=intermediate, vocab=vocab)
+    save_sharded(state, folder, shards=4)
+    return sum(t.numel() * t.element_size() for t in state.values()), {
+        n: (tuple(t.shape), t.dtype) for n, t in state.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (default 1.0)")
     parser.add_argument("--runs", type=int, default=5, help="runs per path (default 5)")
     args = parser.parse_args()
 
-    hidden, intermediate, vocab = 2048, 5632, 32000
-    layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * intermediate)
-    layers = max(1, round((args.gb * 1e9 - 2 * 2 * vocab * hidden) / layer_bytes))
-    state = llama_like_state_dict(layers=layers, hidden=hidden, intermediate=intermediate, vocab=vocab)
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    shapes = {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
     with tempfile.TemporaryDirectory(prefix="weightstream-bench-") as tmp:
         root = Path(tmp)
-        save_sharded(state, root / "bench", shards=4)
-        del state
+        total, shapes = write_checkpoint(root / "bench", args.gb)
         files = sorted((root / "bench").glob("*.safetensors"))
         module = ParameterTree(shapes)  # touched once (zeros), reused by every run
         results: dict[str, list[float]] = {

@@ -28,10 +28,10 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.core_load import server_process
+from benchmarks.core_load import server_process, write_checkpoint
 from tests.s3_servers import REGION, S3RVER_KEY, s3rver, upload_folder
 from weightstream.client import WeightStreamClient
-from weightstream.demo import ParameterTree, llama_like_state_dict, save_sharded
+from weightstream.demo import ParameterTree
 
 BUCKET = "bench"
 
@@ -53,16 +53,9 @@ def main() -> None:
     from runai_model_streamer import SafetensorsStreamer
     from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
-    hidden, intermediate, vocab = 2048, 5632, 32000
-    layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * intermediate)
-    layers = max(1, round((args.gb * 1e9 - 2 * 2 * vocab * hidden) / layer_bytes))
-    state = llama_like_state_dict(layers=layers, hidden=hidden, intermediate=intermediate, vocab=vocab)
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    shapes = {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
     with tempfile.TemporaryDirectory(prefix="weightstream-s3-bench-") as tmp:
         work = Path(tmp)
-        save_sharded(state, work / "model", shards=4)
-        del state
+        total, shapes = write_checkpoint(work / "model", args.gb)
         module = ParameterTree(shapes)
         params = dict(module.named_parameters())
         with s3rver(work) as store:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import time
@@ -14,7 +15,7 @@ from types import TracebackType
 import grpc
 import torch
 
-from weightstream import wire
+from weightstream import framing, wire
 from weightstream.client.errors import IntegrityError, NotFoundError, WeightStreamError, from_rpc_error
 from weightstream.client.manifest import Manifest, TensorInfo, manifest_from_proto
 from weightstream.client.placement import Destination, Placers
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 # Where the client finds a bearer token when none is passed.
 TOKEN_ENV = "WEIGHTSTREAM_TOKEN"
+
+STREAM_TENSORS_METHOD = "/weightstream.v1.WeightStreamService/StreamTensors"
 
 _CHANNEL_OPTIONS: list[tuple[str, int]] = [
     # A message carries up to MAX_CHUNK_BYTES of payload plus chunk descriptors; gRPC's default
@@ -94,6 +97,7 @@ class WeightStreamClient:
         self._progress = progress
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.WeightStreamServiceStub | None = None
+        self._stream_raw: grpc.UnaryStreamMultiCallable | None = None
 
     def __enter__(self) -> WeightStreamClient:
         return self
@@ -108,16 +112,35 @@ class WeightStreamClient:
             self._channel.close()
             self._channel = None
             self._stub = None
+            self._stream_raw = None
 
     @property
     def stub(self) -> pb_grpc.WeightStreamServiceStub:
         if self._stub is None:
-            if self._credentials is None:
-                self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
-            else:
-                self._channel = grpc.secure_channel(self.target, self._credentials, options=_CHANNEL_OPTIONS)
-            self._stub = pb_grpc.WeightStreamServiceStub(self._channel)
+            self._connect()
+        assert self._stub is not None
         return self._stub
+
+    @property
+    def _stream_tensors(self) -> grpc.UnaryStreamMultiCallable:
+        if self._stream_raw is None:
+            self._connect()
+        assert self._stream_raw is not None
+        return self._stream_raw
+
+    def _connect(self) -> None:
+        if self._credentials is None:
+            self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(self.target, self._credentials, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.WeightStreamServiceStub(self._channel)
+        # The data stream is read as raw message bytes, decoded by framing.decode_response, so
+        # that payloads are checksummed and placed straight from the received message.
+        self._stream_raw = self._channel.unary_stream(
+            STREAM_TENSORS_METHOD,
+            request_serializer=pb.StreamTensorsRequest.SerializeToString,
+            response_deserializer=None,
+        )
 
     def manifest(self, model: str) -> Manifest:
         """Every tensor of model: name, dtype, shape, size and file."""
@@ -227,12 +250,18 @@ class WeightStreamClient:
         total = sum(info.nbytes for info in infos.values())
         placers = Placers(self._chunk_bytes)
         with self._translated(), byte_bar(total, description, self._progress) as bar:
-            call = self.stub.StreamTensors(request, metadata=self._metadata)
+            call = self._stream_tensors(request, metadata=self._metadata)
             try:
-                for response in call:
-                    for chunk in response.chunks:
-                        dest = self._place(manifest, infos, destination, placers, chunk)
-                        bar.update(chunk.length)  # checked against the payload in _place
+                for message in call:
+                    try:
+                        chunks = framing.decode_response(message)
+                    except framing.FramingError as exc:
+                        raise IntegrityError(f"model {manifest.model!r}: malformed stream message: {exc}") from exc
+                    # The message's own memory: payloads are read from here, never sliced out.
+                    base = ctypes.cast(ctypes.c_char_p(message), ctypes.c_void_p).value or 0
+                    for chunk in chunks:
+                        dest = self._place(manifest, infos, destination, placers, chunk, base)
+                        bar.update(chunk.data_length)
                         if dest is not None and dest.complete and dest.name in pending:
                             placers.for_tensor(dest.buffer).finish(dest)
                             pending.discard(dest.name)
@@ -253,27 +282,34 @@ class WeightStreamClient:
         infos: dict[str, TensorInfo],
         destination: Callable[[str], Destination],
         placers: Placers,
-        chunk: pb.TensorChunk,
+        chunk: framing.RawChunk,
+        base: int,
     ) -> Destination | None:
+        """Check one chunk (known tensor, bounds, CRC32C) and write its payload into its tensor.
+
+        Copies per byte on this side: gRPC's buffer -> the received message (bytes), message ->
+        the tensor (one memmove; on CUDA, message -> pinned staging -> device).
+        """
         info = infos.get(chunk.tensor)
         if info is None:
             raise IntegrityError(f"model {manifest.model!r}: received a chunk of unrequested tensor {chunk.tensor!r}")
-        data = chunk.data
-        end = chunk.offset + len(data)
-        if len(data) != chunk.length or end > info.nbytes:
+        size = chunk.data_length
+        end = chunk.offset + size
+        if size != chunk.length or end > info.nbytes:
             raise IntegrityError(
                 f"model {manifest.model!r}: tensor {chunk.tensor!r}: chunk at offset {chunk.offset} with "
-                f"{len(data)} bytes (stated {chunk.length}) does not fit its {info.nbytes} bytes"
+                f"{size} bytes (stated {chunk.length}) does not fit its {info.nbytes} bytes"
             )
-        if wire.crc32c(data) != chunk.crc32c:
+        address = base + chunk.data_start
+        if wire.crc32c_at(address, size) != chunk.crc32c:
             raise IntegrityError(
                 f"model {manifest.model!r}: tensor {chunk.tensor!r}: CRC32C mismatch in the chunk at offset "
-                f"{chunk.offset} ({len(data)} bytes); the data was corrupted in transit"
+                f"{chunk.offset} ({size} bytes); the data was corrupted in transit"
             )
-        if not data:
+        if not size:
             return None
         dest = destination(chunk.tensor)
-        placers.for_tensor(dest.buffer).place(dest, chunk.offset, data)
+        placers.for_tensor(dest.buffer).place(dest, chunk.offset, address, size)
         dest.written = True
         dest.landed.add(chunk.offset, end)
         return dest

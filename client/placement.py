@@ -58,9 +58,10 @@ class Destination:
 class CpuPlacer:
     """Writes chunks into host memory with one memmove each."""
 
-    def place(self, dest: Destination, offset: int, data: bytes) -> None:
+    def place(self, dest: Destination, offset: int, address: int, length: int) -> None:
+        """Copy length bytes at address into dest at offset; the caller keeps the source alive."""
         # Bounds were checked by the caller against dest.nbytes; memmove itself checks nothing.
-        ctypes.memmove(dest.buffer.data_ptr() + offset, data, len(data))
+        ctypes.memmove(dest.buffer.data_ptr() + offset, address, length)
 
     def finish(self, dest: Destination) -> None:
         dest.finish()
@@ -81,11 +82,12 @@ class CudaPlacer:
         self.events: list[torch.cuda.Event | None] = [None] * depth
         self.next = 0
 
-    def place(self, dest: Destination, offset: int, data: bytes) -> None:
-        source = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+    def place(self, dest: Destination, offset: int, address: int, length: int) -> None:
+        """Copy length bytes at address into dest at offset, through the pinned ring."""
+        source, total = address, length
         size = self.staging[0].numel()
-        for start in range(0, len(data), size):
-            length = min(size, len(data) - start)
+        for start in range(0, total, size):
+            length = min(size, total - start)
             slot = self.next
             self.next = (slot + 1) % len(self.staging)
             event = self.events[slot]

@@ -1,12 +1,16 @@
 """Wire-format helpers shared by the server and the client: dtypes, checksums, chunk sizes.
 
+How data messages are framed lives in framing.py.
+
 Both sides import this module, so that a dtype, a checksum or a chunk boundary is defined once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import ctypes
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import google_crc32c
 import torch
@@ -61,6 +65,38 @@ def crc32c(data: bytes) -> int:
     return int(google_crc32c.value(data))
 
 
+def crc32c_at(address: int, length: int) -> int:
+    """CRC32C of the length bytes at address, without copying them.
+
+    google-crc32c's Python function takes only bytes objects; its bundled C library takes any
+    memory (a tensor, a ring slot, a slice of a received message) and releases the GIL while it
+    runs. Where that library cannot be found, the bytes are copied once and checksummed in Python.
+    """
+    if _native_crc is not None:
+        return int(_native_crc(address, length))
+    return crc32c(ctypes.string_at(address, length))
+
+
+def _load_native_crc() -> Callable[[int, int], int] | None:
+    package = Path(google_crc32c.__file__).parent
+    candidates = sorted(package.parent.glob("google_crc32c.libs/libcrc32c*.so*")) + sorted(
+        package.glob("libcrc32c*.so*")
+    )
+    for candidate in candidates:
+        try:
+            library = ctypes.CDLL(str(candidate))
+        except OSError:
+            continue
+        function = library.crc32c_value
+        function.restype = ctypes.c_uint32
+        function.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return function
+    return None
+
+
+_native_crc = _load_native_crc()
+
+
 def clamp_chunk_bytes(requested: int) -> int:
     """The chunk size a request gets: the default for 0, otherwise within the allowed bounds."""
     if requested <= 0:
@@ -83,45 +119,3 @@ def numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         count *= dim
     return count
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-# Field tags of TensorChunk and StreamTensorsResponse (field number << 3 | wire type).
-_TAG_TENSOR = b"\x0a"  # 1, length-delimited
-_TAG_OFFSET = b"\x10"  # 2, varint
-_TAG_CRC32C = b"\x18"  # 3, varint
-_TAG_LENGTH = b"\x20"  # 4, varint
-_TAG_DATA = b"\x7a"  # 15, length-delimited
-_TAG_CHUNKS = b"\x0a"  # StreamTensorsResponse.chunks, 1, length-delimited
-
-
-def encode_stream_response(chunks: list[tuple[str, int, int, bytes]]) -> bytes:
-    """Serialize a StreamTensorsResponse of (tensor, offset, crc32c, data) chunks.
-
-    The bytes are exactly what protobuf's SerializeToString gives for the same message (a test
-    checks this); building them here copies each payload once, into the message, where going
-    through a protobuf object copies it twice (into the object, then out of it).
-    """
-    parts: list[bytes] = []
-    for tensor, offset, crc, data in chunks:
-        name = tensor.encode()
-        head = bytearray()
-        if name:
-            head += _TAG_TENSOR + _varint(len(name)) + name
-        if offset:
-            head += _TAG_OFFSET + _varint(offset)
-        if crc:
-            head += _TAG_CRC32C + _varint(crc)
-        if data:
-            head += _TAG_LENGTH + _varint(len(data)) + _TAG_DATA + _varint(len(data))
-        parts.append(_TAG_CHUNKS + _varint(len(head) + len(data)) + bytes(head))
-        parts.append(data)
-    return b"".join(parts)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from weightstream import wire
+from weightstream import framing, wire
 from weightstream.server.catalog import Catalog, Manifest
 from weightstream.server.errors import Draining, InvalidRequest, RevisionMismatch, ServerError, status_code
 from weightstream.server.health import Readiness
@@ -151,25 +151,30 @@ def _batch(
 ) -> Iterator[tuple[bytes, int]]:
     """Pack the chunks read into (serialized StreamTensorsResponse, payload bytes) of about chunk_bytes each.
 
-    Copies per byte on this side: file -> streamer ring (the read), ring -> bytes (tobytes below:
-    the ring slot is reused as soon as the next chunk is taken, and the CRC needs bytes), bytes ->
-    the serialized message, then gRPC's own buffer to the socket.
+    Copies per byte on this side: file -> streamer ring (the read), ring -> message (encode_chunk;
+    the CRC is taken from the ring in place), then gRPC's own buffer to the socket. Chunks smaller
+    than half a message are packed together, which copies their few bytes once more.
     """
-    pending: list[tuple[str, int, int, bytes]] = []
+    pending: list[bytes] = []
     pending_bytes = 0
     pending_payload = 0
     for place, data in read_chunks(streamer, manifest, plan, read_ahead_bytes):
-        payload = data.numpy().tobytes()
-        tally.read += len(payload)
-        cost = len(payload) + len(place.tensor) + 32
-        if pending and pending_bytes + cost > chunk_bytes:
-            yield wire.encode_stream_response(pending), pending_payload
+        length = place.length
+        tally.read += length
+        crc = wire.crc32c_at(data.data_ptr(), length)
+        # The ring slot is reused once the next chunk is taken, so the chunk is framed (copied) now.
+        entry = framing.encode_chunk(place.tensor, place.offset, crc, memoryview(data.numpy()))
+        if pending and pending_bytes + len(entry) > chunk_bytes:
+            yield b"".join(pending), pending_payload
             pending, pending_bytes, pending_payload = [], 0, 0
-        pending.append((place.tensor, place.offset, wire.crc32c(payload), payload))
-        pending_bytes += cost
-        pending_payload += len(payload)
+        if len(entry) >= chunk_bytes // 2:
+            yield entry, length
+            continue
+        pending.append(entry)
+        pending_bytes += len(entry)
+        pending_payload += length
     if pending:
-        yield wire.encode_stream_response(pending), pending_payload
+        yield b"".join(pending), pending_payload
 
 
 def add_to_server(servicer: WeightStreamServicer, server: grpc.Server) -> None:

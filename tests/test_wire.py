@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import _TYPES as SAFETENSORS_TYPES  # the dtype spellings safetensors writes
 
-from weightstream import wire
+from weightstream import framing, wire
 from weightstream.client.ranges import RangeSet
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -25,9 +25,42 @@ def test_encoded_response_equals_protobuf(chunks: list[tuple[str, int, int, byte
     message = pb.StreamTensorsResponse(
         chunks=[pb.TensorChunk(tensor=t, offset=o, crc32c=c, length=len(d), data=d) for t, o, c, d in chunks]
     )
-    encoded = wire.encode_stream_response(chunks)
+    encoded = framing.encode_response(chunks)
     assert encoded == message.SerializeToString()
     assert pb.StreamTensorsResponse.FromString(encoded) == message
+    decoded = framing.decode_response(encoded)
+    assert [(c.tensor, c.offset, c.crc32c, c.length, encoded[c.data_start : c.data_start + c.data_length])
+            for c in decoded] == [(t, o, c, len(d), d) for t, o, c, d in chunks]  # fmt: skip
+
+
+def test_decoder_skips_unknown_fields_and_reads_protobuf_output() -> None:
+    """A later field (a shared-memory slot, say) must not break today's decoder."""
+    chunk = pb.TensorChunk(tensor="w", offset=5, crc32c=7, length=3, data=b"abc")
+    extra = b"\x30\x2a" + b"\x4a\x03xyz" + b"\x2d\x01\x00\x00\x00"  # varint 6, bytes 9, fixed32 5
+    message = b"\x0a" + bytes([len(chunk.SerializeToString()) + len(extra)]) + chunk.SerializeToString() + extra
+    (decoded,) = framing.decode_response(message + b"\x12\x00")  # and an unknown field 2 of the response
+    assert (decoded.tensor, decoded.offset, decoded.crc32c, decoded.length) == ("w", 5, 7, 3)
+    assert message[decoded.data_start : decoded.data_start + decoded.data_length] == b"abc"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [b"\x0a\x10abc", b"\x0a\x05\x7a\x10ab", b"\x0a\x02\x0a\x09", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+     b"\x0b", b"\x0a\x03\x0a\x01\xff"],
+)  # fmt: skip
+def test_decoder_refuses_malformed_messages(message: bytes) -> None:
+    with pytest.raises(framing.FramingError):
+        framing.decode_response(message)
+
+
+def test_native_crc_matches_google_crc32c() -> None:
+    import ctypes
+    import os
+
+    data = os.urandom(100_003)
+    address = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+    assert wire.crc32c_at(address, len(data)) == wire.crc32c(data)
+    assert wire.crc32c_at(address + 10, 500) == wire.crc32c(data[10:510])
 
 
 def test_dtype_table_covers_safetensors_spellings_torch_holds() -> None:
