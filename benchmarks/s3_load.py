@@ -11,6 +11,7 @@ Every path writes into the same module, whose memory was touched before the firs
 medians and spreads of several runs and the ratios the S3 issue targets.
 
 Usage (from the repository root, after `make test` installed s3rver): python benchmarks/s3_load.py [--gb 1] [--runs 3]
+The client process and the server tune glibc malloc (weightstream.allocator), as `weightstream bench` does.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.core_load import server_process, write_checkpoint
 from tests.s3_servers import REGION, S3RVER_KEY, s3rver, upload_folder
+from weightstream.bench import serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
 from weightstream.demo import ParameterTree
 
@@ -51,6 +52,10 @@ def main() -> None:
         RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS="30000",
     )
     from runai_model_streamer import SafetensorsStreamer
+
+    from weightstream.allocator import tune_malloc
+
+    tune_malloc()
     from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
     with tempfile.TemporaryDirectory(prefix="weightstream-s3-bench-") as tmp:
@@ -71,7 +76,10 @@ def main() -> None:
             results: dict[str, list[float]] = {"weightstream load_into": [], "boto3 download + load_file": [],
                                                 "Run:ai streamer in the client": []}  # fmt: skip
             credentials = S3Credentials(endpoint=store.endpoint, region_name=REGION)
-            with server_process(None) as port, WeightStreamClient(f"127.0.0.1:{port}", progress=False) as client:
+            with (
+                serve_weightstream(None, 4 << 20) as (_server, port),
+                WeightStreamClient(f"127.0.0.1:{port}", progress=False) as client,
+            ):
                 client.load_into(module, f"s3://{BUCKET}/llama")  # warm the server's streamer and channel
                 for _ in range(args.runs):
                     started = time.perf_counter()

@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightstream import __version__
@@ -71,6 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
         "load it through the client into a torch module, verify it bit for bit, and report the speed.",
     )
 
+    bench = commands.add_parser(
+        "bench",
+        help="measure every load path against the transport's ceilings",
+        description="Generate (or take) a Llama-shaped checkpoint and load it every way, side by side: a raw TCP "
+        "transfer and a bare gRPC stream of the same bytes (the ceilings), safetensors load_file from the page "
+        "cache (the baseline), and weightstream's load_into, iter_tensors and load_state_dict over loopback. "
+        "Prints medians, spreads, ratios and peak RSS. Needs the server's dependencies.",
+    )
+    bench.add_argument("--gb", type=float, default=2.0, help="size of the generated checkpoint (default 2.0)")
+    bench.add_argument("--checkpoint", type=Path, default=None, help="a model folder of *.safetensors to use instead")
+    bench.add_argument("--runs", type=int, default=5, help="runs of every path (default 5)")
+    bench.add_argument("--chunk-bytes", type=int, default=4 * 1024 * 1024, help="message payload (default 4 MiB)")
+    bench.add_argument("--json", type=Path, default=None, help="write the raw figures to this file")
+    bench.add_argument("--plot", type=Path, default=None, help="draw a bar chart to this PNG (needs matplotlib)")
+
     manifest = commands.add_parser("manifest", help="list a model's tensors")
     manifest.add_argument("model", help="model id, for example tiny-llama")
     manifest.add_argument("--target", required=True, help="server address, HOST:PORT")
@@ -98,6 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "bench":
+        from weightstream.bench import run_and_print
+
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_and_print(args.gb, args.runs, args.chunk_bytes, args.checkpoint, args.json, args.plot)
     if args.command == "demo":
         from weightstream.demo import run_demo
 
@@ -177,6 +198,9 @@ def _manifest(client: WeightStreamClient, args: argparse.Namespace) -> int:
 
 
 def _load(client: WeightStreamClient, args: argparse.Namespace) -> int:
+    from weightstream.allocator import tune_malloc
+
+    tune_malloc()
     started = time.perf_counter()
     count = 0
     nbytes = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from concurrent import futures
@@ -15,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
 from weightstream import wire
+from weightstream.allocator import tune_malloc
 from weightstream.server.auth import AuthInterceptor, TokenFile
 from weightstream.server.catalog import Catalog
 from weightstream.server.health import HEALTH_SERVICE_NAME, SERVICE_NAME, Readiness, ReadinessHealthServicer
@@ -79,7 +79,7 @@ def configure_process(settings: ServerSettings) -> None:
     global _streamer_configured
     if _streamer_configured:
         return
-    _tune_malloc()
+    tune_malloc()
     # The streamer's default local strategy is O_DIRECT, which bypasses the page cache (about 2 GB/s
     # here, warm or cold); buffered reads serve a warm checkpoint from memory. An operator's own
     # setting wins.
@@ -180,25 +180,6 @@ def build_sources(settings: ServerSettings) -> list[Source]:
         client, probe_client = make_client(settings), make_client(settings, probe=True)
         sources.extend(S3Source(bucket, client, probe_client) for bucket in settings.s3_buckets)
     return sources
-
-
-def _tune_malloc() -> None:
-    """Keep glibc from returning freed message buffers to the kernel between messages.
-
-    Every message is a fresh multi-MiB allocation; by default glibc serves those with mmap and
-    unmaps them on free, so each message pays page faults on fresh memory (about a fifth of the
-    server's CPU in a profile here). Serving them from a heap that is neither trimmed nor unmapped
-    reuses the same touched pages. Not glibc (musl, macOS): nothing to do.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    mallopt(m_mmap_threshold, 32 * 1024 * 1024)
-    mallopt(m_trim_threshold, 1 << 34)
-    mallopt(m_top_pad, 256 * 1024 * 1024)
 
 
 def _host_for_grpc(host: str) -> str:
