@@ -6,6 +6,8 @@ import contextlib
 import ctypes
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ from types import TracebackType
 
 import grpc
 import torch
+from tqdm import tqdm
 
 from weightstream import framing, wire
 from weightstream.client.errors import IntegrityError, NotFoundError, WeightStreamError, from_rpc_error
@@ -84,6 +87,7 @@ class WeightStreamClient:
         chunk_bytes: int | None = None,
         timeout: float | None = 30.0,
         progress: bool = True,
+        streams: int = 1,
     ) -> None:
         self.target = target
         if token is None:
@@ -98,6 +102,11 @@ class WeightStreamClient:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.WeightStreamServiceStub | None = None
         self._stream_raw: grpc.UnaryStreamMultiCallable | None = None
+        self._extra_channels: list[grpc.Channel] = []
+        self._lock = threading.Lock()
+        if streams < 1:
+            raise ValueError(f"streams must be at least 1, not {streams}")
+        self._streams = streams
 
     def __enter__(self) -> WeightStreamClient:
         return self
@@ -108,11 +117,12 @@ class WeightStreamClient:
         self.close()
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-            self._stub = None
-            self._stream_raw = None
+        with self._lock:
+            channels = [c for c in (self._channel, *self._extra_channels) if c is not None]
+            self._channel, self._stub, self._stream_raw = None, None, None
+            self._extra_channels = []
+        for channel in channels:
+            channel.close()
 
     @property
     def stub(self) -> pb_grpc.WeightStreamServiceStub:
@@ -121,26 +131,34 @@ class WeightStreamClient:
         assert self._stub is not None
         return self._stub
 
-    @property
-    def _stream_tensors(self) -> grpc.UnaryStreamMultiCallable:
+    def _stream_callable(self, index: int) -> grpc.UnaryStreamMultiCallable:
+        """The raw StreamTensors method on channel index: 0 is the main channel, others are extra ones.
+
+        Parallel streams of one load go over separate channels (separate TCP connections), which
+        measured better than several streams sharing one connection.
+        """
         if self._stream_raw is None:
             self._connect()
-        assert self._stream_raw is not None
-        return self._stream_raw
+        assert self._stream_raw is not None and self._channel is not None
+        if index == 0:
+            return self._stream_raw
+        with self._lock:
+            while len(self._extra_channels) < index:
+                self._extra_channels.append(self._new_channel())
+            channel = self._extra_channels[index - 1]
+        return _raw_stream_method(channel)
 
     def _connect(self) -> None:
+        with self._lock:
+            if self._channel is None:
+                self._channel = self._new_channel()
+                self._stub = pb_grpc.WeightStreamServiceStub(self._channel)
+                self._stream_raw = _raw_stream_method(self._channel)
+
+    def _new_channel(self) -> grpc.Channel:
         if self._credentials is None:
-            self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.secure_channel(self.target, self._credentials, options=_CHANNEL_OPTIONS)
-        self._stub = pb_grpc.WeightStreamServiceStub(self._channel)
-        # The data stream is read as raw message bytes, decoded by framing.decode_response, so
-        # that payloads are checksummed and placed straight from the received message.
-        self._stream_raw = self._channel.unary_stream(
-            STREAM_TENSORS_METHOD,
-            request_serializer=pb.StreamTensorsRequest.SerializeToString,
-            response_deserializer=None,
-        )
+            return grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        return grpc.secure_channel(self.target, self._credentials, options=_CHANNEL_OPTIONS)
 
     def manifest(self, model: str) -> Manifest:
         """Every tensor of model: name, dtype, shape, size and file."""
@@ -236,8 +254,78 @@ class WeightStreamClient:
     ) -> Iterator[Destination]:
         """Stream infos' bytes into destinations; yield each destination once it is complete.
 
-        Every chunk is checked (known tensor, CRC32C, bounds) before it is placed, and the stream is
-        checked to have delivered every byte of every tensor.
+        Every chunk is checked (known tensor, CRC32C, bounds) before it is placed, and the streams
+        are checked to have delivered every byte of every tensor. With streams > 1 the tensors are
+        split into that many groups of about equal bytes, each received on its own channel and
+        thread; destinations are yielded here, on the caller's thread, as they complete.
+        """
+        total = sum(info.nbytes for info in infos.values())
+        groups = _split(infos, self._streams)
+        with self._translated(), byte_bar(total, description, self._progress) as bar:
+            if len(groups) == 1:
+                yield from self._receive_stream(manifest, groups[0], destination, bar, self._stream_callable(0), [])
+                return
+            yield from self._receive_parallel(manifest, groups, destination, bar)
+
+    def _receive_parallel(
+        self,
+        manifest: Manifest,
+        groups: list[dict[str, TensorInfo]],
+        destination: Callable[[str], Destination],
+        bar: tqdm,
+    ) -> Iterator[Destination]:
+        """Run one stream per group on worker threads; relay their destinations and their first error."""
+        done: queue.Queue[Destination | BaseException | None] = queue.Queue()
+        stop = threading.Event()
+        calls: list[grpc.Call] = []
+
+        def work(index: int, group: dict[str, TensorInfo]) -> None:
+            try:
+                stream = self._stream_callable(index)
+                for dest in self._receive_stream(manifest, group, destination, bar, stream, calls):
+                    done.put(dest)
+                    if stop.is_set():
+                        return
+            except BaseException as exc:  # relayed to the caller's thread
+                done.put(exc)
+            finally:
+                done.put(None)
+
+        workers = [
+            threading.Thread(target=work, args=(i, group), name=f"weightstream-stream-{i}", daemon=True)
+            for i, group in enumerate(groups)
+        ]
+        for worker in workers:
+            worker.start()
+        running = len(workers)
+        try:
+            while running:
+                item = done.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            stop.set()
+            for call in list(calls):
+                call.cancel()
+            for worker in workers:
+                worker.join(timeout=30)
+
+    def _receive_stream(
+        self,
+        manifest: Manifest,
+        infos: dict[str, TensorInfo],
+        destination: Callable[[str], Destination],
+        bar: tqdm,
+        stream: grpc.UnaryStreamMultiCallable,
+        calls: list[grpc.Call],
+    ) -> Iterator[Destination]:
+        """One stream of infos' tensors: place every chunk, yield each destination once complete.
+
+        The call is added to calls, so that another thread can cancel it.
         """
         all_tensors = len(infos) == len(manifest.tensors)
         request = pb.StreamTensorsRequest(
@@ -247,11 +335,13 @@ class WeightStreamClient:
             revision=manifest.revision,
         )
         pending = {name for name, info in infos.items() if info.nbytes}
-        total = sum(info.nbytes for info in infos.values())
+        if not pending:
+            return
         placers = Placers(self._chunk_bytes)
-        with self._translated(), byte_bar(total, description, self._progress) as bar:
-            call = self._stream_tensors(request, metadata=self._metadata)
-            try:
+        call = stream(request, metadata=self._metadata)
+        calls.append(call)
+        try:
+            with self._translated():
                 for message in call:
                     try:
                         chunks = framing.decode_response(message)
@@ -266,9 +356,9 @@ class WeightStreamClient:
                             placers.for_tensor(dest.buffer).finish(dest)
                             pending.discard(dest.name)
                             yield dest
-            finally:
-                call.cancel()
-                placers.close()
+        finally:
+            call.cancel()
+            placers.close()
         if pending:
             missing_bytes = sum(infos[name].nbytes for name in pending)
             raise IntegrityError(
@@ -338,6 +428,32 @@ def _channel_credentials(
         private_key=Path(client_key).read_bytes() if client_key is not None else None,
         certificate_chain=Path(client_cert).read_bytes() if client_cert is not None else None,
     )
+
+
+def _raw_stream_method(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
+    # The data stream is read as raw message bytes, decoded by framing.decode_response, so that
+    # payloads are checksummed and placed straight from the received message.
+    return channel.unary_stream(
+        STREAM_TENSORS_METHOD,
+        request_serializer=pb.StreamTensorsRequest.SerializeToString,
+        response_deserializer=None,
+    )
+
+
+def _split(infos: dict[str, TensorInfo], streams: int) -> list[dict[str, TensorInfo]]:
+    """infos cut into at most `streams` groups of about equal bytes (largest tensors first)."""
+    sized = sorted((info for info in infos.values() if info.nbytes), key=lambda i: -i.nbytes)
+    count = max(1, min(streams, len(sized)))
+    groups: list[dict[str, TensorInfo]] = [{} for _ in range(count)]
+    loads = [0] * count
+    for info in sized:
+        smallest = loads.index(min(loads))
+        groups[smallest][info.name] = info
+        loads[smallest] += info.nbytes
+    for info in infos.values():
+        if not info.nbytes:
+            groups[0][info.name] = info
+    return groups
 
 
 def _select(manifest: Manifest, names: Iterable[str] | None) -> dict[str, TensorInfo]:

@@ -314,6 +314,7 @@ class BenchReport:
     tensors: int
     chunk_bytes: int
     runs: int
+    streams: int
     paths: list[PathResult]
 
     def by_name(self, name: str) -> PathResult:
@@ -328,7 +329,7 @@ ITER_TENSORS = "weightstream iter_tensors"
 LOAD_STATE_DICT = "weightstream load_state_dict"
 
 
-def run_bench(*, gb: float, runs: int, chunk_bytes: int, checkpoint: Path | None) -> BenchReport:
+def run_bench(*, gb: float, runs: int, chunk_bytes: int, checkpoint: Path | None, streams: int = 1) -> BenchReport:
     from weightstream.allocator import tune_malloc
     from weightstream.client import WeightStreamClient
 
@@ -361,7 +362,7 @@ def run_bench(*, gb: float, runs: int, chunk_bytes: int, checkpoint: Path | None
         with (
             _process(_peer_command("grpc-sender", str(chunk_bytes), *paths), "bare_grpc_port") as (bare, bare_port),
             serve_weightstream(root, chunk_bytes) as (server, port),
-            WeightStreamClient(f"127.0.0.1:{port}", chunk_bytes=chunk_bytes, progress=False) as client,
+            WeightStreamClient(f"127.0.0.1:{port}", chunk_bytes=chunk_bytes, progress=False, streams=streams) as client,
         ):
             client.load_into(module, model)  # warm: streamer threads, channel, allocator
             run_bare_grpc(bare_port, buffer)
@@ -386,7 +387,7 @@ def run_bench(*, gb: float, runs: int, chunk_bytes: int, checkpoint: Path | None
                 measure(LOAD_INTO, lambda: _timed(lambda: client.load_into(module, model)), server.pid)
                 measure(ITER_TENSORS, lambda: _timed(lambda: sum(1 for _ in client.iter_tensors(model))), server.pid)
                 measure(LOAD_STATE_DICT, lambda: _timed(lambda: client.load_state_dict(model)), server.pid)
-    return BenchReport(total, len(shapes), chunk_bytes, runs, list(results.values()))
+    return BenchReport(total, len(shapes), chunk_bytes, runs, streams, list(results.values()))
 
 
 def format_report(report: BenchReport) -> str:
@@ -395,6 +396,7 @@ def format_report(report: BenchReport) -> str:
     bare = report.by_name(CEILING_GRPC).median_rate(total)
     lines = [
         f"checkpoint: {total / 1e9:.2f} GB, {report.tensors} tensors; chunks of {report.chunk_bytes // 1024} KiB; "
+        f"{report.streams} stream(s) per weightstream load; "
         f"{report.runs} runs of every path, interleaved; servers and senders in their own processes on 127.0.0.1; "
         "glibc malloc tuned in every process (weightstream.allocator)",
         "",
@@ -460,9 +462,15 @@ def plot_report(report: BenchReport, path: Path) -> None:
 
 
 def run_and_print(
-    gb: float, runs: int, chunk_bytes: int, checkpoint: Path | None, json_path: Path | None, plot_path: Path | None
+    gb: float,
+    runs: int,
+    chunk_bytes: int,
+    checkpoint: Path | None,
+    json_path: Path | None,
+    plot_path: Path | None,
+    streams: int = 1,
 ) -> int:
-    report = run_bench(gb=gb, runs=runs, chunk_bytes=chunk_bytes, checkpoint=checkpoint)
+    report = run_bench(gb=gb, runs=runs, chunk_bytes=chunk_bytes, checkpoint=checkpoint, streams=streams)
     print(format_report(report))
     if json_path is not None:
         json_path.write_text(json.dumps(asdict(report), indent=2))

@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checkpoint", type=Path, default=None, help="a model folder of *.safetensors to use instead")
     bench.add_argument("--runs", type=int, default=5, help="runs of every path (default 5)")
     bench.add_argument("--chunk-bytes", type=int, default=4 * 1024 * 1024, help="message payload (default 4 MiB)")
+    bench.add_argument("--streams", type=int, default=1, help="parallel streams per weightstream load (default 1)")
     bench.add_argument("--json", type=Path, default=None, help="write the raw figures to this file")
     bench.add_argument("--plot", type=Path, default=None, help="draw a bar chart to this PNG (needs matplotlib)")
 
@@ -118,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from weightstream.bench import run_and_print
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return run_and_print(args.gb, args.runs, args.chunk_bytes, args.checkpoint, args.json, args.plot)
+        return run_and_print(
+            args.gb, args.runs, args.chunk_bytes, args.checkpoint, args.json, args.plot, streams=args.streams
+        )
     if args.command == "demo":
         from weightstream.demo import run_demo
 

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightstream.client import ResourceExhaustedError, WeightStreamClient
+from weightstream.demo import ParameterTree
 from weightstream.server import ServerSettings, WeightStreamServer, create_server
 
 MODEL = "stream-model"
@@ -73,5 +74,39 @@ def test_streams_beyond_the_limit_are_resource_exhausted(checkpoint: dict[str, t
                     second.load_state_dict(MODEL)
             rest = dict(stream)
         assert len(rest) == len(checkpoint) - 1
+    finally:
+        server.stop(grace=1.0)
+
+
+@pytest.mark.parametrize("streams", [2, 3, 20])
+def test_parallel_streams_load_every_byte(
+    checkpoint: dict[str, torch.Tensor], target: str, server: WeightStreamServer, streams: int
+) -> None:
+    module = ParameterTree({n: (tuple(t.shape), t.dtype) for n, t in checkpoint.items()})
+    with WeightStreamClient(target, chunk_bytes=128 * 1024, progress=False, streams=streams) as client:
+        report = client.load_into(module, MODEL)
+        streamed = dict(client.iter_tensors(MODEL))
+    assert report.tensors == len(checkpoint)
+    for name, param in module.named_parameters():
+        assert torch.equal(param, checkpoint[name]), name
+        assert torch.equal(streamed[name], checkpoint[name]), name
+    _wait_idle(server)
+
+
+def test_parallel_streams_relay_the_first_error_and_stop_the_others(
+    checkpoint: dict[str, torch.Tensor], model_root: Path
+) -> None:
+    """With room for only one stream on the server, the second stream's refusal ends the whole load."""
+    server = create_server(
+        ServerSettings(model_root=model_root, host="127.0.0.1", grpc_port=0, http_port=0, max_streams=1)
+    )
+    server.start()
+    try:
+        module = ParameterTree({n: (tuple(t.shape), t.dtype) for n, t in checkpoint.items()})
+        with WeightStreamClient(f"127.0.0.1:{server.port}", chunk_bytes=16 * 1024, progress=False, streams=4) as c:
+            with pytest.raises(ResourceExhaustedError) as info:
+                c.load_into(module, MODEL)
+        assert info.value.partially_written is not None
+        _wait_idle(server)
     finally:
         server.stop(grace=1.0)
