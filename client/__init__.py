@@ -6,6 +6,7 @@ Example::
 
     with WeightStreamClient("127.0.0.1:50051") as client:
         report = client.load_into(model, "tiny-llama")
+        client.fetch("tiny-llama", "/models/tiny-llama")  # weights, config and tokenizer files
 """
 
 from __future__ import annotations
@@ -23,15 +24,19 @@ from weightstream.client.errors import (
     UnavailableError,
     WeightStreamError,
 )
-from weightstream.client.manifest import Manifest, TensorInfo
+from weightstream.client.fetch import FetchReport
+from weightstream.client.manifest import Manifest, ModelFile, ModelFileList, TensorInfo
 
 __all__ = [
     "FailedPreconditionError",
+    "FetchReport",
     "IncompatibleModuleError",
     "IntegrityError",
     "InvalidArgumentError",
     "LoadReport",
     "Manifest",
+    "ModelFile",
+    "ModelFileList",
     "NotFoundError",
     "PermissionDeniedError",
     "ResourceExhaustedError",

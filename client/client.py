@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from weightstream import framing, wire
 from weightstream.client.errors import IntegrityError, NotFoundError, WeightStreamError, from_rpc_error
-from weightstream.client.manifest import Manifest, TensorInfo, manifest_from_proto
+from weightstream.client.fetch import FetchReport, fetch
+from weightstream.client.manifest import Manifest, ModelFileList, TensorInfo, files_from_proto, manifest_from_proto
 from weightstream.client.placement import Destination, Placers
 from weightstream.client.progress import byte_bar
 from weightstream.client.targets import plan_targets
@@ -167,6 +168,52 @@ class WeightStreamClient:
                 pb.GetManifestRequest(model=model), timeout=self._timeout, metadata=self._metadata
             )
         return manifest_from_proto(response)
+
+    def list_files(self, model: str) -> ModelFileList:
+        """The files of model the server lets a client read whole: weight files and companion files."""
+        with self._translated():
+            response = self.stub.ListModelFiles(
+                pb.ListModelFilesRequest(model=model), timeout=self._timeout, metadata=self._metadata
+            )
+        return files_from_proto(response)
+
+    def read_file(
+        self, model: str, name: str, *, offset: int = 0, revision: str = ""
+    ) -> Iterator[tuple[bytes, int | None]]:
+        """Yield (data, file_crc32c) pieces of model's file name from offset, in order, each CRC32C-checked.
+
+        file_crc32c is None except on the last piece, where it is the server's CRC32C of the whole
+        file from byte 0; a stream that ends without it raises IntegrityError. With revision, the
+        server refuses (FailedPreconditionError) if the model's files changed since that listing.
+        """
+        request = pb.ReadModelFileRequest(
+            model=model, file=name, offset=offset, revision=revision, max_chunk_bytes=self._chunk_bytes
+        )
+        where = f"model {model!r}, file {name!r}"
+        expected = offset
+        finished = False
+        call = self.stub.ReadModelFile(request, metadata=self._metadata)
+        try:
+            with self._translated():
+                for message in call:
+                    if finished or message.offset != expected:
+                        raise IntegrityError(f"{where}: received bytes at offset {message.offset}, expected {expected}")
+                    if wire.crc32c(message.data) != message.crc32c:
+                        raise IntegrityError(
+                            f"{where}: CRC32C mismatch in the chunk at offset {message.offset} "
+                            f"({len(message.data)} bytes); the data was corrupted in transit"
+                        )
+                    expected += len(message.data)
+                    finished = message.HasField("file_crc32c")
+                    yield message.data, message.file_crc32c if finished else None
+        finally:
+            call.cancel()
+        if not finished:
+            raise IntegrityError(f"{where}: the stream ended at offset {expected}, before the end of the file")
+
+    def fetch(self, model: str, directory: str | Path, *, metadata_only: bool = False) -> FetchReport:
+        """Download model's files into directory, resuming what an earlier fetch left; see client.fetch.fetch."""
+        return fetch(self, model, directory, metadata_only=metadata_only, progress=self._progress)
 
     def iter_tensors(
         self, model: str, *, names: Iterable[str] | None = None, device: str | torch.device = "cpu"

@@ -1,11 +1,11 @@
 """The client's exceptions; gRPC errors become these in one place, from_rpc_error.
 
     WeightStreamError                   base; .code is the gRPC status (None for client-side checks)
-    ├── NotFoundError                   NOT_FOUND: no such model or tensor
-    ├── PermissionDeniedError           PERMISSION_DENIED: the id or a file is outside what the server may read
+    ├── NotFoundError                   NOT_FOUND: no such model, tensor or file
+    ├── PermissionDeniedError           PERMISSION_DENIED: the id or a file is outside what the server may read or serve
     ├── UnauthenticatedError            UNAUTHENTICATED: missing or wrong token
     ├── InvalidArgumentError            INVALID_ARGUMENT, OUT_OF_RANGE: a bad model id or request
-    ├── FailedPreconditionError         FAILED_PRECONDITION: unsupported checkpoint, changed revision
+    ├── FailedPreconditionError         FAILED_PRECONDITION: unsupported checkpoint, changed revision, oversized file
     ├── ResourceExhaustedError          RESOURCE_EXHAUSTED: the server's stream limit is reached
     ├── UnavailableError                UNAVAILABLE, DEADLINE_EXCEEDED: worth retrying
     ├── IntegrityError                  DATA_LOSS, or a chunk whose checksum, size or place is wrong

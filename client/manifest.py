@@ -1,8 +1,9 @@
-"""What a model holds, as the client sees it: names, dtypes, shapes and sizes of its tensors."""
+"""What a model holds, as the client sees it: its tensors (names, dtypes, shapes, sizes) and its files."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -55,3 +56,38 @@ def manifest_from_proto(response: pb.GetManifestResponse) -> Manifest:
     if len(by_name) != len(tensors) or sum(t.nbytes for t in tensors) != response.total_bytes:
         raise IntegrityError(f"model {response.model!r}: manifest is inconsistent (duplicate names or total)")
     return Manifest(response.model, response.revision, response.total_bytes, tuple(tensors), files, by_name)
+
+
+FileKind = Literal["weights", "companion"]
+_KINDS: dict[int, FileKind] = {pb.MODEL_FILE_KIND_WEIGHTS: "weights", pb.MODEL_FILE_KIND_COMPANION: "companion"}
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """One file the server lets a client read whole: a weight file or a companion (config, tokenizer)."""
+
+    name: str
+    size: int
+    kind: FileKind
+
+
+@dataclass(frozen=True)
+class ModelFileList:
+    """The readable files of a model; revision changes when any of them does."""
+
+    model: str
+    revision: str
+    files: tuple[ModelFile, ...]
+
+
+def files_from_proto(response: pb.ListModelFilesResponse) -> ModelFileList:
+    """A ModelFileList from the wire; a name that is not one plain file name is refused, never written."""
+    files = []
+    for f in response.files:
+        kind = _KINDS.get(f.kind)
+        if kind is None or not wire.is_plain_file_name(f.name):
+            raise IntegrityError(f"model {response.model!r}: the server listed file {f.name[:80]!r} of kind {f.kind}")
+        files.append(ModelFile(f.name, f.size_bytes, kind))
+    if len({f.name for f in files}) != len(files):
+        raise IntegrityError(f"model {response.model!r}: the server listed a file twice")
+    return ModelFileList(response.model, response.revision, tuple(files))

@@ -1,4 +1,4 @@
-"""The `weightstream` command: serve, demo, manifest, load."""
+"""The `weightstream` command: serve, demo, manifest, load, fetch."""
 
 from __future__ import annotations
 
@@ -100,6 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
     load.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
     _add_connection_options(load)
+
+    fetch = commands.add_parser(
+        "fetch",
+        help="download a model's weights and companion files into a folder (resumable)",
+        description="Write a model's safetensors files and its companion files (config, tokenizer, index) into "
+        "DIR, bit-identical to the server's, each checked by size and CRC32C. An interrupted fetch is "
+        "continued by running the same command again.",
+    )
+    fetch.add_argument("model", help="model id, for example tiny-llama or s3://bucket/prefix")
+    fetch.add_argument("directory", metavar="DIR", type=Path, help="folder to write the files into (made if needed)")
+    fetch.add_argument("--target", required=True, help="server address, HOST:PORT")
+    fetch.add_argument(
+        "--metadata-only", action="store_true", help="only the companion files (config, tokenizer), not the weights"
+    )
+    fetch.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
+    _add_connection_options(fetch)
     return parser
 
 
@@ -141,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ) as client:
             if args.command == "manifest":
                 return _manifest(client, args)
+            if args.command == "fetch":
+                return _fetch(client, args)
             return _load(client, args)
     except (WeightStreamError, OSError, ValueError) as exc:
         print(f"weightstream {args.command}: {exc}", file=sys.stderr)
@@ -215,5 +233,15 @@ def _load(client: WeightStreamClient, args: argparse.Namespace) -> int:
         f"loaded {args.model} from {args.target} to {args.device}: {count} tensors, {nbytes:,d} bytes in "
         f"{seconds:.3f} s, {nbytes / seconds / 1e9 if seconds else 0:.2f} GB/s (every chunk CRC32C-verified, "
         "every tensor complete)"
+    )
+    return 0
+
+
+def _fetch(client: WeightStreamClient, args: argparse.Namespace) -> int:
+    report = client.fetch(args.model, args.directory, metadata_only=args.metadata_only)
+    print(
+        f"fetched {args.model} from {args.target} into {report.directory}: {len(report.files)} files "
+        f"({len(report.downloaded)} downloaded, {len(report.resumed)} resumed, {len(report.skipped)} already "
+        f"complete), {report.bytes:,d} bytes received in {report.seconds:.3f} s (every file size- and CRC32C-checked)"
     )
     return 0

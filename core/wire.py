@@ -8,6 +8,7 @@ Both sides import this module, so that a dtype, a checksum or a chunk boundary i
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,9 @@ MAX_CHUNK_BYTES = 16 * 1024 * 1024
 # message of several small chunks still fits under the channel's limit.
 MESSAGE_OVERHEAD_BYTES = 1024 * 1024
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MESSAGE_OVERHEAD_BYTES
+# A file name in a model folder, as ListModelFiles lists it: one path component, not hidden, so
+# that neither side can be talked into a path outside the folder ("..", "/", "\\", ".partial").
+_PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,16 @@ BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in _DTYPES}
 def crc32c(data: bytes) -> int:
     """CRC32C (Castagnoli) of data, as TensorChunk.crc32c carries it."""
     return int(google_crc32c.value(data))
+
+
+def crc32c_extend(crc: int, data: bytes) -> int:
+    """CRC32C of the bytes crc covers followed by data (crc32c_extend(0, data) == crc32c(data))."""
+    return int(google_crc32c.extend(crc, data))
+
+
+def is_plain_file_name(name: str) -> bool:
+    """Whether name is a single, non-hidden file name of letters, digits, ".", "_" and "-"."""
+    return _PLAIN_FILE_NAME.fullmatch(name) is not None
 
 
 def crc32c_at(address: int, length: int) -> int:

@@ -6,10 +6,13 @@ ServerError
 ├── RangeOutOfBounds      OUT_OF_RANGE       a requested byte range lies outside its tensor
 ├── ModelNotFound         NOT_FOUND          no such model, or it holds no safetensors file
 ├── TensorNotFound        NOT_FOUND          the model has no tensor of that name
-├── AccessDenied          PERMISSION_DENIED  the id or a file resolves outside the model root
+├── FileNotFound          NOT_FOUND          an allowed companion file the model does not have
+├── AccessDenied          PERMISSION_DENIED  the id or a file resolves outside the model root,
+│                                            or a file name is neither weights nor an allowed companion
 ├── CorruptCheckpoint     DATA_LOSS          a bad header, a truncated file, a short read
 ├── UnsupportedCheckpoint FAILED_PRECONDITION a dtype torch cannot hold, and the like
 ├── RevisionMismatch      FAILED_PRECONDITION the checkpoint changed since the client's manifest
+├── FileTooLarge          FAILED_PRECONDITION a companion file is larger than the server serves
 ├── TooManyStreams        RESOURCE_EXHAUSTED the concurrent stream limit is reached
 ├── StorageUnauthenticated UNAUTHENTICATED   storage rejected the server's credentials
 └── StorageUnavailable    UNAVAILABLE        storage failed in a way worth retrying
@@ -44,6 +47,10 @@ class TensorNotFound(ServerError):
     pass
 
 
+class FileNotFound(ServerError):
+    pass
+
+
 class AccessDenied(ServerError):
     pass
 
@@ -57,6 +64,10 @@ class UnsupportedCheckpoint(ServerError):
 
 
 class RevisionMismatch(ServerError):
+    pass
+
+
+class FileTooLarge(ServerError):
     pass
 
 
@@ -86,10 +97,12 @@ _CODES: dict[type[ServerError], grpc.StatusCode] = {
     RangeOutOfBounds: grpc.StatusCode.OUT_OF_RANGE,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     TensorNotFound: grpc.StatusCode.NOT_FOUND,
+    FileNotFound: grpc.StatusCode.NOT_FOUND,
     AccessDenied: grpc.StatusCode.PERMISSION_DENIED,
     CorruptCheckpoint: grpc.StatusCode.DATA_LOSS,
     UnsupportedCheckpoint: grpc.StatusCode.FAILED_PRECONDITION,
     RevisionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    FileTooLarge: grpc.StatusCode.FAILED_PRECONDITION,
     TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StorageUnauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     StorageUnavailable: grpc.StatusCode.UNAVAILABLE,

@@ -1,7 +1,8 @@
 """S3 as a source: model ids `s3://bucket/prefix`, listed and header-read with boto3.
 
 Tensor bytes are not read here but by the Run:ai streamer's S3 backend (reader.py); this module
-lists a model's objects, reads their headers with ranged GETs and says whether a bucket answers.
+lists a model's objects, reads their headers and whole files (for fetch) with ranged GETs, and says
+whether a bucket answers.
 Only buckets named in the settings are served: a model id naming any other bucket is refused
 before any request is made.
 
@@ -31,6 +32,7 @@ from weightstream.server.errors import (
 )
 from weightstream.server.settings import ServerSettings
 from weightstream.server.source import (
+    COMPANION_FILES,
     INDEX_FILE,
     MAX_INDEX_BYTES,
     S3_SCHEME,
@@ -97,15 +99,7 @@ class S3Source:
 
     def resolve(self, model: str) -> ModelFiles:
         location = parse_s3_model_id(model)
-        objects: dict[str, tuple[int, str]] = {}
-        with _translated(location.bucket, location.prefix):
-            pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=location.bucket, Prefix=location.prefix, Delimiter="/"
-            )
-            for page in pages:
-                for item in page.get("Contents", []):
-                    name = item["Key"][len(location.prefix) :]
-                    objects[name] = (int(item["Size"]), str(item.get("ETag", "")).strip('"'))
+        objects = self._list(location)
         weight_map = self._read_index(model, location, objects)
         if weight_map is not None:
             names = sorted(set(weight_map.values()))
@@ -121,10 +115,25 @@ class S3Source:
             raise ModelNotFound(
                 f"model {model!r}: no *.safetensors objects under s3://{location.bucket}/{location.prefix}"
             )
-        files = tuple(
-            SourceFile(name, f"{S3_SCHEME}{location.bucket}/{location.prefix}{name}", *objects[name]) for name in names
-        )
-        return ModelFiles(model, files, weight_map)
+        return ModelFiles(model, tuple(_source_file(location, name, objects) for name in names), weight_map)
+
+    def companion_files(self, model: str) -> tuple[SourceFile, ...]:
+        location = parse_s3_model_id(model)
+        objects = self._list(location)
+        return tuple(_source_file(location, name, objects) for name in sorted(COMPANION_FILES & objects.keys()))
+
+    def _list(self, location: S3Location) -> dict[str, tuple[int, str]]:
+        """(size, ETag) of every object directly under location's prefix, by name."""
+        objects: dict[str, tuple[int, str]] = {}
+        with _translated(location.bucket, location.prefix):
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=location.bucket, Prefix=location.prefix, Delimiter="/"
+            )
+            for page in pages:
+                for item in page.get("Contents", []):
+                    name = item["Key"][len(location.prefix) :]
+                    objects[name] = (int(item["Size"]), str(item.get("ETag", "")).strip('"'))
+        return objects
 
     def read_range(self, file: SourceFile, start: int, length: int) -> bytes:
         key = file.path[len(S3_SCHEME) + len(self.bucket) + 1 :]
@@ -156,6 +165,10 @@ class S3Source:
         ):
             raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} has no valid weight_map")
         return weight_map
+
+
+def _source_file(location: S3Location, name: str, objects: dict[str, tuple[int, str]]) -> SourceFile:
+    return SourceFile(name, f"{S3_SCHEME}{location.bucket}/{location.prefix}{name}", *objects[name])
 
 
 @contextlib.contextmanager

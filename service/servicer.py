@@ -15,6 +15,7 @@ import grpc
 from weightstream import framing, wire
 from weightstream.server.catalog import Catalog, Manifest
 from weightstream.server.errors import Draining, InvalidRequest, RevisionMismatch, ServerError, status_code
+from weightstream.server.files import FileKind, FileListing, list_files, read_file
 from weightstream.server.health import Readiness
 from weightstream.server.plan import MAX_REQUESTED_TENSORS, ReadPlan, plan_reads
 from weightstream.server.reader import PooledStreamer, StreamerPool, read_chunks
@@ -120,6 +121,60 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
                 code.name,
             )
 
+    def ListModelFiles(
+        self, request: pb.ListModelFilesRequest, context: grpc.ServicerContext
+    ) -> pb.ListModelFilesResponse:
+        try:
+            return listing_to_proto(list_files(self._catalog, request.model))
+        except Exception as exc:
+            self._abort(context, "ListModelFiles", request.model, exc)
+            raise  # unreachable: abort raises
+
+    def ReadModelFile(
+        self, request: pb.ReadModelFileRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ReadModelFileResponse]:
+        """One file's bytes from request.offset; counted as a stream, so that drain waits for it."""
+        started = time.monotonic()
+        peer = context.peer()
+        sent = 0
+        # Bytes before the request's offset are read too (for the whole-file CRC32C), not sent.
+        prefix_read = 0
+        code = grpc.StatusCode.OK
+        self._stats.stream_started()
+        try:
+            if self._readiness.draining:
+                raise Draining("the server is shutting down and takes no new streams; retry on another server")
+            check_chunk_bytes(request.max_chunk_bytes)
+            chunk_bytes = wire.clamp_chunk_bytes(request.max_chunk_bytes or self._settings.chunk_bytes)
+            pieces = read_file(
+                self._catalog, request.model, request.file, request.offset, request.revision, chunk_bytes
+            )
+            for piece in pieces:
+                prefix_read = request.offset
+                yield pb.ReadModelFileResponse(
+                    offset=piece.offset, crc32c=piece.crc32c, file_crc32c=piece.file_crc32c, data=piece.data
+                )
+                sent += len(piece.data)
+        except GeneratorExit:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            code = status_code(exc)
+            self._abort(context, "ReadModelFile", request.model, exc)
+        finally:
+            seconds = time.monotonic() - started
+            self._stats.stream_ended(request.model, sent=sent, read=prefix_read + sent, seconds=seconds)
+            logger.info(
+                "file read end: model=%r file=%r peer=%s offset=%d bytes=%d seconds=%.3f code=%s",
+                request.model,
+                request.file,
+                peer,
+                request.offset,
+                sent,
+                seconds,
+                code.name,
+            )
+
     def _abort(self, context: grpc.ServicerContext, method: str, model: str, exc: Exception) -> None:
         code = status_code(exc)
         self._stats.error(code.name)
@@ -132,13 +187,18 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
 
 def check_stream_request(request: pb.StreamTensorsRequest) -> None:
     """Refuse a request whose sizes are out of bounds, before any work is done for it."""
-    if request.max_chunk_bytes and not wire.MIN_CHUNK_BYTES <= request.max_chunk_bytes <= wire.MAX_CHUNK_BYTES:
-        raise InvalidRequest(
-            f"max_chunk_bytes {request.max_chunk_bytes} is outside {wire.MIN_CHUNK_BYTES}..{wire.MAX_CHUNK_BYTES}"
-            " (0 means the server's default)"
-        )
+    check_chunk_bytes(request.max_chunk_bytes)
     if len(request.tensors) > MAX_REQUESTED_TENSORS:
         raise InvalidRequest(f"request names {len(request.tensors)} tensors, more than {MAX_REQUESTED_TENSORS}")
+
+
+def check_chunk_bytes(max_chunk_bytes: int) -> None:
+    """Refuse a requested chunk size out of bounds (0, the server's default, is always fine)."""
+    if max_chunk_bytes and not wire.MIN_CHUNK_BYTES <= max_chunk_bytes <= wire.MAX_CHUNK_BYTES:
+        raise InvalidRequest(
+            f"max_chunk_bytes {max_chunk_bytes} is outside {wire.MIN_CHUNK_BYTES}..{wire.MAX_CHUNK_BYTES}"
+            " (0 means the server's default)"
+        )
 
 
 def _batch(
@@ -190,6 +250,16 @@ def add_to_server(servicer: WeightStreamServicer, server: grpc.Server) -> None:
             request_deserializer=pb.StreamTensorsRequest.FromString,
             response_serializer=None,
         ),
+        "ListModelFiles": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModelFiles,
+            request_deserializer=pb.ListModelFilesRequest.FromString,
+            response_serializer=pb.ListModelFilesResponse.SerializeToString,
+        ),
+        "ReadModelFile": grpc.unary_stream_rpc_method_handler(
+            servicer.ReadModelFile,
+            request_deserializer=pb.ReadModelFileRequest.FromString,
+            response_serializer=pb.ReadModelFileResponse.SerializeToString,
+        ),
     }
     service = pb.DESCRIPTOR.services_by_name["WeightStreamService"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
@@ -207,4 +277,15 @@ def manifest_to_proto(manifest: Manifest) -> pb.GetManifestResponse:
             )
             for t in manifest.tensors
         ],
+    )
+
+
+_KINDS = {FileKind.WEIGHTS: pb.MODEL_FILE_KIND_WEIGHTS, FileKind.COMPANION: pb.MODEL_FILE_KIND_COMPANION}
+
+
+def listing_to_proto(listing: FileListing) -> pb.ListModelFilesResponse:
+    return pb.ListModelFilesResponse(
+        model=listing.model,
+        revision=listing.revision,
+        files=[pb.ModelFile(name=f.file.name, size_bytes=f.file.size, kind=_KINDS[f.kind]) for f in listing.files],
     )

@@ -1,5 +1,8 @@
 """Where checkpoints live: a Source resolves a model id to its safetensors files and reads their bytes.
 
+Next to its weights a model folder may hold companion files (config, tokenizer, index) that an
+engine needs; a source lists only those named in COMPANION_FILES, never anything else in the folder.
+
 LocalSource serves folders under a model root. It never reads outside that root: ids that are
 absolute or contain "..", and symlinks (of the model folder or of any file) that resolve outside
 the root, are refused before any file is opened.
@@ -17,6 +20,23 @@ from typing import Protocol
 from weightstream.server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, ModelNotFound
 
 INDEX_FILE = "model.safetensors.index.json"
+# The small files served next to a model's weights; every other name in a model folder stays private.
+COMPANION_FILES = frozenset(
+    {
+        "added_tokens.json",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        INDEX_FILE,
+        "merges.txt",
+        "preprocessor_config.json",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "vocab.json",
+    }
+)
 MAX_MODEL_ID_CHARS = 512
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 # One or more path components of letters, digits, ".", "_" and "-", none starting with a dot:
@@ -66,8 +86,12 @@ class Source(Protocol):
         """The files of model, checked to be readable by this server; raises ServerError."""
         ...
 
+    def companion_files(self, model: str) -> tuple[SourceFile, ...]:
+        """The files of model named in COMPANION_FILES that exist, checked like its weight files."""
+        ...
+
     def read_range(self, file: SourceFile, start: int, length: int) -> bytes:
-        """Up to length bytes of file from start (fewer only at its end)."""
+        """Up to length bytes of file from start (fewer only at its end); file comes from this source."""
         ...
 
 
@@ -93,12 +117,7 @@ class LocalSource:
 
     def resolve(self, model: str) -> ModelFiles:
         """The files of model, checked to lie inside the root; raises before reading any tensor."""
-        check_model_id(model)
-        folder = Path(os.path.realpath(self.root / model))
-        if not _inside(folder, self.root):
-            raise AccessDenied(f"model {model!r} resolves outside the model root; refused")
-        if not folder.is_dir():
-            raise ModelNotFound(f"model {model!r} not found")
+        folder = self._folder(model)
         weight_map = self._read_index(model, folder)
         if weight_map is not None:
             names = sorted(set(weight_map.values()))
@@ -107,6 +126,21 @@ class LocalSource:
         if not names:
             raise ModelNotFound(f"model {model!r} has no *.safetensors files")
         return ModelFiles(model, tuple(self._file(model, folder, name) for name in names), weight_map)
+
+    def companion_files(self, model: str) -> tuple[SourceFile, ...]:
+        folder = self._folder(model)
+        # lexists: a dangling or escaping symlink under an allowed name is refused, not skipped.
+        present = sorted(name for name in COMPANION_FILES if os.path.lexists(folder / name))
+        return tuple(self._file(model, folder, name) for name in present)
+
+    def _folder(self, model: str) -> Path:
+        check_model_id(model)
+        folder = Path(os.path.realpath(self.root / model))
+        if not _inside(folder, self.root):
+            raise AccessDenied(f"model {model!r} resolves outside the model root; refused")
+        if not folder.is_dir():
+            raise ModelNotFound(f"model {model!r} not found")
+        return folder
 
     def _read_index(self, model: str, folder: Path) -> dict[str, str] | None:
         index_path = folder / INDEX_FILE

@@ -71,7 +71,8 @@ def test_reflection_describes_the_services(channel: grpc.Channel) -> None:
     assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
     described = database.FindFileContainingSymbol(SERVICE)
     assert described.package == "weightstream.v1"
-    assert {m.name for m in described.service[0].method} == {"GetManifest", "StreamTensors"}
+    methods = {m.name for m in described.service[0].method}
+    assert methods == {"GetManifest", "StreamTensors", "ListModelFiles", "ReadModelFile"}
 
 
 def _stream_error(channel: grpc.Channel, request: pb.StreamTensorsRequest) -> grpc.RpcError:

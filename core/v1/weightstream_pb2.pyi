@@ -25,6 +25,12 @@ class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATA_TYPE_FLOAT64: _ClassVar[DataType]
     DATA_TYPE_FLOAT8_E4M3FN: _ClassVar[DataType]
     DATA_TYPE_FLOAT8_E5M2: _ClassVar[DataType]
+
+class ModelFileKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_FILE_KIND_UNSPECIFIED: _ClassVar[ModelFileKind]
+    MODEL_FILE_KIND_WEIGHTS: _ClassVar[ModelFileKind]
+    MODEL_FILE_KIND_COMPANION: _ClassVar[ModelFileKind]
 DATA_TYPE_UNSPECIFIED: DataType
 DATA_TYPE_BOOL: DataType
 DATA_TYPE_UINT8: DataType
@@ -41,6 +47,9 @@ DATA_TYPE_FLOAT32: DataType
 DATA_TYPE_FLOAT64: DataType
 DATA_TYPE_FLOAT8_E4M3FN: DataType
 DATA_TYPE_FLOAT8_E5M2: DataType
+MODEL_FILE_KIND_UNSPECIFIED: ModelFileKind
+MODEL_FILE_KIND_WEIGHTS: ModelFileKind
+MODEL_FILE_KIND_COMPANION: ModelFileKind
 
 class GetManifestRequest(_message.Message):
     __slots__ = ("model",)
@@ -131,3 +140,55 @@ class TensorChunk(_message.Message):
     length: int
     data: bytes
     def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ListModelFilesRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListModelFilesResponse(_message.Message):
+    __slots__ = ("model", "revision", "files")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    files: _containers.RepeatedCompositeFieldContainer[ModelFile]
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ...) -> None: ...
+
+class ModelFile(_message.Message):
+    __slots__ = ("name", "size_bytes", "kind")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    kind: ModelFileKind
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., kind: _Optional[_Union[ModelFileKind, str]] = ...) -> None: ...
+
+class ReadModelFileRequest(_message.Message):
+    __slots__ = ("model", "file", "offset", "revision", "max_chunk_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    file: str
+    offset: int
+    revision: str
+    max_chunk_bytes: int
+    def __init__(self, model: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., revision: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadModelFileResponse(_message.Message):
+    __slots__ = ("offset", "crc32c", "file_crc32c", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    FILE_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    crc32c: int
+    file_crc32c: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., file_crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

