@@ -10,6 +10,7 @@ import transformers
 
 from tests.helpers import llama_config, load_folder
 from weightstream.client import WeightStreamClient
+from weightstream.demo import save_sharded
 
 MODEL = "tiny-llama"
 
@@ -78,3 +79,21 @@ def test_iter_tensors_feeds_load_weights_style_consumers(tiny_llama_folder: Path
     assert sorted(seen) == sorted(reference)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, reference[name]), name
+
+
+def test_tied_weights_count_as_loaded(model_root: Path, client: WeightStreamClient) -> None:
+    """A checkpoint that stores a tied weight once (as save_pretrained does) loads strictly into the tied model."""
+    config = llama_config()
+    config.tie_word_embeddings = True
+    torch.manual_seed(7)
+    source = transformers.LlamaForCausalLM(config).eval()
+    assert source.lm_head.weight.data_ptr() == source.model.embed_tokens.weight.data_ptr()
+    state = {k: v.contiguous() for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    save_sharded(state, model_root / "tied-llama", shards=1)
+
+    torch.manual_seed(8)
+    model = transformers.LlamaForCausalLM(config).eval()
+    report = client.load_into(model, "tied-llama")
+    assert report.missing == [] and report.unexpected == []
+    expected = load_folder(model_root / "tied-llama")["model.embed_tokens.weight"]
+    assert torch.equal(model.lm_head.weight, expected)
