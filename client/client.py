@@ -198,14 +198,15 @@ class WeightStreamClient:
                 for message in call:
                     if finished or message.offset != expected:
                         raise IntegrityError(f"{where}: received bytes at offset {message.offset}, expected {expected}")
-                    if wire.crc32c(message.data) != message.crc32c:
+                    data = message.data  # each access of a protobuf bytes field makes a new copy
+                    if wire.crc32c(data) != message.crc32c:
                         raise IntegrityError(
                             f"{where}: CRC32C mismatch in the chunk at offset {message.offset} "
-                            f"({len(message.data)} bytes); the data was corrupted in transit"
+                            f"({len(data)} bytes); the data was corrupted in transit"
                         )
-                    expected += len(message.data)
+                    expected += len(data)
                     finished = message.HasField("file_crc32c")
-                    yield message.data, message.file_crc32c if finished else None
+                    yield data, message.file_crc32c if finished else None
         finally:
             call.cancel()
         if not finished:

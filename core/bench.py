@@ -106,19 +106,18 @@ def read_shapes(folder: Path) -> tuple[int, Shapes]:
 
 def peak_rss(pid: int | str = "self") -> int:
     """Peak resident set size of a process in bytes (VmHWM), 0 where /proc does not say."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status_bytes(pid, "VmHWM:")
 
 
 def rss(pid: int | str = "self") -> int:
+    """Resident set size of a process in bytes (VmRSS), 0 where /proc does not say."""
+    return _status_bytes(pid, "VmRSS:")
+
+
+def _status_bytes(pid: int | str, field: str) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -14,7 +14,6 @@ put into messages or logs: errors name the bucket and key only.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +38,7 @@ from weightstream.server.source import (
     ModelFiles,
     S3Location,
     SourceFile,
+    parse_index,
     parse_s3_model_id,
 )
 
@@ -155,16 +155,7 @@ class S3Source:
             raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} is larger than {MAX_INDEX_BYTES} bytes")
         with _translated(location.bucket, key):
             raw = self._client.get_object(Bucket=location.bucket, Key=key)["Body"].read()
-        try:
-            index = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} is not valid JSON: {exc}") from exc
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and "/" not in v for k, v in weight_map.items()
-        ):
-            raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} has no valid weight_map")
-        return weight_map
+        return parse_index(model, raw)
 
 
 def _source_file(location: S3Location, name: str, objects: dict[str, tuple[int, str]]) -> SourceFile:

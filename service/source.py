@@ -151,22 +151,7 @@ class LocalSource:
             raise AccessDenied(f"model {model!r}: {INDEX_FILE} resolves outside the model root; refused")
         if resolved.stat().st_size > MAX_INDEX_BYTES:
             raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} is larger than {MAX_INDEX_BYTES} bytes")
-        try:
-            index = json.loads(resolved.read_bytes())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} is not valid JSON: {exc}") from exc
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} has no valid weight_map")
-        for file_name in set(weight_map.values()):
-            if not _FILE_NAME.fullmatch(file_name):
-                raise CorruptCheckpoint(
-                    f"model {model!r}: {INDEX_FILE} names file {file_name[:80]!r}, which is not a plain "
-                    "*.safetensors name in the model folder"
-                )
-        return weight_map
+        return parse_index(model, resolved.read_bytes())
 
     def _file(self, model: str, folder: Path, name: str) -> SourceFile:
         path = Path(os.path.realpath(folder / name))
@@ -216,3 +201,23 @@ def parse_s3_model_id(model: str) -> S3Location:
     if prefix and not prefix.endswith("/"):
         prefix += "/"
     return S3Location(bucket, prefix)
+
+
+def parse_index(model: str, raw: bytes) -> dict[str, str]:
+    """The weight_map of a model.safetensors.index.json, checked to name only plain *.safetensors files."""
+    try:
+        index = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} is not valid JSON: {exc}") from exc
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} has no valid weight_map")
+    for file_name in set(weight_map.values()):
+        if not _FILE_NAME.fullmatch(file_name):
+            raise CorruptCheckpoint(
+                f"model {model!r}: {INDEX_FILE} names file {file_name[:80]!r}, which is not a plain "
+                "*.safetensors name in the model folder"
+            )
+    return weight_map
