@@ -39,6 +39,14 @@ SERVE_OPTIONS = (
     ("--tls-key", "tls_key", str, "PEM private key of --tls-cert"),
     ("--tls-client-ca", "tls_client_ca", str, "PEM CA bundle; clients must show a certificate it signed (mutual TLS)"),
     ("--drain-seconds", "drain_seconds", float, "seconds streams in flight get to finish after SIGTERM (default 30)"),
+    (
+        "--cache-bytes",
+        "cache_bytes",
+        int,
+        "RAM cache of served tensor bytes shared by concurrent loads (default 0: off)",
+    ),
+    ("--preload", "preload", "append", "read MODEL into the cache at start-up; /readyz waits (repeatable)"),
+    ("--shm-dir", "shm_dir", str, "directory shared with same-host clients: turns the shared-memory transport on"),
 )
 
 

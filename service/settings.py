@@ -51,6 +51,14 @@ class ServerSettings:
     tls_client_ca: Path | None = None
     # Seconds that streams in flight get to finish after SIGTERM before they are cancelled.
     drain_seconds: float = 30.0
+    # Bytes of recently served tensor data kept in RAM and shared by concurrent streams; 0 turns the
+    # cache (and single-flight reads) off.
+    cache_bytes: int = 0
+    # Models read into the cache at start-up; /readyz waits for them.
+    preload: tuple[str, ...] = ()
+    # A directory shared with clients on the same host (a pod's emptyDir): turns the shared-memory
+    # transport on. None serves gRPC only.
+    shm_dir: Path | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,6 +91,10 @@ class ServerSettings:
             problems.append("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if self.drain_seconds < 0:
             problems.append(f"drain_seconds must be at least 0, not {self.drain_seconds}")
+        if self.cache_bytes < 0:
+            problems.append(f"cache_bytes must be at least 0, not {self.cache_bytes}")
+        if self.preload and not self.cache_bytes:
+            problems.append("--preload needs a cache: pass --cache-bytes N (WEIGHTSTREAM_CACHE_BYTES)")
         if problems:
             raise ValueError("invalid server settings: " + "; ".join(problems))
 
@@ -101,11 +113,12 @@ class ServerSettings:
             values[f.name] = value
         if values.get("model_root") is not None:
             values["model_root"] = Path(values["model_root"])
-        for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca"):
+        for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca", "shm_dir"):
             if values.get(name) is not None:
                 values[name] = Path(values[name])
-        if "s3_buckets" in values:
-            values["s3_buckets"] = tuple(dict.fromkeys(b.strip() for b in values["s3_buckets"] if b.strip()))
+        for name in ("s3_buckets", "preload"):
+            if name in values:
+                values[name] = tuple(dict.fromkeys(b.strip() for b in values[name] if b.strip()))
         return cls(**values)
 
 

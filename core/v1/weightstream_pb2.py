@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"weightstream/v1/weightstream.proto\x12\x0fweightstream.v1\"#\n\x12GetManifestRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa3\x01\n\x13GetManifestResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12(\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x19.weightstream.v1.FileInfo\x12,\n\x07tensors\x18\x05 \x03(\x0b\x32\x1b.weightstream.v1.TensorInfo\",\n\x08\x46ileInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"w\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x05\x64type\x18\x02 \x01(\x0e\x32\x19.weightstream.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\nfile_index\x18\x05 \x01(\r\"\'\n\tByteRange\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x04\"O\n\rTensorRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x06ranges\x18\x02 \x03(\x0b\x32\x1a.weightstream.v1.ByteRangeJ\x04\x08\x03\x10\x04\"\x81\x01\n\x14StreamTensorsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x07tensors\x18\x02 \x03(\x0b\x32\x1e.weightstream.v1.TensorRequest\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\x12\x10\n\x08revision\x18\x04 \x01(\t\"E\n\x15StreamTensorsResponse\x12,\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x1c.weightstream.v1.TensorChunk\"a\n\x0bTensorChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0cJ\x04\x08\x05\x10\x0f\"&\n\x15ListModelFilesRequest\x12\r\n\x05model\x18\x01 \x01(\t\"d\n\x16ListModelFilesResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12)\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x1a.weightstream.v1.ModelFile\"[\n\tModelFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12,\n\x04kind\x18\x03 \x01(\x0e\x32\x1e.weightstream.v1.ModelFileKind\"n\n\x14ReadModelFileRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x10\n\x08revision\x18\x04 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\r\"o\n\x15ReadModelFileResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x02 \x01(\r\x12\x18\n\x0b\x66ile_crc32c\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\x42\x0e\n\x0c_file_crc32c*\xf8\x02\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\x01\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x02\x12\x12\n\x0e\x44\x41TA_TYPE_INT8\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT16\x10\x04\x12\x14\n\x10\x44\x41TA_TYPE_UINT16\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x06\x12\x14\n\x10\x44\x41TA_TYPE_UINT32\x10\x07\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x08\x12\x14\n\x10\x44\x41TA_TYPE_UINT64\x10\t\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\n\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x0b\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x0c\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\r\x12\x1b\n\x17\x44\x41TA_TYPE_FLOAT8_E4M3FN\x10\x0e\x12\x19\n\x15\x44\x41TA_TYPE_FLOAT8_E5M2\x10\x0f*l\n\rModelFileKind\x12\x1f\n\x1bMODEL_FILE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17MODEL_FILE_KIND_WEIGHTS\x10\x01\x12\x1d\n\x19MODEL_FILE_KIND_COMPANION\x10\x02\x32\x96\x03\n\x13WeightStreamService\x12X\n\x0bGetManifest\x12#.weightstream.v1.GetManifestRequest\x1a$.weightstream.v1.GetManifestResponse\x12`\n\rStreamTensors\x12%.weightstream.v1.StreamTensorsRequest\x1a&.weightstream.v1.StreamTensorsResponse0\x01\x12\x61\n\x0eListModelFiles\x12&.weightstream.v1.ListModelFilesRequest\x1a\'.weightstream.v1.ListModelFilesResponse\x12`\n\rReadModelFile\x12%.weightstream.v1.ReadModelFileRequest\x1a&.weightstream.v1.ReadModelFileResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"weightstream/v1/weightstream.proto\x12\x0fweightstream.v1\"#\n\x12GetManifestRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa3\x01\n\x13GetManifestResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12(\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x19.weightstream.v1.FileInfo\x12,\n\x07tensors\x18\x05 \x03(\x0b\x32\x1b.weightstream.v1.TensorInfo\",\n\x08\x46ileInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"w\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x05\x64type\x18\x02 \x01(\x0e\x32\x19.weightstream.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\nfile_index\x18\x05 \x01(\r\"\'\n\tByteRange\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x04\"v\n\rTensorRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x06ranges\x18\x02 \x03(\x0b\x32\x1a.weightstream.v1.ByteRange\x12+\n\x05slice\x18\x03 \x01(\x0b\x32\x1c.weightstream.v1.TensorSlice\"7\n\x0bTensorSlice\x12\x0b\n\x03\x64im\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0c\n\x04stop\x18\x03 \x01(\x04\"\x81\x01\n\x14StreamTensorsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\x07tensors\x18\x02 \x03(\x0b\x32\x1e.weightstream.v1.TensorRequest\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\r\x12\x10\n\x08revision\x18\x04 \x01(\t\"E\n\x15StreamTensorsResponse\x12,\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x1c.weightstream.v1.TensorChunk\"\x92\x01\n\x0bTensorChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x11\n\x04slot\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bslot_offset\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\x42\x07\n\x05_slotJ\x04\x08\x07\x10\x0f\"&\n\x15ListModelFilesRequest\x12\r\n\x05model\x18\x01 \x01(\t\"d\n\x16ListModelFilesResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12)\n\x05\x66iles\x18\x03 \x03(\x0b\x32\x1a.weightstream.v1.ModelFile\"[\n\tModelFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12,\n\x04kind\x18\x03 \x01(\x0e\x32\x1e.weightstream.v1.ModelFileKind\"n\n\x14ReadModelFileRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x10\n\x08revision\x18\x04 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\r\"o\n\x15ReadModelFileResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x02 \x01(\r\x12\x18\n\x0b\x66ile_crc32c\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\x42\x0e\n\x0c_file_crc32c\"<\n\x17OpenSharedMemoryRequest\x12\x12\n\nnonce_file\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"2\n\x18OpenSharedMemoryResponse\x12\x16\n\x0emax_ring_bytes\x18\x01 \x01(\x04\"\x8f\x01\n\x1aStreamTensorsSharedRequest\x12\x36\n\x07request\x18\x01 \x01(\x0b\x32%.weightstream.v1.StreamTensorsRequest\x12\r\n\x05slots\x18\x02 \x01(\r\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ereleased_slots\x18\x04 \x03(\r\"\x7f\n\x1bStreamTensorsSharedResponse\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x01(\r\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12,\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x1c.weightstream.v1.TensorChunk*\xf8\x02\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\x01\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x02\x12\x12\n\x0e\x44\x41TA_TYPE_INT8\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT16\x10\x04\x12\x14\n\x10\x44\x41TA_TYPE_UINT16\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x06\x12\x14\n\x10\x44\x41TA_TYPE_UINT32\x10\x07\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x08\x12\x14\n\x10\x44\x41TA_TYPE_UINT64\x10\t\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\n\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x0b\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x0c\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\r\x12\x1b\n\x17\x44\x41TA_TYPE_FLOAT8_E4M3FN\x10\x0e\x12\x19\n\x15\x44\x41TA_TYPE_FLOAT8_E5M2\x10\x0f*l\n\rModelFileKind\x12\x1f\n\x1bMODEL_FILE_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17MODEL_FILE_KIND_WEIGHTS\x10\x01\x12\x1d\n\x19MODEL_FILE_KIND_COMPANION\x10\x02\x32\xf5\x04\n\x13WeightStreamService\x12X\n\x0bGetManifest\x12#.weightstream.v1.GetManifestRequest\x1a$.weightstream.v1.GetManifestResponse\x12`\n\rStreamTensors\x12%.weightstream.v1.StreamTensorsRequest\x1a&.weightstream.v1.StreamTensorsResponse0\x01\x12\x61\n\x0eListModelFiles\x12&.weightstream.v1.ListModelFilesRequest\x1a\'.weightstream.v1.ListModelFilesResponse\x12`\n\rReadModelFile\x12%.weightstream.v1.ReadModelFileRequest\x1a&.weightstream.v1.ReadModelFileResponse0\x01\x12g\n\x10OpenSharedMemory\x12(.weightstream.v1.OpenSharedMemoryRequest\x1a).weightstream.v1.OpenSharedMemoryResponse\x12t\n\x13StreamTensorsShared\x12+.weightstream.v1.StreamTensorsSharedRequest\x1a,.weightstream.v1.StreamTensorsSharedResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'weightstream.v1.weightstream_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATATYPE']._serialized_start=1310
-  _globals['_DATATYPE']._serialized_end=1686
-  _globals['_MODELFILEKIND']._serialized_start=1688
-  _globals['_MODELFILEKIND']._serialized_end=1796
+  _globals['_DATATYPE']._serialized_start=1845
+  _globals['_DATATYPE']._serialized_end=2221
+  _globals['_MODELFILEKIND']._serialized_start=2223
+  _globals['_MODELFILEKIND']._serialized_end=2331
   _globals['_GETMANIFESTREQUEST']._serialized_start=55
   _globals['_GETMANIFESTREQUEST']._serialized_end=90
   _globals['_GETMANIFESTRESPONSE']._serialized_start=93
@@ -46,23 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BYTERANGE']._serialized_start=425
   _globals['_BYTERANGE']._serialized_end=464
   _globals['_TENSORREQUEST']._serialized_start=466
-  _globals['_TENSORREQUEST']._serialized_end=545
-  _globals['_STREAMTENSORSREQUEST']._serialized_start=548
-  _globals['_STREAMTENSORSREQUEST']._serialized_end=677
-  _globals['_STREAMTENSORSRESPONSE']._serialized_start=679
-  _globals['_STREAMTENSORSRESPONSE']._serialized_end=748
-  _globals['_TENSORCHUNK']._serialized_start=750
-  _globals['_TENSORCHUNK']._serialized_end=847
-  _globals['_LISTMODELFILESREQUEST']._serialized_start=849
-  _globals['_LISTMODELFILESREQUEST']._serialized_end=887
-  _globals['_LISTMODELFILESRESPONSE']._serialized_start=889
-  _globals['_LISTMODELFILESRESPONSE']._serialized_end=989
-  _globals['_MODELFILE']._serialized_start=991
-  _globals['_MODELFILE']._serialized_end=1082
-  _globals['_READMODELFILEREQUEST']._serialized_start=1084
-  _globals['_READMODELFILEREQUEST']._serialized_end=1194
-  _globals['_READMODELFILERESPONSE']._serialized_start=1196
-  _globals['_READMODELFILERESPONSE']._serialized_end=1307
-  _globals['_WEIGHTSTREAMSERVICE']._serialized_start=1799
-  _globals['_WEIGHTSTREAMSERVICE']._serialized_end=2205
+  _globals['_TENSORREQUEST']._serialized_end=584
+  _globals['_TENSORSLICE']._serialized_start=586
+  _globals['_TENSORSLICE']._serialized_end=641
+  _globals['_STREAMTENSORSREQUEST']._serialized_start=644
+  _globals['_STREAMTENSORSREQUEST']._serialized_end=773
+  _globals['_STREAMTENSORSRESPONSE']._serialized_start=775
+  _globals['_STREAMTENSORSRESPONSE']._serialized_end=844
+  _globals['_TENSORCHUNK']._serialized_start=847
+  _globals['_TENSORCHUNK']._serialized_end=993
+  _globals['_LISTMODELFILESREQUEST']._serialized_start=995
+  _globals['_LISTMODELFILESREQUEST']._serialized_end=1033
+  _globals['_LISTMODELFILESRESPONSE']._serialized_start=1035
+  _globals['_LISTMODELFILESRESPONSE']._serialized_end=1135
+  _globals['_MODELFILE']._serialized_start=1137
+  _globals['_MODELFILE']._serialized_end=1228
+  _globals['_READMODELFILEREQUEST']._serialized_start=1230
+  _globals['_READMODELFILEREQUEST']._serialized_end=1340
+  _globals['_READMODELFILERESPONSE']._serialized_start=1342
+  _globals['_READMODELFILERESPONSE']._serialized_end=1453
+  _globals['_OPENSHAREDMEMORYREQUEST']._serialized_start=1455
+  _globals['_OPENSHAREDMEMORYREQUEST']._serialized_end=1515
+  _globals['_OPENSHAREDMEMORYRESPONSE']._serialized_start=1517
+  _globals['_OPENSHAREDMEMORYRESPONSE']._serialized_end=1567
+  _globals['_STREAMTENSORSSHAREDREQUEST']._serialized_start=1570
+  _globals['_STREAMTENSORSSHAREDREQUEST']._serialized_end=1713
+  _globals['_STREAMTENSORSSHAREDRESPONSE']._serialized_start=1715
+  _globals['_STREAMTENSORSSHAREDRESPONSE']._serialized_end=1842
+  _globals['_WEIGHTSTREAMSERVICE']._serialized_start=2334
+  _globals['_WEIGHTSTREAMSERVICE']._serialized_end=2963
 # @@protoc_insertion_point(module_scope)

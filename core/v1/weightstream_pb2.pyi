@@ -102,12 +102,24 @@ class ByteRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class TensorRequest(_message.Message):
-    __slots__ = ("name", "ranges")
+    __slots__ = ("name", "ranges", "slice")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
     name: str
     ranges: _containers.RepeatedCompositeFieldContainer[ByteRange]
-    def __init__(self, name: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ...) -> None: ...
+    slice: TensorSlice
+    def __init__(self, name: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ..., slice: _Optional[_Union[TensorSlice, _Mapping]] = ...) -> None: ...
+
+class TensorSlice(_message.Message):
+    __slots__ = ("dim", "start", "stop")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    start: int
+    stop: int
+    def __init__(self, dim: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class StreamTensorsRequest(_message.Message):
     __slots__ = ("model", "tensors", "max_chunk_bytes", "revision")
@@ -128,18 +140,22 @@ class StreamTensorsResponse(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("tensor", "offset", "crc32c", "length", "data")
+    __slots__ = ("tensor", "offset", "crc32c", "length", "slot", "slot_offset", "data")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     tensor: str
     offset: int
     crc32c: int
     length: int
+    slot: int
+    slot_offset: int
     data: bytes
-    def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., length: _Optional[int] = ..., slot: _Optional[int] = ..., slot_offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ListModelFilesRequest(_message.Message):
     __slots__ = ("model",)
@@ -192,3 +208,41 @@ class ReadModelFileResponse(_message.Message):
     file_crc32c: int
     data: bytes
     def __init__(self, offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., file_crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class OpenSharedMemoryRequest(_message.Message):
+    __slots__ = ("nonce_file", "nonce")
+    NONCE_FILE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce_file: str
+    nonce: bytes
+    def __init__(self, nonce_file: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class OpenSharedMemoryResponse(_message.Message):
+    __slots__ = ("max_ring_bytes",)
+    MAX_RING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_ring_bytes: int
+    def __init__(self, max_ring_bytes: _Optional[int] = ...) -> None: ...
+
+class StreamTensorsSharedRequest(_message.Message):
+    __slots__ = ("request", "slots", "slot_bytes", "released_slots")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    request: StreamTensorsRequest
+    slots: int
+    slot_bytes: int
+    released_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request: _Optional[_Union[StreamTensorsRequest, _Mapping]] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., released_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StreamTensorsSharedResponse(_message.Message):
+    __slots__ = ("segment", "slots", "slot_bytes", "chunks")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    slots: int
+    slot_bytes: int
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, segment: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...

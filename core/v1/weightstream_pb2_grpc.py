@@ -54,6 +54,16 @@ class WeightStreamServiceStub:
                 request_serializer=weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileRequest.SerializeToString,
                 response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileResponse.FromString,
                 _registered_method=True)
+        self.OpenSharedMemory = channel.unary_unary(
+                '/weightstream.v1.WeightStreamService/OpenSharedMemory',
+                request_serializer=weightstream_dot_v1_dot_weightstream__pb2.OpenSharedMemoryRequest.SerializeToString,
+                response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.OpenSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.StreamTensorsShared = channel.stream_stream(
+                '/weightstream.v1.WeightStreamService/StreamTensorsShared',
+                request_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedRequest.SerializeToString,
+                response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedResponse.FromString,
+                _registered_method=True)
 
 
 class WeightStreamServiceServicer:
@@ -89,6 +99,24 @@ class WeightStreamServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSharedMemory(self, request, context):
+        """Same-host transport, step 1: the client proves that the server sees its shared-memory directory
+        (a file the client wrote there, with its content). FAILED_PRECONDITION when it does not, or when
+        the server has no shared-memory directory: the client then uses StreamTensors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamTensorsShared(self, request_iterator, context):
+        """Same-host transport, step 2: StreamTensors with the bytes in a ring of shared-memory slots. The
+        first request message carries the StreamTensorsRequest; later ones return slots the client has
+        copied out (credits). The server never has more slots in flight than the ring holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightStreamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +139,16 @@ def add_WeightStreamServiceServicer_to_server(servicer, server):
                     servicer.ReadModelFile,
                     request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileRequest.FromString,
                     response_serializer=weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileResponse.SerializeToString,
+            ),
+            'OpenSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSharedMemory,
+                    request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.OpenSharedMemoryRequest.FromString,
+                    response_serializer=weightstream_dot_v1_dot_weightstream__pb2.OpenSharedMemoryResponse.SerializeToString,
+            ),
+            'StreamTensorsShared': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamTensorsShared,
+                    request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedRequest.FromString,
+                    response_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +259,60 @@ class WeightStreamService:
             '/weightstream.v1.WeightStreamService/ReadModelFile',
             weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileRequest.SerializeToString,
             weightstream_dot_v1_dot_weightstream__pb2.ReadModelFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightstream.v1.WeightStreamService/OpenSharedMemory',
+            weightstream_dot_v1_dot_weightstream__pb2.OpenSharedMemoryRequest.SerializeToString,
+            weightstream_dot_v1_dot_weightstream__pb2.OpenSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamTensorsShared(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/weightstream.v1.WeightStreamService/StreamTensorsShared',
+            weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedRequest.SerializeToString,
+            weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedResponse.FromString,
             options,
             channel_credentials,
             insecure,
