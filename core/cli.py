@@ -43,7 +43,7 @@ SERVE_OPTIONS = (
         "--cache-bytes",
         "cache_bytes",
         int,
-        "RAM cache of served tensor bytes shared by concurrent loads (default 0: off)",
+        "RAM cache of served bytes, shared by concurrent loads (default 0: off)",
     ),
     ("--preload", "preload", "append", "read MODEL into the cache at start-up; /readyz waits (repeatable)"),
     ("--shm-dir", "shm_dir", str, "directory shared with same-host clients: turns the shared-memory transport on"),
