@@ -13,12 +13,24 @@ from weightstream.v1 import weightstream_pb2 as pb
 
 
 @dataclass(frozen=True)
+class TensorSlice:
+    """Elements [start, stop) of dimension dim, every other dimension whole."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
 class TensorInfo:
+    """A tensor as the client receives it; with slice set, shape and nbytes are the slice's."""
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
     file: str
+    slice: TensorSlice | None = None
 
 
 @dataclass(frozen=True)

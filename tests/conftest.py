@@ -14,6 +14,9 @@ from tests.s3_servers import REGION, S3RVER_KEY, S3Process, s3rver
 from weightstream.client import WeightStreamClient
 from weightstream.server import ServerSettings, WeightStreamServer, create_server
 
+# Chaos, load and fuzz tests record figures there; they are printed at the end of the run.
+pytest_plugins = ["tests.reliability_report"]
+
 
 @pytest.fixture(scope="session")
 def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
