@@ -15,9 +15,12 @@ from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
 from weightstream import wire
 from weightstream.allocator import tune_malloc
+from weightstream.server import shm
 from weightstream.server.auth import AuthInterceptor, TokenFile
+from weightstream.server.cache import UnitCache
 from weightstream.server.catalog import Catalog
 from weightstream.server.health import HEALTH_SERVICE_NAME, SERVICE_NAME, Readiness, ReadinessHealthServicer
+from weightstream.server.preload import start_preload
 from weightstream.server.reader import StreamerPool
 from weightstream.server.servicer import WeightStreamServicer, add_to_server
 from weightstream.server.settings import ServerSettings
@@ -46,14 +49,29 @@ class WeightStreamServer:
     readiness: Readiness
     health: ReadinessHealthServicer
     tokens: TokenFile | None
+    # Shared by every stream; None when --cache-bytes is 0.
+    cache: UnitCache | None = None
 
     @property
     def tls(self) -> bool:
         return self.settings.tls_cert is not None
 
     def start(self) -> None:
+        if self.settings.shm_dir is not None:
+            shm.remove_stale_segments(self.settings.shm_dir)
         self.grpc_server.start()
         self.readiness.mark_serving()
+        if self.cache is not None and self.settings.preload:
+            start_preload(
+                self.settings.preload,
+                self.catalog,
+                self.pool,
+                self.cache,
+                self.stats,
+                self.readiness,
+                read_ahead_bytes=self.settings.read_ahead_bytes,
+                chunk_bytes=self.settings.chunk_bytes,
+            )
         self.health.refresh()
         served = ", ".join(source.describe() for source in self.catalog.sources)
         security = ("mutual TLS" if self.settings.tls_client_ca else "TLS") if self.tls else "plaintext"
@@ -112,6 +130,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     stats = ServerStats()
     tokens = TokenFile(settings.token_file) if settings.token_file is not None else None
     readiness = Readiness(catalog.sources)
+    cache = UnitCache(settings.cache_bytes) if settings.cache_bytes else None
     server = grpc.server(
         # Streams beyond max_streams are refused with RESOURCE_EXHAUSTED by the pool; the extra
         # workers keep manifest calls and health checks answered while every stream slot is busy.
@@ -128,7 +147,8 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    add_to_server(WeightStreamServicer(settings, catalog, pool, stats, readiness), server)
+    add_to_server(WeightStreamServicer(settings, catalog, pool, stats, readiness, cache), server)
+    shm.add_to_server(shm.SharedMemoryServicer(settings, catalog, pool, stats, readiness), server)
     health_servicer = ReadinessHealthServicer(readiness)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection lets grpcurl and similar tools call the server without the .proto files.
@@ -141,7 +161,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind gRPC to {settings.host}:{settings.grpc_port}")
-    return WeightStreamServer(server, port, settings, catalog, pool, stats, readiness, health_servicer, tokens)
+    return WeightStreamServer(server, port, settings, catalog, pool, stats, readiness, health_servicer, tokens, cache)
 
 
 def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:

@@ -1,0 +1,214 @@
+"""The same-host transport: chunk bytes read from a shared-memory ring the server fills.
+
+negotiate() proves that the server sees the client's directory (a nonce file written here, read
+back there) and returns a SharedMemoryTransport, or None when the server cannot use it; the client
+then streams over gRPC. Each stream() maps the segment the server announces, yields each message's
+chunks with their addresses inside the mapping, and returns a message's slots (credits) once the
+caller asks for the next batch.
+
+Copies per byte on this side: slot -> parameter (one memmove; on CUDA, slot -> pinned staging ->
+device). Memory: the mapping of one ring per stream (slots * slot_bytes), shared with the server.
+
+Concurrency: as for every transport, one stream per thread, each iterator used by one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import queue
+import secrets
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from weightstream import wire
+from weightstream.client.errors import IntegrityError
+from weightstream.client.transport import ChunkRef
+from weightstream.v1 import weightstream_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+OPEN_SHARED_MEMORY_METHOD = "/weightstream.v1.WeightStreamService/OpenSharedMemory"
+STREAM_TENSORS_SHARED_METHOD = "/weightstream.v1.WeightStreamService/StreamTensorsShared"
+NONCE_PREFIX = "weightstream-nonce-"
+# Owner read-write, group read: a server in another container of the pod, running as another user
+# of the pod's fsGroup, can still read it.
+NONCE_MODE = 0o640
+NONCE_BYTES = 32
+DEFAULT_SLOTS = 16
+SEGMENT_PREFIX = "weightstream-seg-"
+NEGOTIATE_TIMEOUT_S = 10.0
+
+
+class SharedMemoryTransport:
+    """StreamTensorsShared on one channel, its segments mapped from shm_dir.
+
+    slots and slot_bytes are the ring asked for (slot_bytes 0: the request's chunk size);
+    max_ring_bytes is what the server grants (OpenSharedMemoryResponse), and caps the ring.
+    """
+
+    name = "shm"
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        shm_dir: str | Path,
+        *,
+        max_ring_bytes: int,
+        slots: int = DEFAULT_SLOTS,
+        slot_bytes: int = 0,
+    ) -> None:
+        self.shm_dir = Path(shm_dir)
+        self.max_ring_bytes = max_ring_bytes
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self._method = channel.stream_stream(
+            STREAM_TENSORS_SHARED_METHOD,
+            request_serializer=pb.StreamTensorsSharedRequest.SerializeToString,
+            response_deserializer=pb.StreamTensorsSharedResponse.FromString,
+        )
+
+    @classmethod
+    def negotiate(
+        cls,
+        channel: grpc.Channel,
+        shm_dir: str | Path,
+        metadata: Sequence[tuple[str, str]],
+        *,
+        timeout: float | None = NEGOTIATE_TIMEOUT_S,
+    ) -> SharedMemoryTransport | None:
+        """A transport if the server at channel sees shm_dir as this process does; None (logged) if not.
+
+        None when this process cannot write to shm_dir, or the server answers FAILED_PRECONDITION
+        (another directory, or none) or UNIMPLEMENTED (an older server). Other gRPC errors propagate.
+        """
+        directory = Path(shm_dir)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        name = f"{NONCE_PREFIX}{secrets.token_hex(8)}"
+        path = directory / name
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            logger.info("shared memory not used: cannot write to %s: %s", directory, exc.strerror or exc)
+            return None
+        try:
+            try:
+                os.fchmod(fd, NONCE_MODE)
+                os.write(fd, nonce)
+            finally:
+                os.close(fd)
+            open_shared_memory = channel.unary_unary(
+                OPEN_SHARED_MEMORY_METHOD,
+                request_serializer=pb.OpenSharedMemoryRequest.SerializeToString,
+                response_deserializer=pb.OpenSharedMemoryResponse.FromString,
+            )
+            try:
+                response = open_shared_memory(
+                    pb.OpenSharedMemoryRequest(nonce_file=name, nonce=nonce), timeout=timeout, metadata=tuple(metadata)
+                )
+            except grpc.RpcError as exc:
+                code = exc.code() if isinstance(exc, grpc.Call) else None
+                if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                    details = exc.details() if isinstance(exc, grpc.Call) else ""
+                    logger.info("shared memory not used: the server says %s: %s", code.name, details)
+                    return None
+                raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return cls(channel, directory, max_ring_bytes=response.max_ring_bytes)
+
+    def stream(
+        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]]
+    ) -> Iterator[Sequence[ChunkRef]]:
+        """Chunks of request, one batch per server message; see the module doc for when slots are returned."""
+        slots, slot_bytes = self._ring(request)
+        # Messages to the server: the request, then an "attached" message, then credits.
+        outgoing: queue.SimpleQueue[pb.StreamTensorsSharedRequest | None] = queue.SimpleQueue()
+        outgoing.put(pb.StreamTensorsSharedRequest(request=request, slots=slots, slot_bytes=slot_bytes))
+        call = self._method(_drain(outgoing), metadata=tuple(metadata))
+        ring: _Ring | None = None
+        try:
+            announcement = next(call)
+            ring = _Ring.open(self.shm_dir, announcement, request.model)
+            # Tells the server that the segment is mapped, so that it removes the file now.
+            outgoing.put(pb.StreamTensorsSharedRequest())
+            for message in call:
+                refs = [ring.ref(chunk) for chunk in message.chunks]
+                yield refs
+                released = sorted({chunk.slot for chunk in message.chunks})
+                if released:
+                    outgoing.put(pb.StreamTensorsSharedRequest(released_slots=released))
+        finally:
+            outgoing.put(None)
+            call.cancel()
+            if ring is not None:
+                ring.close()
+
+    def _ring(self, request: pb.StreamTensorsRequest) -> tuple[int, int]:
+        """The ring to ask for: slots of the chunk size (or slot_bytes), capped at what the server grants."""
+        slot_bytes = self.slot_bytes or wire.clamp_chunk_bytes(request.max_chunk_bytes)
+        slots = self.slots
+        if self.max_ring_bytes:
+            slots = max(2, min(slots, self.max_ring_bytes // slot_bytes))
+        return slots, slot_bytes
+
+
+def _drain(
+    outgoing: queue.SimpleQueue[pb.StreamTensorsSharedRequest | None],
+) -> Iterator[pb.StreamTensorsSharedRequest]:
+    while (message := outgoing.get()) is not None:
+        yield message
+
+
+class _Ring:
+    """The server's segment, mapped read-only; chunk addresses point into it until close()."""
+
+    def __init__(self, mapping: mmap.mmap, slots: int, slot_bytes: int, model: str) -> None:
+        self._map = mapping
+        self._view = np.frombuffer(mapping, dtype=np.uint8)
+        self.address = int(self._view.ctypes.data)
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.model = model
+
+    @classmethod
+    def open(cls, directory: Path, announcement: pb.StreamTensorsSharedResponse, model: str) -> _Ring:
+        name, slots, slot_bytes = announcement.segment, announcement.slots, announcement.slot_bytes
+        if not name.startswith(SEGMENT_PREFIX) or not wire.is_plain_file_name(name) or not slots or not slot_bytes:
+            raise IntegrityError(
+                f"model {model!r}: the server announced segment {name[:200]!r} of {slots} x {slot_bytes} bytes, "
+                "not a shared-memory ring"
+            )
+        size = slots * slot_bytes
+        try:
+            fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise IntegrityError(f"model {model!r}: cannot open segment {name!r} in {directory}: {exc}") from exc
+        try:
+            if os.fstat(fd).st_size < size:
+                raise IntegrityError(f"model {model!r}: segment {name!r} is smaller than its {size} bytes")
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return cls(mapping, slots, slot_bytes, model)
+
+    def ref(self, chunk: pb.TensorChunk) -> ChunkRef:
+        """Where chunk's bytes lie in the mapping; a chunk outside its slot is an IntegrityError."""
+        if not chunk.HasField("slot") or chunk.slot >= self.slots or chunk.slot_offset + chunk.length > self.slot_bytes:
+            raise IntegrityError(
+                f"model {self.model!r}: tensor {chunk.tensor!r}: chunk at offset {chunk.offset} lies outside the "
+                f"ring (slot {chunk.slot if chunk.HasField('slot') else None}, slot offset {chunk.slot_offset}, "
+                f"{chunk.length} bytes; {self.slots} slots of {self.slot_bytes} bytes)"
+            )
+        address = self.address + chunk.slot * self.slot_bytes + chunk.slot_offset
+        return ChunkRef(chunk.tensor, chunk.offset, chunk.crc32c, chunk.length, address, chunk.length)
+
+    def close(self) -> None:
+        del self._view
+        self._map.close()

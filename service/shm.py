@@ -1,0 +1,508 @@
+"""The same-host transport: OpenSharedMemory and StreamTensorsShared, chunk bytes in a shared-memory ring.
+
+A client next to the server (same pod, same host) offers a directory both can see (a pod's emptyDir
+with medium Memory, or /dev/shm). OpenSharedMemory checks that the server sees it: the client wrote a
+nonce file there, and the server must read back the same bytes. StreamTensorsShared then serves the
+same chunks as StreamTensors, but their bytes lie in a ring of slots in one segment file in that
+directory, and the gRPC messages carry only (tensor, offset, CRC32C, slot, slot offset).
+
+Copies per byte on this side: file -> streamer ring (the read), streamer ring -> slot (one memmove;
+the CRC32C is taken on the slot). The client copies the slot into its parameter once.
+
+Memory: each stream holds one segment of slots * slot_bytes (at most the server's read-ahead
+setting), whatever the client's speed: a slot is filled again only after the client returned it.
+
+Segments: one file per stream, named weightstream-seg-<pid>-<random>, mode 0o640 (owner read-write,
+group read: in Kubernetes, run both containers as one user, or give the pod an fsGroup, which
+emptyDir files inherit). The server holds an exclusive flock on the file for the stream's life; the
+file is unlinked as soon as the client has mapped it (its first message after the announcement)
+and at stream end, so that what is left in the directory is only a crashed server's, before its
+client attached. Start-up cleanup (remove_stale_segments) deletes segments that no process locks.
+
+Threading: each stream runs on its gRPC worker thread (reads, copies, sends) plus one thread of its
+own that reads the client's credits; they meet in _Credits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hmac
+import logging
+import mmap
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from weightstream import wire
+from weightstream.server.catalog import Catalog, Manifest
+from weightstream.server.errors import Draining, InvalidRequest, RevisionMismatch, ServerError, status_code
+from weightstream.server.health import Readiness
+from weightstream.server.plan import ChunkPlace, ReadPlan, plan_reads
+from weightstream.server.reader import PooledStreamer, StreamerPool, read_chunks
+from weightstream.server.servicer import check_stream_request
+from weightstream.server.settings import ServerSettings
+from weightstream.server.stats import ServerStats
+from weightstream.v1 import weightstream_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_PREFIX = "weightstream-seg-"
+SEGMENT_MODE = 0o640
+DEFAULT_SLOTS = 16
+MIN_SLOTS = 2
+MAX_SLOTS = 4096
+# Chunks packed into one slot start on this boundary, so that every copy starts aligned.
+SLOT_ALIGN = 64
+# A nonce file is a few dozen bytes; anything much larger is not one.
+MAX_NONCE_BYTES = 1024
+_SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(\d+)-[0-9a-f]{16}")
+
+
+class SharedMemoryUnavailable(ServerError):
+    """The server cannot use the client's shared-memory directory (none configured, or not the same one)."""
+
+
+@dataclass
+class _Tally:
+    read: int = 0
+    sent: int = 0
+
+
+class Segment:
+    """One stream's ring: slots * slot_bytes in a file of the shared directory, mapped read-write.
+
+    Ownership: the stream that created it; close() unlinks the file (if still there), unmaps it and
+    drops the lock. Addresses into it are valid until close().
+    """
+
+    def __init__(self, directory: Path, slots: int, slot_bytes: int) -> None:
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        size = slots * slot_bytes
+        self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self.path = directory / self.name
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._linked = True
+        try:
+            # Held until close(): start-up cleanup of another server skips files that someone locks.
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(self._fd, SEGMENT_MODE)  # exactly this mode, whatever the umask
+            # Allocate the pages now (tmpfs): a write to a hole would fault them in one by one.
+            os.posix_fallocate(self._fd, 0, size)
+            self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        except BaseException:
+            self._unlink()
+            os.close(self._fd)
+            raise
+        self._view = (ctypes.c_char * size).from_buffer(self._map)
+        self.address = ctypes.addressof(self._view)
+
+    def slot_address(self, slot: int) -> int:
+        return self.address + slot * self.slot_bytes
+
+    def unlink(self) -> None:
+        """Remove the file from the directory (the mapping stays); called once the client has mapped it."""
+        self._unlink()
+
+    def _unlink(self) -> None:
+        if self._linked:
+            self._linked = False
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    def close(self) -> None:
+        self._unlink()
+        if self._fd < 0:
+            return
+        del self._view
+        self._map.close()
+        os.close(self._fd)
+        self._fd = -1
+
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def remove_stale_segments(directory: Path) -> int:
+    """Delete the segments in directory that no process holds (left by a server that crashed); how many.
+
+    A live segment is flock'ed by the server that made it, in whatever process or container, so a
+    lock that can be taken means nobody uses the file.
+    """
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError as exc:
+        logger.warning("shared-memory directory %s: cannot list it: %s", directory, exc.strerror or exc)
+        return 0
+    for entry in entries:
+        if not _SEGMENT_NAME.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                logger.warning("segment %s: cannot check it: %s", entry.path, exc.strerror or exc)
+            os.close(fd)
+            continue
+        try:
+            os.unlink(entry.path)
+            removed += 1
+        except OSError as exc:
+            logger.warning("stale segment %s: cannot remove it: %s", entry.path, exc.strerror or exc)
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("removed %d stale shared-memory segments from %s", removed, directory)
+    return removed
+
+
+class _Credits:
+    """The free slots of one ring: the stream's thread takes them, the credit thread returns them.
+
+    close() wakes a waiting take(), which then returns None; fail() also records why.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self._free = list(range(slots - 1, -1, -1))
+        self._in_flight: set[int] = set()
+        self._slots = slots
+        self._cond = threading.Condition()
+        self._closed = False
+        self.error: ServerError | None = None
+
+    def take(self) -> int | None:
+        with self._cond:
+            while not self._free and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            slot = self._free.pop()
+            self._in_flight.add(slot)
+            return slot
+
+    def release(self, slots: Iterable[int]) -> None:
+        with self._cond:
+            for slot in slots:
+                if slot not in self._in_flight:
+                    raise InvalidRequest(f"released slot {slot} is not in flight (the ring has {self._slots} slots)")
+                self._in_flight.discard(slot)
+                self._free.append(slot)
+            self._cond.notify_all()
+
+    def fail(self, error: ServerError) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error = error
+        self.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+def _read_credits(requests: Iterator[pb.StreamTensorsSharedRequest], credits: _Credits, segment: Segment) -> None:
+    """Return the slots the client releases until its request stream ends; the first message means attached."""
+    try:
+        for message in requests:
+            segment.unlink()
+            credits.release(message.released_slots)
+    except grpc.RpcError:
+        pass  # the call was cancelled or ended; the stream's own thread finds out from the context
+    except InvalidRequest as exc:
+        credits.fail(exc)
+    except Exception:
+        logger.exception("reading credits failed")
+        credits.fail(InvalidRequest("malformed credit message"))
+    finally:
+        credits.close()
+
+
+class SharedMemoryServicer:
+    """OpenSharedMemory and StreamTensorsShared; the stream reuses StreamTensors' checks, plan and reader."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        catalog: Catalog,
+        pool: StreamerPool,
+        stats: ServerStats,
+        readiness: Readiness,
+    ) -> None:
+        self._settings = settings
+        self._catalog = catalog
+        self._pool = pool
+        self._stats = stats
+        self._readiness = readiness
+
+    @property
+    def max_ring_bytes(self) -> int:
+        # The ring is this stream's read-ahead as far as memory goes, so the same bound serves.
+        return self._settings.read_ahead_bytes
+
+    def OpenSharedMemory(
+        self, request: pb.OpenSharedMemoryRequest, context: grpc.ServicerContext
+    ) -> pb.OpenSharedMemoryResponse:
+        try:
+            directory = self._directory()
+            check_nonce(directory, request.nonce_file, request.nonce)
+            return pb.OpenSharedMemoryResponse(max_ring_bytes=self.max_ring_bytes)
+        except Exception as exc:
+            self._abort(context, "OpenSharedMemory", "", exc)
+            raise  # unreachable: abort raises
+
+    def StreamTensorsShared(
+        self, requests: Iterator[pb.StreamTensorsSharedRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.StreamTensorsSharedResponse]:
+        """The first message names the segment; each later one carries the chunks of one slot.
+
+        Every stream, however it ends, is counted in the stats, logged in one line at its end, and
+        leaves no segment behind.
+        """
+        started = time.monotonic()
+        peer = context.peer()
+        tally = _Tally()
+        model_id = ""
+        model: str | None = None
+        tensors = 0
+        code = grpc.StatusCode.OK
+        segment: Segment | None = None
+        credits: _Credits | None = None
+        self._stats.stream_started()
+        try:
+            if self._readiness.draining:
+                raise Draining("the server is shutting down and takes no new streams; retry on another server")
+            directory = self._directory()
+            first = next(requests, None)
+            if first is None or not first.HasField("request"):
+                raise InvalidRequest("the first StreamTensorsSharedRequest must carry the request")
+            request = first.request
+            model_id = request.model
+            check_stream_request(request)
+            manifest = self._catalog.manifest(request.model)
+            model = manifest.model
+            if request.revision and request.revision != manifest.revision:
+                raise RevisionMismatch(
+                    f"model {request.model!r} changed: revision {manifest.revision}, "
+                    f"the request expects {request.revision}"
+                )
+            chunk_bytes = wire.clamp_chunk_bytes(request.max_chunk_bytes or self._settings.chunk_bytes)
+            slots, slot_bytes = self._ring(first.slots, first.slot_bytes, chunk_bytes)
+            # Every chunk fits in one slot.
+            chunk_bytes = min(chunk_bytes, slot_bytes)
+            requested = [(t.name, [(r.start, r.end) for r in t.ranges]) for t in request.tensors]
+            plan = plan_reads(manifest, requested, chunk_bytes)
+            tensors = len(requested) or len(manifest.tensors)
+            with self._pool.checkout() as streamer:
+                segment = Segment(directory, slots, slot_bytes)
+                credits = _Credits(slots)
+                context.add_callback(credits.close)
+                threading.Thread(
+                    target=_read_credits,
+                    args=(requests, credits, segment),
+                    name="weightstream-shm-credits",
+                    daemon=True,
+                ).start()
+                logger.debug(
+                    "shared stream %r from %s: %d tensors, %d bytes, ring %s (%d x %d bytes)",
+                    request.model,
+                    peer,
+                    tensors,
+                    plan.total_bytes,
+                    segment.name,
+                    slots,
+                    slot_bytes,
+                )
+                yield pb.StreamTensorsSharedResponse(segment=segment.name, slots=slots, slot_bytes=slot_bytes)
+                for message, payload_bytes in fill_slots(
+                    self._chunks(streamer, manifest, plan), segment, credits, tally
+                ):
+                    yield message
+                    tally.sent += payload_bytes
+        except GeneratorExit:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except _ClientGone:
+            code = grpc.StatusCode.CANCELLED
+        except Exception as exc:
+            code = _status(exc)
+            self._abort(context, "StreamTensorsShared", model_id, exc)
+        finally:
+            if credits is not None:
+                credits.close()
+            if segment is not None:
+                segment.close()
+            seconds = time.monotonic() - started
+            self._stats.stream_ended(model, sent=tally.sent, read=tally.read, seconds=seconds)
+            logger.info(
+                "shared stream end: model=%r peer=%s tensors=%d bytes=%d seconds=%.3f gbps=%.2f code=%s",
+                model_id,
+                peer,
+                tensors,
+                tally.sent,
+                seconds,
+                tally.sent / seconds / 1e9 if seconds else 0.0,
+                code.name,
+            )
+
+    def _chunks(
+        self, streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan
+    ) -> Iterator[tuple[ChunkPlace, torch.Tensor]]:
+        """Where the bytes come from: (place, uint8 view valid until the next item), as for StreamTensors."""
+        return read_chunks(streamer, manifest, plan, self._settings.read_ahead_bytes)
+
+    def _directory(self) -> Path:
+        if self._settings.shm_dir is None:
+            raise SharedMemoryUnavailable("this server has no shared-memory directory (--shm-dir); use StreamTensors")
+        return self._settings.shm_dir
+
+    def _ring(self, slots: int, slot_bytes: int, chunk_bytes: int) -> tuple[int, int]:
+        """The ring a stream gets for what it asked (0: the defaults); refuses sizes out of bounds."""
+        slots = slots or DEFAULT_SLOTS
+        slot_bytes = slot_bytes or chunk_bytes
+        if not MIN_SLOTS <= slots <= MAX_SLOTS:
+            raise InvalidRequest(f"slots {slots} is outside {MIN_SLOTS}..{MAX_SLOTS} (0 means {DEFAULT_SLOTS})")
+        if not wire.MIN_CHUNK_BYTES <= slot_bytes <= wire.MAX_CHUNK_BYTES or slot_bytes % SLOT_ALIGN:
+            raise InvalidRequest(
+                f"slot_bytes {slot_bytes} is outside {wire.MIN_CHUNK_BYTES}..{wire.MAX_CHUNK_BYTES} or not a "
+                f"multiple of {SLOT_ALIGN} (0 means the chunk size)"
+            )
+        if slots * slot_bytes > self.max_ring_bytes:
+            raise InvalidRequest(
+                f"a ring of {slots} x {slot_bytes} bytes is larger than the {self.max_ring_bytes} bytes this "
+                "server grants a stream (OpenSharedMemoryResponse.max_ring_bytes)"
+            )
+        return slots, slot_bytes
+
+    def _abort(self, context: grpc.ServicerContext, method: str, model: str, exc: Exception) -> None:
+        code = _status(exc)
+        self._stats.error(code.name)
+        if isinstance(exc, ServerError):
+            logger.warning("%s %r: %s: %s", method, model, code.name, exc)
+            context.abort(code, str(exc))
+        logger.exception("%s %r: internal error", method, model)
+        context.abort(code, f"internal error while serving model {model!r}: {type(exc).__name__}")
+
+
+def _status(exc: BaseException) -> grpc.StatusCode:
+    # SharedMemoryUnavailable belongs in errors.py's table (FAILED_PRECONDITION) with the others.
+    if isinstance(exc, SharedMemoryUnavailable):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return status_code(exc)
+
+
+class _ClientGone(Exception):
+    """The client cancelled or went away while the stream waited for a free slot."""
+
+
+def fill_slots(
+    chunks: Iterator[tuple[ChunkPlace, torch.Tensor]], segment: Segment, credits: _Credits, tally: _Tally
+) -> Iterator[tuple[pb.StreamTensorsSharedResponse, int]]:
+    """Copy chunks into free slots; yield (response naming one slot's chunks, their payload bytes) per slot.
+
+    Small chunks share a slot (each at a SLOT_ALIGN boundary); a slot is announced once it is full
+    or the next chunk does not fit in it, before waiting for a free one, so the client always has every filled
+    slot and the ring cannot deadlock. All chunks of a slot are in one message, and the client
+    returns the slot once it has placed that message.
+    """
+    slot: int | None = None
+    used = 0
+    pending: list[pb.TensorChunk] = []
+    pending_bytes = 0
+    for place, data in chunks:
+        length = place.length
+        tally.read += length
+        at = _aligned(used)
+        if slot is not None and at + length > segment.slot_bytes:
+            yield pb.StreamTensorsSharedResponse(chunks=pending), pending_bytes
+            slot, pending, pending_bytes = None, [], 0
+        if slot is None:
+            slot = credits.take()
+            if slot is None:
+                if credits.error is not None:
+                    raise credits.error
+                raise _ClientGone()
+            at = 0
+        address = segment.slot_address(slot) + at
+        ctypes.memmove(address, data.data_ptr(), length)
+        pending.append(
+            pb.TensorChunk(
+                tensor=place.tensor,
+                offset=place.offset,
+                crc32c=wire.crc32c_at(address, length),
+                length=length,
+                slot=slot,
+                slot_offset=at,
+            )
+        )
+        pending_bytes += length
+        used = at + length
+        if _aligned(used) >= segment.slot_bytes:
+            yield pb.StreamTensorsSharedResponse(chunks=pending), pending_bytes
+            slot, pending, pending_bytes = None, [], 0
+    if pending:
+        yield pb.StreamTensorsSharedResponse(chunks=pending), pending_bytes
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def check_nonce(directory: Path, name: str, nonce: bytes) -> None:
+    """Refuse unless directory/name is a plain file holding exactly nonce (the client wrote it there)."""
+    if not wire.is_plain_file_name(name):
+        raise InvalidRequest(f"nonce_file {name[:200]!r} is not a plain file name")
+    if not nonce:
+        raise InvalidRequest("nonce is empty")
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise SharedMemoryUnavailable(
+            f"the server does not see nonce file {name!r} in its shared-memory directory {directory} "
+            f"({exc.strerror or exc}): the client's directory is another one"
+        ) from None
+    try:
+        content = os.read(fd, MAX_NONCE_BYTES + 1)
+    except OSError as exc:
+        raise SharedMemoryUnavailable(f"cannot read nonce file {name!r}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if not hmac.compare_digest(content, nonce):
+        raise SharedMemoryUnavailable(
+            f"nonce file {name!r} in {directory} holds other bytes than the client wrote: "
+            "the client's directory is another one"
+        )
+
+
+def add_to_server(servicer: SharedMemoryServicer, server: grpc.Server) -> None:
+    """Register the two shared-memory methods (a second generic handler for WeightStreamService)."""
+    handlers = {
+        "OpenSharedMemory": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenSharedMemory,
+            request_deserializer=pb.OpenSharedMemoryRequest.FromString,
+            response_serializer=pb.OpenSharedMemoryResponse.SerializeToString,
+        ),
+        "StreamTensorsShared": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamTensorsShared,
+            request_deserializer=pb.StreamTensorsSharedRequest.FromString,
+            response_serializer=pb.StreamTensorsSharedResponse.SerializeToString,
+        ),
+    }
+    service = pb.DESCRIPTOR.services_by_name["WeightStreamService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
