@@ -41,6 +41,9 @@ class ReadinessReport:
     grpc_serving: bool
     draining: bool
     sources: tuple[SourceState, ...]
+    # Models still being read into the cache at start-up (--preload), and preloads that failed.
+    preloading: tuple[str, ...] = ()
+    preload_errors: tuple[str, ...] = ()
 
     @property
     def reasons(self) -> list[str]:
@@ -55,6 +58,8 @@ class ReadinessReport:
             for s in self.sources
             if not s.reachable
         ]
+        reasons += [f"preloading {model} into the cache" for model in self.preloading]
+        reasons += list(self.preload_errors)
         return reasons
 
 
@@ -71,6 +76,10 @@ class Readiness:
         self._probe_lock = threading.Lock()
         self._states = tuple(_probe(source) for source in self._sources)
         self._probed_at = time.monotonic()
+        # Not the probe lock: a probe of a hung store may hold that one for seconds.
+        self._preload_lock = threading.Lock()
+        self._preloading: tuple[str, ...] = ()
+        self._preload_errors: tuple[str, ...] = ()
 
     @property
     def draining(self) -> bool:
@@ -82,11 +91,23 @@ class Readiness:
     def start_draining(self) -> None:
         self._draining.set()
 
+    def preload_started(self, models: Sequence[str]) -> None:
+        with self._preload_lock:
+            self._preloading = tuple(models)
+
+    def preload_ended(self, model: str, error: str | None) -> None:
+        """One preload finished; error (why it failed) keeps the server not ready, since it was asked for."""
+        with self._preload_lock:
+            self._preloading = tuple(m for m in self._preloading if m != model)
+            if error is not None:
+                self._preload_errors += (f"preloading {model} failed: {error}",)
+
     def report(self) -> ReadinessReport:
         sources = self._source_states()
         serving, draining = self._serving.is_set(), self._draining.is_set()
-        ready = serving and not draining and all(s.reachable for s in sources)
-        return ReadinessReport(ready, serving, draining, sources)
+        preloading, errors = self._preloading, self._preload_errors
+        ready = serving and not draining and all(s.reachable for s in sources) and not preloading and not errors
+        return ReadinessReport(ready, serving, draining, sources, preloading, errors)
 
     def _source_states(self) -> tuple[SourceState, ...]:
         if time.monotonic() - self._probed_at < PROBE_TTL_S:

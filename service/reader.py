@@ -25,9 +25,10 @@ import torch
 from runai_model_streamer import FileChunks, FileStreamer
 from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
+from weightstream import wire
 from weightstream.server.catalog import Manifest
 from weightstream.server.errors import CorruptCheckpoint, StorageUnavailable, TooManyStreams
-from weightstream.server.plan import ChunkPlace, ReadPlan
+from weightstream.server.plan import ChunkPlace, ReadPlan, UnitPlace
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +100,14 @@ class StreamerPool:
         self.close()
 
 
-def read_chunks(
+def read_units(
     streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int
-) -> Iterator[tuple[ChunkPlace, torch.Tensor]]:
-    """Yield every chunk of the plan with its bytes, as the streamer completes reads (files interleave).
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield (index in plan.files, index of the unit in that FilePlan, its bytes as flat uint8) per read unit.
 
-    Each yielded tensor is a uint8 view into the streamer's ring, valid until the next item is
-    taken. Every read's length is checked, and so is the count of reads: a short or missing read
-    is an error, never a silently short stream: CorruptCheckpoint for local files, and
+    Files interleave. Each yielded tensor is a view into the streamer's ring, valid until the next
+    item is taken. Every read's length is checked, and so is the count of reads: a short or missing
+    read is an error, never a silently short stream: CorruptCheckpoint for local files, and
     StorageUnavailable (worth a retry) for S3, where the usual cause is the store or the network.
     """
     if not plan.files:
@@ -133,17 +134,16 @@ def read_chunks(
         chunks = file_streamer.get_chunks()
         try:
             for file_id, range_index, data in chunks:
-                unit = plan.files[file_id].places[range_index]
+                file_plan = plan.files[file_id]
+                unit = file_plan.places[range_index]
                 flat = data.view(-1)
-                if flat.numel() != unit.length:
+                if flat.numel() != file_plan.sizes[range_index]:
                     raise failure(
-                        f"model {manifest.model!r}: tensor {unit.tensor!r}: read {flat.numel()} bytes at "
-                        f"offset {unit.offset}, expected {unit.length}"
+                        f"model {manifest.model!r}: tensor {unit.place.tensor!r}: read {flat.numel()} bytes at "
+                        f"file offset {file_plan.offsets[range_index]}, expected {file_plan.sizes[range_index]}"
                     )
                 received += 1
-                for start in range(0, unit.length, plan.chunk_bytes):
-                    length = min(plan.chunk_bytes, unit.length - start)
-                    yield ChunkPlace(unit.tensor, unit.offset + start, length), flat[start : start + length]
+                yield file_id, range_index, flat
         finally:
             chunks.close()
     except ValueError as exc:
@@ -154,3 +154,27 @@ def read_chunks(
         raise failure(
             f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_reads} reads"
         )
+
+
+def unit_output(unit: UnitPlace, data: torch.Tensor) -> torch.Tensor:
+    """The bytes a unit sends: data itself, or the slice gathered out of its rows (a new tensor)."""
+    gather = unit.gather
+    if gather is None:
+        return data
+    rows = data.numel() // gather.row_bytes
+    return data.view(rows, gather.row_bytes)[:, gather.first : gather.first + gather.width].contiguous().view(-1)
+
+
+def cut_chunks(place: ChunkPlace, data: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[ChunkPlace, torch.Tensor]]:
+    """A unit's output cut into chunks of at most chunk_bytes, each a view of data."""
+    for start, length in wire.split_range(0, place.length, chunk_bytes):
+        yield ChunkPlace(place.tensor, place.offset + start, length), data[start : start + length]
+
+
+def read_chunks(
+    streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int
+) -> Iterator[tuple[ChunkPlace, torch.Tensor]]:
+    """Yield every chunk of the plan with its bytes, valid until the next item is taken (see read_units)."""
+    for file_id, range_index, data in read_units(streamer, manifest, plan, read_ahead_bytes):
+        unit = plan.files[file_id].places[range_index]
+        yield from cut_chunks(unit.place, unit_output(unit, data), plan.chunk_bytes)

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import grpc
 
 from weightstream import framing, wire
+from weightstream.server.cache import UnitCache
 from weightstream.server.catalog import Catalog, Manifest
+from weightstream.server.chunks import serve_chunks
 from weightstream.server.errors import Draining, InvalidRequest, RevisionMismatch, ServerError, status_code
 from weightstream.server.files import FileKind, FileListing, list_files, read_file
 from weightstream.server.health import Readiness
-from weightstream.server.plan import MAX_REQUESTED_TENSORS, ReadPlan, plan_reads
-from weightstream.server.reader import PooledStreamer, StreamerPool, read_chunks
+from weightstream.server.plan import MAX_REQUESTED_TENSORS, ReadPlan, Requested, SliceRequest, plan_reads
+from weightstream.server.reader import PooledStreamer, StreamerPool
 from weightstream.server.settings import ServerSettings
 from weightstream.server.stats import ServerStats
 from weightstream.v1 import weightstream_pb2 as pb
@@ -43,12 +45,14 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
         pool: StreamerPool,
         stats: ServerStats,
         readiness: Readiness,
+        cache: UnitCache | None = None,
     ) -> None:
         self._settings = settings
         self._catalog = catalog
         self._pool = pool
         self._stats = stats
         self._readiness = readiness
+        self._cache = cache
 
     def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
         try:
@@ -83,7 +87,7 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
                     f"the request expects {request.revision}"
                 )
             chunk_bytes = wire.clamp_chunk_bytes(request.max_chunk_bytes or self._settings.chunk_bytes)
-            requested = [(t.name, [(r.start, r.end) for r in t.ranges]) for t in request.tensors]
+            requested = requested_tensors(request)
             plan = plan_reads(manifest, requested, chunk_bytes)
             tensors = len(requested) or len(manifest.tensors)
             logger.debug(
@@ -97,7 +101,7 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
             )
             with self._pool.checkout() as streamer:
                 for message, payload_bytes in _batch(
-                    manifest, plan, streamer, self._settings.read_ahead_bytes, chunk_bytes, tally
+                    manifest, plan, streamer, self._settings.read_ahead_bytes, chunk_bytes, tally, self._cache
                 ):
                     yield message
                     tally.sent += payload_bytes
@@ -192,6 +196,18 @@ def check_stream_request(request: pb.StreamTensorsRequest) -> None:
         raise InvalidRequest(f"request names {len(request.tensors)} tensors, more than {MAX_REQUESTED_TENSORS}")
 
 
+def requested_tensors(request: pb.StreamTensorsRequest) -> list[Requested]:
+    """The request's tensors as (name, byte ranges, slice or None), for plan_reads."""
+    return [
+        (
+            t.name,
+            [(r.start, r.end) for r in t.ranges],
+            SliceRequest(t.slice.dim, t.slice.start, t.slice.stop) if t.HasField("slice") else None,
+        )
+        for t in request.tensors
+    ]
+
+
 def check_chunk_bytes(max_chunk_bytes: int) -> None:
     """Refuse a requested chunk size out of bounds (0, the server's default, is always fine)."""
     if max_chunk_bytes and not wire.MIN_CHUNK_BYTES <= max_chunk_bytes <= wire.MAX_CHUNK_BYTES:
@@ -208,22 +224,29 @@ def _batch(
     read_ahead_bytes: int,
     chunk_bytes: int,
     tally: _Tally,
+    cache: UnitCache | None,
 ) -> Iterator[tuple[bytes, int]]:
-    """Pack the chunks read into (serialized StreamTensorsResponse, payload bytes) of about chunk_bytes each.
+    """Pack the chunks served into (serialized StreamTensorsResponse, payload bytes) of about chunk_bytes each.
 
     Copies per byte on this side: file -> streamer ring (the read), ring -> message (encode_chunk;
-    the CRC is taken from the ring in place), then gRPC's own buffer to the socket. Chunks smaller
-    than half a message are packed together, which copies their few bytes once more.
+    the CRC is taken from the ring in place), then gRPC's own buffer to the socket. A chunk served
+    from the cache in the layout it was cached in is sent as the same bytes, with no copy here.
+    Chunks smaller than half a message are packed together, which copies their few bytes once more.
     """
     pending: list[bytes] = []
     pending_bytes = 0
     pending_payload = 0
-    for place, data in read_chunks(streamer, manifest, plan, read_ahead_bytes):
+
+    def count_read(nbytes: int) -> None:
+        tally.read += nbytes
+
+    for chunk in serve_chunks(manifest, plan, streamer, read_ahead_bytes, cache, count_read):
+        place = chunk.place
         length = place.length
-        tally.read += length
-        crc = wire.crc32c_at(data.data_ptr(), length)
-        # The ring slot is reused once the next chunk is taken, so the chunk is framed (copied) now.
-        entry = framing.encode_chunk(place.tensor, place.offset, crc, memoryview(data.numpy()))
+        entry = chunk.framed
+        if entry is None:
+            # The ring slot is reused once the next chunk is taken, so the chunk is framed (copied) now.
+            entry = framing.encode_chunk(place.tensor, place.offset, chunk.crc32c, chunk.data.data)
         if pending and pending_bytes + len(entry) > chunk_bytes:
             yield b"".join(pending), pending_payload
             pending, pending_bytes, pending_payload = [], 0, 0

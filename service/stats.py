@@ -87,6 +87,11 @@ class ServerStats:
             if self._active == 0:
                 self._idle.notify_all()
 
+    def storage_read(self, nbytes: int) -> None:
+        """Count bytes read from storage outside any stream (a preload)."""
+        with self._lock:
+            self._storage_bytes_read += nbytes
+
     def error(self, code_name: str) -> None:
         with self._lock:
             self._errors[code_name] += 1

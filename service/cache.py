@@ -1,0 +1,146 @@
+"""The server's cache of read units, shared by every stream, with single-flight reads.
+
+Keys name a read unit by what was read: the file (path, size and version: modification time or
+ETag, so a changed file never hits), and the byte range. Values are CachedUnit: the unit's bytes as
+the stream that read it framed them for sending, so that a later stream asking for the same bytes
+in the same chunks sends the very same message bytes, with no copy and no checksum to compute.
+
+Single-flight: the first stream to miss a unit claims it and reads it; streams that want it
+meanwhile wait for that read instead of reading it again. A claimer that fails or is cancelled
+abandons its claims, and waiters then read the unit themselves.
+
+Memory: resident bytes stay within capacity_bytes; least recently used units are evicted first,
+and a unit larger than the whole cache is shared with its waiters but not kept. Buffers are
+immutable bytes, so a stream may keep using a unit after it was evicted.
+
+Concurrency: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from weightstream.server.plan import ChunkPlace
+
+UnitKey = tuple[str, int, str, int, int]  # path, file size, file version, offset, length
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A part of a unit: buffer[data_start : data_start + length]; when place is set, buffer is the
+    framed chunk entry for place (framing.encode_chunk) and crc32c its payload's CRC32C."""
+
+    buffer: bytes
+    data_start: int
+    length: int
+    crc32c: int
+    place: ChunkPlace | None
+
+
+@dataclass(frozen=True)
+class CachedUnit:
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p.buffer) for p in self.pieces)
+
+    def data(self) -> memoryview:
+        """The unit's bytes: a view when it is one piece, else joined (a copy)."""
+        if len(self.pieces) == 1:
+            p = self.pieces[0]
+            return memoryview(p.buffer)[p.data_start : p.data_start + p.length]
+        return memoryview(b"".join(memoryview(p.buffer)[p.data_start : p.data_start + p.length] for p in self.pieces))
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    capacity_bytes: int
+    resident_bytes: int
+    units: int
+    hits: int
+    misses: int
+    # Misses that waited for another stream's read of the same unit instead of reading it again.
+    shared: int
+    evictions: int
+
+
+class Claim:
+    """What a stream does about one unit: use `unit` (a hit), wait for `future`, or read it (`leader`)."""
+
+    __slots__ = ("future", "key", "leader", "unit")
+
+    def __init__(self, key: UnitKey, unit: CachedUnit | None, future: Future[CachedUnit] | None, leader: bool) -> None:
+        self.key = key
+        self.unit = unit
+        self.future = future
+        self.leader = leader
+
+
+class UnitCache:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._units: OrderedDict[UnitKey, CachedUnit] = OrderedDict()
+        self._in_flight: dict[UnitKey, Future[CachedUnit]] = {}
+        self._resident = 0
+        self._hits = 0
+        self._misses = 0
+        self._shared = 0
+        self._evictions = 0
+
+    def claim(self, key: UnitKey) -> Claim:
+        """A hit, a read in flight to wait for, or a claim this caller must publish() or abandon()."""
+        with self._lock:
+            unit = self._units.get(key)
+            if unit is not None:
+                self._units.move_to_end(key)
+                self._hits += 1
+                return Claim(key, unit, None, False)
+            self._misses += 1
+            future = self._in_flight.get(key)
+            if future is not None:
+                self._shared += 1
+                return Claim(key, None, future, False)
+            future = Future()
+            self._in_flight[key] = future
+            return Claim(key, None, future, True)
+
+    def publish(self, claim: Claim, unit: CachedUnit) -> None:
+        """Hand a claimed unit's bytes to its waiters and keep them, evicting older units to fit."""
+        assert claim.leader and claim.future is not None
+        with self._lock:
+            self._in_flight.pop(claim.key, None)
+            size = unit.nbytes
+            if size <= self.capacity_bytes and claim.key not in self._units:
+                while self._resident + size > self.capacity_bytes and self._units:
+                    _, evicted = self._units.popitem(last=False)
+                    self._resident -= evicted.nbytes
+                    self._evictions += 1
+                self._units[claim.key] = unit
+                self._resident += size
+        claim.future.set_result(unit)
+
+    def abandon(self, claim: Claim, error: BaseException) -> None:
+        """Give up a claim (the read failed or its stream ended); waiters then read the unit themselves."""
+        assert claim.leader and claim.future is not None
+        with self._lock:
+            if self._in_flight.get(claim.key) is claim.future:
+                del self._in_flight[claim.key]
+        if not claim.future.done():
+            claim.future.set_exception(error)
+
+    def snapshot(self) -> CacheSnapshot:
+        with self._lock:
+            return CacheSnapshot(
+                self.capacity_bytes,
+                self._resident,
+                len(self._units),
+                self._hits,
+                self._misses,
+                self._shared,
+                self._evictions,
+            )
