@@ -17,8 +17,21 @@ from weightstream.server.errors import CorruptCheckpoint, UnsupportedCheckpoint
 # Real headers are kilobytes to a few MiB (hundreds of thousands of tensors); a larger one is
 # refused before it is read, so that a hostile file cannot make the server parse gigabytes of JSON.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Parsed JSON costs up to about 80 bytes of Python objects per item ("[]," is 3 bytes of header), so
+# items are counted before parsing: a hostile header of tiny items would otherwise take gigabytes.
+# 2 million items (an opening "[" or "{", or a ",") hold about 200,000 tensors, far more than a
+# real file has; a header at this bound costs about 200 MB while it is parsed, nothing after.
+MAX_HEADER_ITEMS = 2_000_000
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 16
+# Every dtype the safetensors format defines; those torch cannot hold (not in wire.BY_SAFETENSORS)
+# make a checkpoint unsupported, any other string makes it corrupt.
+SAFETENSORS_DTYPES = frozenset(
+    {"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F16", "BF16", "F32", "F64"}
+    | {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64"}
+)
+# Error messages travel in gRPC trailers (8 KiB by default), so values quoted in them are cut.
+_QUOTED_CHARS = 80
 
 
 @dataclass(frozen=True)
@@ -56,10 +69,19 @@ def read_header(read_range: Callable[[int, int], bytes], file_size: int, display
     raw = read_range(8, header_len)
     if len(raw) != header_len:
         raise CorruptCheckpoint(f"{display_name}: truncated: read {len(raw)} of {header_len} header bytes")
+    items = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if items > MAX_HEADER_ITEMS:
+        raise CorruptCheckpoint(
+            f"{display_name}: header holds {items} JSON items, more than {MAX_HEADER_ITEMS}; refused unparsed"
+        )
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpoint(f"{display_name}: header is not valid JSON: {exc}") from exc
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpoint(f"{display_name}: header is not UTF-8: {exc}") from exc
+    # Dropped before parsing, so that a large header is held once (as text), not twice.
+    del raw
+    header = _parse_json(display_name, text)
+    del text
     if not isinstance(header, dict):
         raise CorruptCheckpoint(f"{display_name}: header is not a JSON object")
     data_start = 8 + header_len
@@ -84,9 +106,37 @@ def read_header(read_range: Callable[[int, int], bytes], file_size: int, display
     return tensors
 
 
+def _parse_json(display_name: str, text: str) -> object:
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise CorruptCheckpoint(f"{display_name}: header is not valid JSON: nested too deeply") from exc
+    except ValueError as exc:
+        # JSONDecodeError, and also the integer of more than 4300 digits that int() refuses.
+        raise CorruptCheckpoint(f"{display_name}: header is not valid JSON: {str(exc)[:_QUOTED_CHARS]}") from exc
+
+
+def _quote(value: object) -> str:
+    try:
+        text = str(value)
+    except ValueError:
+        # An int of more than 4300 digits (a product of huge dimensions) refuses str().
+        return "(a number too long to print)"
+    return text if len(text) <= _QUOTED_CHARS else text[:_QUOTED_CHARS] + "..."
+
+
+def _encodable(name: str) -> bool:
+    # JSON may escape a lone surrogate ("\\ud800"), which no protobuf string or chunk frame can carry.
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _parse_entry(display_name: str, name: object, entry: object, data_start: int, data_size: int) -> HeaderTensor:
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or "\x00" in name:
-        raise CorruptCheckpoint(f"{display_name}: invalid tensor name {str(name)[:80]!r}")
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS or "\x00" in name or not _encodable(name):
+        raise CorruptCheckpoint(f"{display_name}: invalid tensor name {str(name)[:_QUOTED_CHARS]!r}")
     if not isinstance(entry, dict):
         raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: entry is not a JSON object")
     dtype_code = entry.get("dtype")
@@ -95,27 +145,33 @@ def _parse_entry(display_name: str, name: object, entry: object, data_start: int
     if not isinstance(dtype_code, str):
         raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: missing dtype")
     dtype = wire.BY_SAFETENSORS.get(dtype_code)
+    if dtype is None and dtype_code not in SAFETENSORS_DTYPES:
+        raise CorruptCheckpoint(
+            f"{display_name}: tensor {name!r}: unknown dtype {dtype_code[:_QUOTED_CHARS]!r}, not a safetensors dtype"
+        )
     if dtype is None:
-        raise UnsupportedCheckpoint(f"{display_name}: tensor {name!r}: unsupported dtype {dtype_code[:20]!r}")
+        raise UnsupportedCheckpoint(
+            f"{display_name}: tensor {name!r}: unsupported dtype {dtype_code[:_QUOTED_CHARS]!r}"
+        )
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_DIMS
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
-        raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: invalid shape {str(shape)[:80]}")
+        raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: invalid shape {_quote(shape)}")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: invalid data_offsets {str(offsets)[:80]}")
+        raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: invalid data_offsets {_quote(offsets)}")
     begin, end = offsets
     expected = wire.numel(tuple(shape)) * dtype.itemsize
     if end - begin != expected:
         raise CorruptCheckpoint(
             f"{display_name}: tensor {name!r}: data_offsets span {end - begin} bytes, "
-            f"but shape {shape} of {dtype_code} needs {expected}"
+            f"but shape {_quote(shape)} of {dtype_code} needs {_quote(expected)}"
         )
     if end > data_size:
         raise CorruptCheckpoint(
