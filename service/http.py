@@ -6,6 +6,7 @@ server's bearer token when it has one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -49,6 +50,16 @@ class ModelStatus(BaseModel):
     bytes_served: int = Field(description="tensor bytes sent for this model")
 
 
+class CacheStatus(BaseModel):
+    capacity_bytes: int = Field(description="--cache-bytes: the most tensor bytes kept")
+    resident_bytes: int = Field(description="tensor bytes held now")
+    units: int = Field(description="read units held now (up to 16 MiB each)")
+    hits: int = Field(description="read units served from the cache")
+    misses: int = Field(description="read units not in the cache when asked for (read, or shared)")
+    shared: int = Field(description="misses that waited for another stream's read of the same unit (single-flight)")
+    evictions: int = Field(description="read units dropped to make room, least recently used first")
+
+
 class ServerStatus(BaseModel):
     version: str
     uptime_s: float
@@ -64,6 +75,7 @@ class ServerStatus(BaseModel):
     errors_total: dict[str, int] = Field(description="RPCs that ended in an error, by gRPC status code name")
     sources: list[SourceStatus]
     models: dict[str, ModelStatus] = Field(description="per-model counters, by model id")
+    cache: CacheStatus | None = Field(description="the shared cache; null when --cache-bytes is 0")
 
 
 _UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
@@ -79,7 +91,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
         version=__version__,
         description="Health, readiness, status and metrics of a weightstream server (the data is served over gRPC).",
     )
-    registry = metrics.create_registry(server.stats, server.settings.max_streams)
+    registry = metrics.create_registry(server.stats, server.settings.max_streams, server.cache)
     tokens = server.tokens
 
     def require_token(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
@@ -125,6 +137,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
             errors_total=snap.errors_total,
             sources=[_source(s) for s in report.sources],
             models={m: ModelStatus(streams=c.streams, bytes_served=c.bytes_served) for m, c in snap.models.items()},
+            cache=CacheStatus(**dataclasses.asdict(server.cache.snapshot())) if server.cache is not None else None,
         )
 
     @app.get(

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from weightstream import __version__
+from weightstream.server.cache import CacheSnapshot, UnitCache
 from weightstream.server.stats import DURATION_BUCKETS_S, ServerStats
 
 PREFIX = "weightstream_"
@@ -23,9 +24,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class StatsCollector(Collector):
     """Every weightstream_* metric, read from one ServerStats snapshot per scrape."""
 
-    def __init__(self, stats: ServerStats, max_streams: int) -> None:
+    def __init__(self, stats: ServerStats, max_streams: int, cache: UnitCache | None) -> None:
         self._stats = stats
         self._max_streams = max_streams
+        self._cache = cache
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats.snapshot()
@@ -61,6 +63,8 @@ class StatsCollector(Collector):
         for code, count in sorted(s.errors_total.items()):
             errors.add_metric([code], count)
         yield errors
+        if self._cache is not None:
+            yield from _cache_metrics(self._cache.snapshot())
         buckets = [(_bound(le), count) for le, count in zip(DURATION_BUCKETS_S, s.duration_counts, strict=True)]
         buckets.append(("+Inf", s.streams_ended))
         yield HistogramMetricFamily(
@@ -71,10 +75,27 @@ class StatsCollector(Collector):
         )
 
 
-def create_registry(stats: ServerStats, max_streams: int) -> CollectorRegistry:
+def _cache_metrics(c: CacheSnapshot) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        PREFIX + "cache_capacity_bytes", "The most tensor bytes the cache keeps.", value=c.capacity_bytes
+    )
+    yield GaugeMetricFamily(
+        PREFIX + "cache_resident_bytes", "Tensor bytes the cache holds now.", value=c.resident_bytes
+    )
+    yield CounterMetricFamily(PREFIX + "cache_hits", "Read units served from the cache.", value=c.hits)
+    yield CounterMetricFamily(PREFIX + "cache_misses", "Read units not in the cache when asked for.", value=c.misses)
+    yield CounterMetricFamily(
+        PREFIX + "cache_shared_reads",
+        "Misses that waited for another stream's read of the same unit instead of reading storage.",
+        value=c.shared,
+    )
+    yield CounterMetricFamily(PREFIX + "cache_evictions", "Read units dropped to make room.", value=c.evictions)
+
+
+def create_registry(stats: ServerStats, max_streams: int, cache: UnitCache | None = None) -> CollectorRegistry:
     """A registry holding only this server's metrics."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(stats, max_streams))
+    registry.register(StatsCollector(stats, max_streams, cache))
     return registry
 
 
