@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from tests.helpers import assert_bytes_identical
 from tests.ops_helpers import eventually, nbytes, running, samples, write_model
 from weightstream.client import WeightStreamClient
+from weightstream.client.manifest import TensorSlice
 
 MIB = 1024 * 1024
 
@@ -101,12 +102,10 @@ def test_slices_of_one_tensor_share_cached_rows(tmp_path: Path) -> None:
     weight = torch.randn(256, 1024, generator=torch.Generator().manual_seed(3))
     (tmp_path / "w").mkdir()
     save_file({"layers.0.mlp.down_proj.weight": weight}, str(tmp_path / "w" / "model.safetensors"))
-    from weightstream.client.manifest import TensorSlice
-
     with running(tmp_path, cache_bytes=64 * MIB) as r, WeightStreamClient(r.target, progress=False) as client:
         for rank in range(4):
             piece = TensorSlice(1, rank * 256, (rank + 1) * 256)
-            (name, got), *_ = client.iter_tensors("w", slices={"layers.0.mlp.down_proj.weight": piece})
+            (_, got), *_ = client.iter_tensors("w", slices={"layers.0.mlp.down_proj.weight": piece})
             assert torch.equal(got, weight[:, rank * 256 : (rank + 1) * 256])
         status = r.get("/status").json()
         assert status["storage_bytes_read_total"] == weight.numel() * 4
