@@ -26,6 +26,7 @@ from weightstream.client.errors import (
 )
 from weightstream.client.fetch import FetchReport
 from weightstream.client.manifest import Manifest, ModelFile, ModelFileList, TensorInfo
+from weightstream.client.retry import RetryPolicy
 
 __all__ = [
     "FailedPreconditionError",
@@ -40,6 +41,7 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
+    "RetryPolicy",
     "TensorInfo",
     "UnauthenticatedError",
     "UnavailableError",

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
+import importlib.util
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -18,13 +19,31 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from weightstream import framing, wire
-from weightstream.client.errors import IntegrityError, NotFoundError, WeightStreamError, from_rpc_error
+from weightstream import wire
+from weightstream.client.errors import (
+    FailedPreconditionError,
+    IntegrityError,
+    NotFoundError,
+    UnavailableError,
+    WeightStreamError,
+    from_rpc_error,
+)
 from weightstream.client.fetch import FetchReport, fetch
-from weightstream.client.manifest import Manifest, ModelFileList, TensorInfo, files_from_proto, manifest_from_proto
+from weightstream.client.manifest import (
+    Manifest,
+    ModelFileList,
+    TensorInfo,
+    TensorSlice,
+    files_from_proto,
+    manifest_from_proto,
+)
 from weightstream.client.placement import Destination, Placers
+from weightstream.client import replicas
 from weightstream.client.progress import byte_bar
+from weightstream.client.retry import IDLE, RETRYABLE_CODES, IdleWatchdog, Outage, RetryPolicy
+from weightstream.client.sharding import ShardSpec, sliced_manifest
 from weightstream.client.targets import plan_targets
+from weightstream.client.transport import ChunkRef, GrpcTransport, StreamCancel, Transport
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
@@ -33,16 +52,35 @@ logger = logging.getLogger(__name__)
 # Where the client finds a bearer token when none is passed.
 TOKEN_ENV = "WEIGHTSTREAM_TOKEN"
 
-STREAM_TENSORS_METHOD = "/weightstream.v1.WeightStreamService/StreamTensors"
+# The reason a StreamCancel carries when the load itself stopped a stream (another stream failed,
+# or the caller stopped iterating).
+_STOPPED = "stopped"
+# Transports a client may be asked for; "auto" and "shm" need client/shm.py.
+_SHM_AVAILABLE = importlib.util.find_spec("weightstream.client.shm") is not None
+TRANSPORTS = ("auto", "grpc", "shm") if _SHM_AVAILABLE else ("grpc",)
 
 _CHANNEL_OPTIONS: list[tuple[str, int]] = [
     # A message carries up to MAX_CHUNK_BYTES of payload plus chunk descriptors; gRPC's default
     # limit of 4 MiB would refuse the server's larger messages.
     ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
-    # Ping an idle connection every 30 s and give up after 10 s without an answer, so that a dead
-    # server is noticed in seconds rather than when the kernel's TCP timeout fires (minutes).
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    # Ping after 10 s without reads and close the connection when no answer comes within 5 s: a
+    # server that died without closing its connection (power loss, a cut cable, a frozen node) is
+    # noticed in about 15 s, not when the kernel's TCP retransmission timeout fires (about 15 min).
+    # The stream then fails UNAVAILABLE and is resumed. The server accepts pings every 5 s
+    # (grpc_server.py, min_ping_interval_without_data_ms), so these never earn a GOAWAY
+    # "too_many_pings".
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    # A long tensor can keep the client busy placing while nothing is sent its way; pings must not
+    # stop after gRPC's default of 2 without data frames, or a dead peer goes unnoticed again.
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # After a failed connect gRPC waits 1 s, growing to 120 s, before it tries again, and fails
+    # calls at once meanwhile; the client's RetryPolicy decides how long to keep trying, so the
+    # channel reconnects promptly when asked (a restarted server is found within a second).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 
 
@@ -57,6 +95,9 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     transport: str = "grpc"
+    # Streams resumed after a failure, and bytes received again that had already landed.
+    retries: int = 0
+    resent_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -65,7 +106,11 @@ class LoadReport:
 
 
 class WeightStreamClient:
-    """A client of one weightstream server.
+    """A client of a weightstream service: one server, or several replicas.
+
+    target is "host:port", a gRPC name such as "dns:///weightstream-headless:50051" that resolves
+    to every replica, or several IP "host:port" addresses (a list, or joined by commas); calls are
+    spread over the replicas (see client/replicas.py).
 
     Use it as a context manager, or call close(). The channel is made on first use. One client may
     be used from several threads; each call runs its own stream.
@@ -74,11 +119,16 @@ class WeightStreamClient:
     variable WEIGHTSTREAM_TOKEN is used when set. tls=True connects over TLS, verifying the server
     against ca_file (PEM; the system's roots when None); client_cert and client_key (PEM) are this
     client's certificate for servers that require mutual TLS. The files are read here, once.
+
+    retry says how broken streams are resumed and how long GetManifest is retried on UNAVAILABLE
+    (see RetryPolicy); None fails at the first error and turns the idle-stream deadline off.
+    transport chooses the data path: "grpc" (the default); "shm" and "auto" (shared memory with
+    the server when both share shm_dir) where the shared-memory transport is installed.
     """
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         token: str | None = None,
         tls: bool = False,
@@ -89,8 +139,13 @@ class WeightStreamClient:
         timeout: float | None = 30.0,
         progress: bool = True,
         streams: int = 1,
+        retry: RetryPolicy | None = None,
+        transport: str = "grpc",
+        shm_dir: str | Path | None = None,
     ) -> None:
-        self.target = target
+        self.target = target if isinstance(target, str) else ",".join(target)
+        # Several replicas, or a name resolving to several: see client/replicas.py.
+        self._channel_target = replicas.channel_target(target)
         if token is None:
             token = os.environ.get(TOKEN_ENV)
         # A token read from a file or a variable often ends in a newline, which gRPC metadata refuses.
@@ -102,12 +157,18 @@ class WeightStreamClient:
         self._progress = progress
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.WeightStreamServiceStub | None = None
-        self._stream_raw: grpc.UnaryStreamMultiCallable | None = None
         self._extra_channels: list[grpc.Channel] = []
+        self._transports: dict[int, Transport] = {}
         self._lock = threading.Lock()
         if streams < 1:
             raise ValueError(f"streams must be at least 1, not {streams}")
         self._streams = streams
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
+        self._transport_kind = transport
+        self._shm_dir = Path(shm_dir) if shm_dir is not None else None
+        self._retry = retry
+        self._watchdog = IdleWatchdog(retry.idle_timeout) if retry is not None else None
 
     def __enter__(self) -> WeightStreamClient:
         return self
@@ -120,10 +181,13 @@ class WeightStreamClient:
     def close(self) -> None:
         with self._lock:
             channels = [c for c in (self._channel, *self._extra_channels) if c is not None]
-            self._channel, self._stub, self._stream_raw = None, None, None
+            self._channel, self._stub = None, None
             self._extra_channels = []
+            self._transports = {}
         for channel in channels:
             channel.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
 
     @property
     def stub(self) -> pb_grpc.WeightStreamServiceStub:
@@ -132,42 +196,73 @@ class WeightStreamClient:
         assert self._stub is not None
         return self._stub
 
-    def _stream_callable(self, index: int) -> grpc.UnaryStreamMultiCallable:
-        """The raw StreamTensors method on channel index: 0 is the main channel, others are extra ones.
+    def _transport_for(self, index: int) -> Transport:
+        """The transport of stream index (0 is the main channel): the one place a stream's transport is chosen.
 
         Parallel streams of one load go over separate channels (separate TCP connections), which
         measured better than several streams sharing one connection.
         """
-        if self._stream_raw is None:
-            self._connect()
-        assert self._stream_raw is not None and self._channel is not None
-        if index == 0:
-            return self._stream_raw
         with self._lock:
+            found = self._transports.get(index)
+        if found is not None:
+            return found
+        # Hook for the shared-memory transport (client/shm.py): "shm" and "auto" (shm when the
+        # server shares self._shm_dir, else gRPC) branch here, on the same channel.
+        if self._transport_kind == "shm":
+            raise ValueError("the shared-memory transport is not wired into this client yet")
+        made = GrpcTransport(self._channel_at(index))
+        with self._lock:
+            return self._transports.setdefault(index, made)
+
+    def _channel_at(self, index: int) -> grpc.Channel:
+        """Channel index: 0 is the main channel, others are extra ones made on first use."""
+        if self._channel is None:
+            self._connect()
+        with self._lock:
+            assert self._channel is not None
+            if index == 0:
+                return self._channel
             while len(self._extra_channels) < index:
                 self._extra_channels.append(self._new_channel())
-            channel = self._extra_channels[index - 1]
-        return _raw_stream_method(channel)
+            return self._extra_channels[index - 1]
 
     def _connect(self) -> None:
         with self._lock:
             if self._channel is None:
                 self._channel = self._new_channel()
                 self._stub = pb_grpc.WeightStreamServiceStub(self._channel)
-                self._stream_raw = _raw_stream_method(self._channel)
 
     def _new_channel(self) -> grpc.Channel:
+        options = [*_CHANNEL_OPTIONS, *replicas.CHANNEL_OPTIONS]
         if self._credentials is None:
-            return grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
-        return grpc.secure_channel(self.target, self._credentials, options=_CHANNEL_OPTIONS)
+            return grpc.insecure_channel(self._channel_target, options=options)
+        return grpc.secure_channel(self._channel_target, self._credentials, options=options)
 
     def manifest(self, model: str) -> Manifest:
-        """Every tensor of model: name, dtype, shape, size and file."""
-        with self._translated():
-            response = self.stub.GetManifest(
-                pb.GetManifestRequest(model=model), timeout=self._timeout, metadata=self._metadata
-            )
-        return manifest_from_proto(response)
+        """Every tensor of model: name, dtype, shape, size and file; retried on UNAVAILABLE per the RetryPolicy."""
+        outage = Outage(self._retry) if self._retry is not None else None
+        while True:
+            try:
+                with self._translated():
+                    response = self.stub.GetManifest(
+                        pb.GetManifestRequest(model=model), timeout=self._timeout, metadata=self._metadata
+                    )
+                return manifest_from_proto(response)
+            except UnavailableError as exc:
+                delay = outage.next_delay() if outage is not None and exc.code == grpc.StatusCode.UNAVAILABLE else None
+                if delay is None or _not_transient(exc):
+                    raise
+                assert self._retry is not None and outage is not None
+                logger.warning(
+                    "model %r: manifest from %s failed (%s), try %d of %d in %.2f s",
+                    model,
+                    self.target,
+                    exc.message,
+                    outage.failures + 1,
+                    self._retry.attempts,
+                    delay,
+                )
+                time.sleep(delay)
 
     def list_files(self, model: str) -> ModelFileList:
         """The files of model the server lets a client read whole: weight files and companion files."""
@@ -217,18 +312,26 @@ class WeightStreamClient:
         return fetch(self, model, directory, metadata_only=metadata_only, progress=self._progress)
 
     def iter_tensors(
-        self, model: str, *, names: Iterable[str] | None = None, device: str | torch.device = "cpu"
+        self,
+        model: str,
+        *,
+        names: Iterable[str] | None = None,
+        device: str | torch.device = "cpu",
+        slices: Mapping[str, TensorSlice] | ShardSpec | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) for the tensors of model (all, or names), each as soon as it is complete.
 
         Tensors are yielded in the order they complete, which is not the checkpoint's order. Each
         tensor is allocated on device when its first chunk arrives and is the caller's once yielded;
-        memory held at once is bounded by the tensors in flight, not the model.
+        memory held at once is bounded by the tensors in flight, not the model. With slices (by
+        name, or a ShardSpec for one tensor-parallel rank) only those slices are sent and yielded.
         """
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda[:N], not {device}")
         manifest = self.manifest(model)
+        if slices is not None:
+            manifest = sliced_manifest(manifest, slices)
         infos = _select(manifest, names)
         in_flight: dict[str, Destination] = {}
 
@@ -252,22 +355,28 @@ class WeightStreamClient:
         tensors = dict(self.iter_tensors(model, device=device))
         return {info.name: tensors[info.name] for info in self.manifest(model).tensors if info.name in tensors}
 
-    def load_into(self, module: torch.nn.Module, model: str, *, strict: bool = True) -> LoadReport:
+    def load_into(
+        self, module: torch.nn.Module, model: str, *, strict: bool = True, shard: ShardSpec | None = None
+    ) -> LoadReport:
         """Write model's tensors into module's existing parameters and buffers, in place.
 
         Names, shapes and dtypes are checked against the module before any byte is written; with
         strict (the default) every module tensor must be in the checkpoint and every checkpoint
         tensor in the module. An error raised after writing began has partially_written=True and
-        says how much of the module was written.
+        says how much of the module was written. With shard, module is one tensor-parallel rank:
+        its split tensors have the shapes of that rank's slices, and only those bytes are sent.
         """
         started = time.perf_counter()
         manifest = self.manifest(model)
+        if shard is not None:
+            manifest = sliced_manifest(manifest, shard)
         plan = plan_targets(module, manifest, strict=strict)
         infos = {name: manifest[name] for name in plan.targets}
         dests = {name: Destination(name, tensor) for name, tensor in plan.targets.items()}
         received = 0
+        tally = _Tally()
         try:
-            for dest in self._receive(manifest, infos, dests.__getitem__, description=model):
+            for dest in self._receive(manifest, infos, dests.__getitem__, description=model, tally=tally):
                 received += dest.nbytes
         except WeightStreamError as exc:
             written = sum(1 for d in dests.values() if d.written)
@@ -280,15 +389,27 @@ class WeightStreamClient:
                 detail = "the module was not written"
             raise exc.with_write_state(bool(written), detail) from exc
         seconds = time.perf_counter() - started
-        report = LoadReport(model, len(dests), received, seconds, plan.missing, plan.unexpected)
+        report = LoadReport(
+            model,
+            len(dests),
+            received,
+            seconds,
+            plan.missing,
+            plan.unexpected,
+            transport=self._transport_for(0).name,
+            retries=tally.retries,
+            resent_bytes=tally.resent_bytes,
+        )
         logger.info(
-            "loaded %s into %s: %d tensors, %d bytes in %.3f s (%.2f GB/s)",
+            "loaded %s into %s: %d tensors, %d bytes in %.3f s (%.2f GB/s), %d retries, %d bytes re-sent",
             model,
             type(module).__name__,
             report.tensors,
             report.bytes,
             seconds,
             report.gbps,
+            report.retries,
+            report.resent_bytes,
         )
         return report
 
@@ -299,21 +420,24 @@ class WeightStreamClient:
         destination: Callable[[str], Destination],
         *,
         description: str,
+        tally: _Tally | None = None,
     ) -> Iterator[Destination]:
         """Stream infos' bytes into destinations; yield each destination once it is complete.
 
         Every chunk is checked (known tensor, CRC32C, bounds) before it is placed, and the streams
         are checked to have delivered every byte of every tensor. With streams > 1 the tensors are
         split into that many groups of about equal bytes, each received on its own channel and
-        thread; destinations are yielded here, on the caller's thread, as they complete.
+        thread; destinations are yielded here, on the caller's thread, as they complete. A broken
+        stream is resumed (see _receive_stream); tally counts its retries and re-sent bytes.
         """
         total = sum(info.nbytes for info in infos.values())
         groups = _split(infos, self._streams)
+        tally = tally if tally is not None else _Tally()
         with self._translated(), byte_bar(total, description, self._progress) as bar:
             if len(groups) == 1:
-                yield from self._receive_stream(manifest, groups[0], destination, bar, self._stream_callable(0), [])
+                yield from self._receive_stream(manifest, groups[0], destination, bar, 0, StreamCancel(), tally)
                 return
-            yield from self._receive_parallel(manifest, groups, destination, bar)
+            yield from self._receive_parallel(manifest, groups, destination, bar, tally)
 
     def _receive_parallel(
         self,
@@ -321,18 +445,17 @@ class WeightStreamClient:
         groups: list[dict[str, TensorInfo]],
         destination: Callable[[str], Destination],
         bar: tqdm,
+        tally: _Tally,
     ) -> Iterator[Destination]:
         """Run one stream per group on worker threads; relay their destinations and their first error."""
         done: queue.Queue[Destination | BaseException | None] = queue.Queue()
-        stop = threading.Event()
-        calls: list[grpc.Call] = []
+        stops = [StreamCancel() for _ in groups]
 
         def work(index: int, group: dict[str, TensorInfo]) -> None:
             try:
-                stream = self._stream_callable(index)
-                for dest in self._receive_stream(manifest, group, destination, bar, stream, calls):
+                for dest in self._receive_stream(manifest, group, destination, bar, index, stops[index], tally):
                     done.put(dest)
-                    if stop.is_set():
+                    if stops[index].reason is not None:
                         return
             except BaseException as exc:  # relayed to the caller's thread
                 done.put(exc)
@@ -356,9 +479,8 @@ class WeightStreamClient:
                 else:
                     yield item
         finally:
-            stop.set()
-            for call in list(calls):
-                call.cancel()
+            for stop in stops:
+                stop.cancel(_STOPPED)
             for worker in workers:
                 worker.join(timeout=30)
 
@@ -368,51 +490,167 @@ class WeightStreamClient:
         infos: dict[str, TensorInfo],
         destination: Callable[[str], Destination],
         bar: tqdm,
-        stream: grpc.UnaryStreamMultiCallable,
-        calls: list[grpc.Call],
+        index: int,
+        stop: StreamCancel,
+        tally: _Tally,
     ) -> Iterator[Destination]:
         """One stream of infos' tensors: place every chunk, yield each destination once complete.
 
-        The call is added to calls, so that another thread can cancel it.
+        On a retryable failure (retry.RETRYABLE_CODES, or no message for idle_timeout seconds) the
+        stream is asked again, after a backoff, for only what has not landed: whole tensors not
+        begun, the missing ranges of those begun. Every request carries the manifest's revision,
+        so a checkpoint that changed meanwhile ends the load (FailedPreconditionError) instead of
+        mixing two versions. stop.cancel, from any thread, ends the stream and its retries.
         """
-        all_tensors = len(infos) == len(manifest.tensors)
-        request = pb.StreamTensorsRequest(
-            model=manifest.model,
-            tensors=[] if all_tensors else [pb.TensorRequest(name=name) for name in infos],
-            max_chunk_bytes=self._chunk_bytes,
-            revision=manifest.revision,
-        )
-        pending = {name for name, info in infos.items() if info.nbytes}
+        pending = {name: info for name, info in infos.items() if info.nbytes}
         if not pending:
             return
+        transport = self._transport_for(index)
+        touched: dict[str, Destination] = {}
+        outage = Outage(self._retry) if self._retry is not None else None
+        stopped = threading.Event()
+        stop.on_cancel(stopped.set)
         placers = Placers(self._chunk_bytes)
-        call = stream(request, metadata=self._metadata)
-        calls.append(call)
         try:
-            with self._translated():
-                for message in call:
-                    try:
-                        chunks = framing.decode_response(message)
-                    except framing.FramingError as exc:
-                        raise IntegrityError(f"model {manifest.model!r}: malformed stream message: {exc}") from exc
-                    # The message's own memory: payloads are read from here, never sliced out.
-                    base = ctypes.cast(ctypes.c_char_p(message), ctypes.c_void_p).value or 0
-                    for chunk in chunks:
-                        dest = self._place(manifest, infos, destination, placers, chunk, base)
-                        bar.update(chunk.data_length)
-                        if dest is not None and dest.complete and dest.name in pending:
-                            placers.for_tensor(dest.buffer).finish(dest)
-                            pending.discard(dest.name)
-                            yield dest
+            while True:
+                request = self._stream_request(manifest, infos, pending, touched)
+                cancel = StreamCancel()
+                stop.on_cancel(functools.partial(cancel.cancel, _STOPPED))
+                watch = self._watchdog.watch(cancel) if self._watchdog is not None else None
+                batches = transport.stream(request, self._metadata, cancel)
+                try:
+                    while True:
+                        if watch is not None:
+                            watch.arm()
+                        batch = next(batches, None)
+                        if watch is not None:
+                            watch.disarm()
+                        if batch is None:
+                            break
+                        landed = 0
+                        for chunk in batch:
+                            placed = self._place(manifest, infos, destination, placers, chunk)
+                            if placed is None:
+                                continue
+                            dest, new = placed
+                            landed += new
+                            touched[dest.name] = dest
+                            if dest.complete and dest.name in pending:
+                                placers.for_tensor(dest.buffer).finish(dest)
+                                del pending[dest.name]
+                                yield dest
+                        bar.update(landed)
+                        resent = sum(c.length for c in batch) - landed
+                        if resent:
+                            tally.add(resent_bytes=resent)
+                        if landed and outage is not None:
+                            outage.progressed()
+                except grpc.RpcError as exc:
+                    delay = self._retry_delay(manifest, exc, cancel, stop, outage, pending, touched)
+                    tally.add(retries=1)
+                    if stopped.wait(delay):
+                        raise WeightStreamError(f"model {manifest.model!r}: the load was stopped") from exc
+                    continue
+                finally:
+                    batches.close()
+                    if watch is not None and self._watchdog is not None:
+                        self._watchdog.unwatch(watch)
+                break
         finally:
-            call.cancel()
             placers.close()
         if pending:
-            missing_bytes = sum(infos[name].nbytes for name in pending)
+            missing_bytes = _missing_bytes(pending, touched)
             raise IntegrityError(
                 f"model {manifest.model!r}: the stream ended with {len(pending)} tensors incomplete "
                 f"({missing_bytes} bytes missing), for example {sorted(pending)[0]!r}"
             )
+
+    def _retry_delay(
+        self,
+        manifest: Manifest,
+        exc: grpc.RpcError,
+        cancel: StreamCancel,
+        stop: StreamCancel,
+        outage: Outage | None,
+        pending: dict[str, TensorInfo],
+        touched: dict[str, Destination],
+    ) -> float:
+        """Seconds to wait before resuming after exc; raises the error that ends the load instead."""
+        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+        idle = cancel.reason == IDLE
+        if stop.reason is not None:
+            raise WeightStreamError(f"model {manifest.model!r}: the load was stopped") from exc
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            raise self._precondition_failed(manifest, exc) from exc
+        if outage is None or not (idle or code in RETRYABLE_CODES):
+            raise exc
+        delay = outage.next_delay()
+        assert self._retry is not None
+        what = f"no message for {self._retry.idle_timeout:g} s" if idle else code.name
+        missing = _missing_bytes(pending, touched)
+        if delay is None:
+            error = (
+                UnavailableError(f"from {self.target}: {what}", code=code) if idle else from_rpc_error(exc, self.target)
+            )
+            raise type(error)(
+                f"model {manifest.model!r}: {error.message}; gave up after {outage.failures} tries in "
+                f"{outage.elapsed:.1f} s with {missing} bytes missing",
+                code=error.code,
+            ) from exc
+        logger.warning(
+            "model %r: stream from %s failed (%s), try %d of %d in %.2f s for the %d bytes missing",
+            manifest.model,
+            self.target,
+            what,
+            outage.failures + 1,
+            self._retry.attempts,
+            delay,
+            missing,
+        )
+        return delay
+
+    def _precondition_failed(self, manifest: Manifest, exc: grpc.RpcError) -> WeightStreamError:
+        """FAILED_PRECONDITION on a stream: say so plainly when the checkpoint changed since the manifest."""
+        error = from_rpc_error(exc, self.target)
+        try:
+            now = self.manifest(manifest.model)
+        except WeightStreamError:
+            return error
+        if now.revision == manifest.revision:
+            return error
+        return FailedPreconditionError(
+            f"model {manifest.model!r}: the checkpoint changed on the server during the load (revision "
+            f"{manifest.revision} when the load began, {now.revision} now); the load stopped rather than mix "
+            f"two versions ({error.message})"
+        )
+
+    def _stream_request(
+        self,
+        manifest: Manifest,
+        infos: dict[str, TensorInfo],
+        pending: dict[str, TensorInfo],
+        touched: dict[str, Destination],
+    ) -> pb.StreamTensorsRequest:
+        """The request for what has not landed: whole pending tensors, or their missing ranges once begun."""
+        sliced = any(info.slice is not None for info in infos.values())
+        everything = not touched and not sliced and len(infos) == len(manifest.tensors)
+        tensors = []
+        if not everything:
+            for name, info in pending.items():
+                dest = touched.get(name)
+                ranges = [pb.ByteRange(start=s, end=e) for s, e in dest.landed.missing()] if dest is not None else []
+                if info.slice is None:
+                    tensors.append(pb.TensorRequest(name=name, ranges=ranges))
+                else:
+                    s = info.slice
+                    piece = pb.TensorSlice(dim=s.dim, start=s.start, stop=s.stop)
+                    tensors.append(pb.TensorRequest(name=name, ranges=ranges, slice=piece))
+        return pb.StreamTensorsRequest(
+            model=manifest.model,
+            tensors=tensors,
+            max_chunk_bytes=self._chunk_bytes,
+            revision=manifest.revision,
+        )
 
     def _place(
         self,
@@ -420,26 +658,25 @@ class WeightStreamClient:
         infos: dict[str, TensorInfo],
         destination: Callable[[str], Destination],
         placers: Placers,
-        chunk: framing.RawChunk,
-        base: int,
-    ) -> Destination | None:
-        """Check one chunk (known tensor, bounds, CRC32C) and write its payload into its tensor.
+        chunk: ChunkRef,
+    ) -> tuple[Destination, int] | None:
+        """Check one chunk (known tensor, bounds, CRC32C), write it into its tensor; (destination, new bytes).
 
-        Copies per byte on this side: gRPC's buffer -> the received message (bytes), message ->
-        the tensor (one memmove; on CUDA, message -> pinned staging -> device).
+        Copies per byte on this side (gRPC): gRPC's buffer -> the received message (bytes), message
+        -> the tensor (one memmove; on CUDA, message -> pinned staging -> device). A chunk that
+        lands again after a resume is written again, which is harmless; only its new bytes count.
         """
         info = infos.get(chunk.tensor)
         if info is None:
             raise IntegrityError(f"model {manifest.model!r}: received a chunk of unrequested tensor {chunk.tensor!r}")
-        size = chunk.data_length
+        size = chunk.received
         end = chunk.offset + size
         if size != chunk.length or end > info.nbytes:
             raise IntegrityError(
                 f"model {manifest.model!r}: tensor {chunk.tensor!r}: chunk at offset {chunk.offset} with "
                 f"{size} bytes (stated {chunk.length}) does not fit its {info.nbytes} bytes"
             )
-        address = base + chunk.data_start
-        if wire.crc32c_at(address, size) != chunk.crc32c:
+        if wire.crc32c_at(chunk.address, size) != chunk.crc32c:
             raise IntegrityError(
                 f"model {manifest.model!r}: tensor {chunk.tensor!r}: CRC32C mismatch in the chunk at offset "
                 f"{chunk.offset} ({size} bytes); the data was corrupted in transit"
@@ -447,10 +684,9 @@ class WeightStreamClient:
         if not size:
             return None
         dest = destination(chunk.tensor)
-        placers.for_tensor(dest.buffer).place(dest, chunk.offset, address, size)
+        placers.for_tensor(dest.buffer).place(dest, chunk.offset, chunk.address, size)
         dest.written = True
-        dest.landed.add(chunk.offset, end)
-        return dest
+        return dest, dest.landed.add(chunk.offset, end)
 
     @contextlib.contextmanager
     def _translated(self) -> Iterator[None]:
@@ -478,14 +714,35 @@ def _channel_credentials(
     )
 
 
-def _raw_stream_method(channel: grpc.Channel) -> grpc.UnaryStreamMultiCallable:
-    # The data stream is read as raw message bytes, decoded by framing.decode_response, so that
-    # payloads are checksummed and placed straight from the received message.
-    return channel.unary_stream(
-        STREAM_TENSORS_METHOD,
-        request_serializer=pb.StreamTensorsRequest.SerializeToString,
-        response_deserializer=None,
+class _Tally:
+    """Retries and re-sent bytes of one load; its streams add to it from their own threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.retries = 0
+        self.resent_bytes = 0
+
+    def add(self, *, retries: int = 0, resent_bytes: int = 0) -> None:
+        with self._lock:
+            self.retries += retries
+            self.resent_bytes += resent_bytes
+
+
+def _missing_bytes(pending: dict[str, TensorInfo], touched: dict[str, Destination]) -> int:
+    return sum(
+        touched[name].nbytes - touched[name].landed.covered if name in touched else info.nbytes
+        for name, info in pending.items()
     )
+
+
+# Failures to connect that no retry can mend: a TLS handshake refused, or a certificate not trusted.
+_PERMANENT_CONNECT_ERRORS = ("handshake", "ssl", "certificate")
+
+
+def _not_transient(error: UnavailableError) -> bool:
+    """True for UNAVAILABLE that says the connection can never succeed as configured (TLS)."""
+    message = error.message.lower()
+    return any(word in message for word in _PERMANENT_CONNECT_ERRORS)
 
 
 def _split(infos: dict[str, TensorInfo], streams: int) -> list[dict[str, TensorInfo]]:

@@ -7,6 +7,11 @@ for the next one; a batch's addresses stay valid until then, and no longer. Clos
 cancels the stream and frees what the transport holds. gRPC errors propagate as grpc.RpcError; the
 client translates them (client.py) and decides whether to resume.
 
+Cancelling from another thread: a transport registers how to stop its stream (for gRPC,
+call.cancel) with the StreamCancel it is given; the client's idle watchdog and the thread that
+collects parallel streams call StreamCancel.cancel from their own threads. The stream's iterator
+then raises grpc.RpcError (CANCELLED) on the thread reading it.
+
 Concurrency: one transport object may run several streams at once, one per thread; each stream's
 iterator is used by one thread.
 """
@@ -14,7 +19,8 @@ iterator is used by one thread.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,12 +47,41 @@ class ChunkRef:
     received: int
 
 
+class StreamCancel:
+    """Stops one stream from any thread; reason says who stopped it (None while it runs).
+
+    Thread-safe: on_cancel is called by the transport on the stream's thread, cancel by any thread.
+    An action registered after cancel() runs at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._actions: list[Callable[[], object]] = []
+        self.reason: str | None = None
+
+    def on_cancel(self, action: Callable[[], object]) -> None:
+        with self._lock:
+            if self.reason is None:
+                self._actions.append(action)
+                return
+        action()
+
+    def cancel(self, reason: str) -> None:
+        with self._lock:
+            if self.reason is not None:
+                return
+            self.reason = reason
+            actions, self._actions = self._actions, []
+        for action in actions:
+            action()
+
+
 class Transport(Protocol):
     # Reported in LoadReport.transport: "grpc" or "shm".
     name: str
 
     def stream(
-        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]]
+        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
     ) -> Iterator[Sequence[ChunkRef]]: ...
 
 
@@ -65,9 +100,10 @@ class GrpcTransport:
         )
 
     def stream(
-        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]]
+        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
     ) -> Iterator[Sequence[ChunkRef]]:
         call = self._method(request, metadata=tuple(metadata))
+        cancel.on_cancel(call.cancel)
         try:
             for message in call:
                 try:

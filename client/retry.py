@@ -1,0 +1,151 @@
+"""When a broken stream is retried: the policy, its backoff, and the idle-stream watchdog.
+
+A stream is retried on UNAVAILABLE (server gone, restarted or draining, connection reset),
+RESOURCE_EXHAUSTED (every stream slot taken), ABORTED, and when no message arrived for
+idle_timeout seconds (the watchdog cancels the call). Everything else ends the load.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from weightstream.client.transport import StreamCancel
+
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
+# The reason a StreamCancel carries when the watchdog stopped an idle stream.
+IDLE = "idle"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a load retries: exponential backoff with full jitter, bounded per outage.
+
+    An outage is a run of failures with no new byte landing in between: it may last at most
+    `attempts` tries and `total_deadline` seconds from its first failure. Any new byte ends the
+    outage, so a long load survives many separate faults. idle_timeout: a stream that receives no
+    message for that long is cancelled and retried (the server is stuck, or a peer vanished without
+    closing the connection).
+    """
+
+    attempts: int = 10
+    initial_backoff: float = 0.1
+    max_backoff: float = 5.0
+    total_deadline: float = 300.0
+    idle_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be at least 1, not {self.attempts}")
+        if not 0 < self.initial_backoff <= self.max_backoff:
+            raise ValueError(f"need 0 < initial_backoff <= max_backoff, not {self.initial_backoff}, {self.max_backoff}")
+        if self.total_deadline <= 0 or self.idle_timeout <= 0:
+            raise ValueError("total_deadline and idle_timeout must be positive")
+
+    def backoff(self, retry: int, rng: random.Random) -> float:
+        """Seconds to wait before retry number retry (0 first): full jitter over the exponential step."""
+        return rng.uniform(0.0, min(self.max_backoff, self.initial_backoff * 2.0**retry))
+
+
+class Outage:
+    """The failures of one stream since its last progress; says whether, and after how long, to retry."""
+
+    def __init__(self, policy: RetryPolicy, rng: random.Random | None = None) -> None:
+        self._policy = policy
+        self._rng = rng or random.Random()
+        self.failures = 0
+        self._since = 0.0
+
+    def progressed(self) -> None:
+        self.failures = 0
+
+    def next_delay(self) -> float | None:
+        """Count one more failure; the seconds to wait before the next try, or None to give up."""
+        now = time.monotonic()
+        if self.failures == 0:
+            self._since = now
+        self.failures += 1
+        if self.failures >= self._policy.attempts:
+            return None
+        remaining = self._policy.total_deadline - (now - self._since)
+        if remaining <= 0:
+            return None
+        return min(self._policy.backoff(self.failures - 1, self._rng), remaining)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self._since if self.failures else 0.0
+
+
+class Watch:
+    """One watched stream: armed while its reader waits for a message."""
+
+    __slots__ = ("cancel", "waiting_since")
+
+    def __init__(self, cancel: StreamCancel) -> None:
+        self.cancel = cancel
+        # monotonic() when the reader began waiting; None while it handles a message (or its caller
+        # holds a yielded tensor), so time spent outside the wait never counts as idle.
+        self.waiting_since: float | None = None
+
+    def arm(self) -> None:
+        self.waiting_since = time.monotonic()
+
+    def disarm(self) -> None:
+        self.waiting_since = None
+
+
+class IdleWatchdog:
+    """One daemon thread per client that cancels streams idle for longer than timeout seconds.
+
+    Readers only store a float per message (Watch.arm/disarm); the thread wakes a few times per
+    timeout while streams are watched, and sleeps without waking while none are.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._watches: set[Watch] = set()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def watch(self, cancel: StreamCancel) -> Watch:
+        watch = Watch(cancel)
+        with self._wake:
+            self._watches.add(watch)
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="weightstream-idle-watchdog", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return watch
+
+    def unwatch(self, watch: Watch) -> None:
+        with self._wake:
+            self._watches.discard(watch)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        period = max(0.05, self.timeout / 4)
+        while True:
+            with self._wake:
+                if self._closed:
+                    return
+                self._wake.wait(period if self._watches else None)
+                if self._closed:
+                    return
+                now = time.monotonic()
+                idle = [
+                    w for w in self._watches if w.waiting_since is not None and now - w.waiting_since > self.timeout
+                ]
+            for watch in idle:
+                watch.cancel.cancel(IDLE)
