@@ -28,7 +28,7 @@ import numpy as np
 
 from weightstream import wire
 from weightstream.client.errors import IntegrityError
-from weightstream.client.transport import ChunkRef
+from weightstream.client.transport import ChunkRef, StreamCancel
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class SharedMemoryTransport:
         return cls(channel, directory, max_ring_bytes=response.max_ring_bytes)
 
     def stream(
-        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]]
+        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
     ) -> Iterator[Sequence[ChunkRef]]:
         """Chunks of request, one batch per server message; see the module doc for when slots are returned."""
         slots, slot_bytes = self._ring(request)
@@ -132,6 +132,7 @@ class SharedMemoryTransport:
         outgoing: queue.SimpleQueue[pb.StreamTensorsSharedRequest | None] = queue.SimpleQueue()
         outgoing.put(pb.StreamTensorsSharedRequest(request=request, slots=slots, slot_bytes=slot_bytes))
         call = self._method(_drain(outgoing), metadata=tuple(metadata))
+        cancel.on_cancel(call.cancel)
         ring: _Ring | None = None
         try:
             announcement = next(call)

@@ -6,8 +6,10 @@ nonce file there, and the server must read back the same bytes. StreamTensorsSha
 same chunks as StreamTensors, but their bytes lie in a ring of slots in one segment file in that
 directory, and the gRPC messages carry only (tensor, offset, CRC32C, slot, slot offset).
 
-Copies per byte on this side: file -> streamer ring (the read), streamer ring -> slot (one memmove;
-the CRC32C is taken on the slot). The client copies the slot into its parameter once.
+Copies per byte on this side: file -> streamer ring (the read), streamer ring -> slot (one memmove).
+The chunk source (chunks.serve_chunks, shared with StreamTensors) takes the CRC32C of the source
+bytes; the client checks it on the slot, so a fault in either copy or in the ring's bookkeeping is
+caught. The client copies the slot into its parameter once.
 
 Memory: each stream holds one segment of slots * slot_bytes (at most the server's read-ahead
 setting), whatever the client's speed: a slot is filled again only after the client returned it.
@@ -42,15 +44,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import torch
 
 from weightstream import wire
+from weightstream.server.cache import UnitCache
 from weightstream.server.catalog import Catalog, Manifest
+from weightstream.server.chunks import ServedChunk, serve_chunks
 from weightstream.server.errors import Draining, InvalidRequest, RevisionMismatch, ServerError, status_code
 from weightstream.server.health import Readiness
-from weightstream.server.plan import ChunkPlace, ReadPlan, plan_reads
-from weightstream.server.reader import PooledStreamer, StreamerPool, read_chunks
-from weightstream.server.servicer import check_stream_request
+from weightstream.server.plan import ReadPlan, plan_reads
+from weightstream.server.reader import PooledStreamer, StreamerPool
+from weightstream.server.servicer import check_stream_request, requested_tensors
 from weightstream.server.settings import ServerSettings
 from weightstream.server.stats import ServerStats
 from weightstream.v1 import weightstream_pb2 as pb
@@ -244,12 +247,14 @@ class SharedMemoryServicer:
         pool: StreamerPool,
         stats: ServerStats,
         readiness: Readiness,
+        cache: UnitCache | None = None,
     ) -> None:
         self._settings = settings
         self._catalog = catalog
         self._pool = pool
         self._stats = stats
         self._readiness = readiness
+        self._cache = cache
 
     @property
     def max_ring_bytes(self) -> int:
@@ -306,7 +311,7 @@ class SharedMemoryServicer:
             slots, slot_bytes = self._ring(first.slots, first.slot_bytes, chunk_bytes)
             # Every chunk fits in one slot.
             chunk_bytes = min(chunk_bytes, slot_bytes)
-            requested = [(t.name, [(r.start, r.end) for r in t.ranges]) for t in request.tensors]
+            requested = requested_tensors(request)
             plan = plan_reads(manifest, requested, chunk_bytes)
             tensors = len(requested) or len(manifest.tensors)
             with self._pool.checkout() as streamer:
@@ -330,9 +335,8 @@ class SharedMemoryServicer:
                     slot_bytes,
                 )
                 yield pb.StreamTensorsSharedResponse(segment=segment.name, slots=slots, slot_bytes=slot_bytes)
-                for message, payload_bytes in fill_slots(
-                    self._chunks(streamer, manifest, plan), segment, credits, tally
-                ):
+                chunks = self._chunks(streamer, manifest, plan, tally)
+                for message, payload_bytes in fill_slots(chunks, segment, credits):
                     yield message
                     tally.sent += payload_bytes
         except GeneratorExit:
@@ -362,10 +366,14 @@ class SharedMemoryServicer:
             )
 
     def _chunks(
-        self, streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan
-    ) -> Iterator[tuple[ChunkPlace, torch.Tensor]]:
-        """Where the bytes come from: (place, uint8 view valid until the next item), as for StreamTensors."""
-        return read_chunks(streamer, manifest, plan, self._settings.read_ahead_bytes)
+        self, streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, tally: _Tally
+    ) -> Iterator[ServedChunk]:
+        """Where the bytes come from, as for StreamTensors: each chunk's data is valid until the next is taken."""
+
+        def count_read(nbytes: int) -> None:
+            tally.read += nbytes
+
+        return serve_chunks(manifest, plan, streamer, self._settings.read_ahead_bytes, self._cache, count_read)
 
     def _directory(self) -> Path:
         if self._settings.shm_dir is None:
@@ -412,7 +420,7 @@ class _ClientGone(Exception):
 
 
 def fill_slots(
-    chunks: Iterator[tuple[ChunkPlace, torch.Tensor]], segment: Segment, credits: _Credits, tally: _Tally
+    chunks: Iterator[ServedChunk], segment: Segment, credits: _Credits
 ) -> Iterator[tuple[pb.StreamTensorsSharedResponse, int]]:
     """Copy chunks into free slots; yield (response naming one slot's chunks, their payload bytes) per slot.
 
@@ -425,9 +433,9 @@ def fill_slots(
     used = 0
     pending: list[pb.TensorChunk] = []
     pending_bytes = 0
-    for place, data in chunks:
+    for chunk in chunks:
+        place = chunk.place
         length = place.length
-        tally.read += length
         at = _aligned(used)
         if slot is not None and at + length > segment.slot_bytes:
             yield pb.StreamTensorsSharedResponse(chunks=pending), pending_bytes
@@ -440,12 +448,13 @@ def fill_slots(
                 raise _ClientGone()
             at = 0
         address = segment.slot_address(slot) + at
-        ctypes.memmove(address, data.data_ptr(), length)
+        ctypes.memmove(address, chunk.data.ctypes.data, length)
         pending.append(
             pb.TensorChunk(
                 tensor=place.tensor,
                 offset=place.offset,
-                crc32c=wire.crc32c_at(address, length),
+                # Taken on the source bytes; the client checks it on the slot, after both copies.
+                crc32c=chunk.crc32c,
                 length=length,
                 slot=slot,
                 slot_offset=at,

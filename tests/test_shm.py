@@ -1,0 +1,449 @@
+"""The shared-memory transport: negotiation, bit-exact loads, fallback to gRPC, segment hygiene, crashes.
+
+Everything is real: servers on 127.0.0.1 (in this process, or `weightstream serve` processes for
+the crash tests), safetensors files, torch modules, and segment files in a directory under /dev/shm
+(a tmpfs, like a pod's emptyDir with medium Memory); clients killed with SIGKILL are subprocesses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import transformers
+
+from tests.helpers import llama_config, load_folder, write_tiny_llama
+from tests.ops_helpers import eventually, write_model
+from tests.reliability_report import record
+from tests.s3_servers import free_port
+from weightstream.client import WeightStreamClient
+from weightstream.client.errors import FailedPreconditionError
+from weightstream.client.retry import RetryPolicy
+from weightstream.client.shm import SharedMemoryTransport
+from weightstream.client.transport import StreamCancel
+from weightstream.server import ServerSettings, WeightStreamServer, create_server
+from weightstream.server import shm as server_shm
+from weightstream.v1 import weightstream_pb2 as pb
+
+LOOPBACK = "127.0.0.1"
+# Small chunks give small slots (16 slots of 64 KiB), so that every load wraps the ring many times.
+CHUNK = 64 * 1024
+START_TIMEOUT_S = 60.0
+
+
+def _entries(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+@pytest.fixture(scope="module")
+def shm_dir() -> Iterator[Path]:
+    """A fresh directory on a tmpfs (/dev/shm where there is one), removed at the end."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="weightstream-test-shm-", dir=base) as name:
+        yield Path(name)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Models for this module: a tiny Llama, and a float32 model of 24 tensors of 1 MB."""
+    folder = tmp_path_factory.mktemp("shm-models")
+    write_tiny_llama(folder / "tiny-llama")
+    write_model(folder, "blocks", tensors=24, numel=250_000, seed=7)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def shm_server(root: Path, shm_dir: Path) -> Iterator[WeightStreamServer]:
+    server = create_server(ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir))
+    server.start()
+    yield server
+    server.stop(grace=1.0)
+
+
+@pytest.fixture(scope="module")
+def plain_server(root: Path) -> Iterator[WeightStreamServer]:
+    """The same models, served with no shared-memory directory."""
+    server = create_server(ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0))
+    server.start()
+    yield server
+    server.stop(grace=1.0)
+
+
+def _target(server: WeightStreamServer) -> str:
+    return f"{LOOPBACK}:{server.port}"
+
+
+def _assert_same(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        other = got[name].detach().cpu()
+        assert other.dtype == tensor.dtype and other.shape == tensor.shape, name
+        assert other.contiguous().view(torch.uint8).equal(tensor.contiguous().view(torch.uint8)), name
+
+
+# --- through the client ------------------------------------------------------------------------
+
+
+def test_load_into_over_shm_is_bit_exact(shm_server: WeightStreamServer, root: Path, shm_dir: Path) -> None:
+    expected = load_folder(root / "tiny-llama")
+    module = transformers.LlamaForCausalLM(llama_config())
+    before = _entries(shm_dir)
+    with WeightStreamClient(
+        _target(shm_server), progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK
+    ) as client:
+        report = client.load_into(module, "tiny-llama")
+    assert report.transport == "shm"
+    assert report.bytes == sum(t.numel() * t.element_size() for t in expected.values())
+    _assert_same(expected, dict(module.state_dict()))
+    assert _entries(shm_dir) == before
+
+
+def test_iter_tensors_and_load_state_dict_over_shm(shm_server: WeightStreamServer, root: Path, shm_dir: Path) -> None:
+    expected = load_folder(root / "blocks")
+    before = _entries(shm_dir)
+    with WeightStreamClient(
+        _target(shm_server), progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK, streams=2
+    ) as client:
+        _assert_same(expected, dict(client.iter_tensors("blocks")))
+        _assert_same(expected, client.load_state_dict("blocks"))
+        llama = load_folder(root / "tiny-llama")
+        _assert_same(llama, client.load_state_dict("tiny-llama"))
+    assert _entries(shm_dir) == before
+
+
+def test_auto_uses_shm_dir_from_the_environment(
+    shm_server: WeightStreamServer, root: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEIGHTSTREAM_SHM_DIR", str(shm_dir))
+    expected = load_folder(root / "tiny-llama")
+    module = transformers.LlamaForCausalLM(llama_config())
+    with WeightStreamClient(_target(shm_server), progress=False, transport="auto") as client:
+        report = client.load_into(module, "tiny-llama")
+    assert report.transport == "shm"
+    _assert_same(expected, dict(module.state_dict()))
+
+
+def test_auto_falls_back_to_grpc_when_directories_differ(
+    shm_server: WeightStreamServer, root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    expected = load_folder(root / "tiny-llama")
+    module = transformers.LlamaForCausalLM(llama_config())
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    with (
+        caplog.at_level(logging.INFO, logger="weightstream.client"),
+        WeightStreamClient(_target(shm_server), progress=False, transport="auto", shm_dir=other) as client,
+    ):
+        first = client.load_into(module, "tiny-llama")
+        second = client.load_into(module, "tiny-llama")
+    assert first.transport == second.transport == "grpc"
+    _assert_same(expected, dict(module.state_dict()))
+    why = [r for r in caplog.records if "shared memory not used" in r.getMessage()]
+    assert len(why) == 1, [r.getMessage() for r in caplog.records]
+    assert "does not see" in why[0].getMessage()
+    assert _entries(other) == [], "the nonce file was left behind"
+
+
+def test_auto_falls_back_to_grpc_when_the_server_has_no_shm_dir(
+    plain_server: WeightStreamServer, root: Path, shm_dir: Path
+) -> None:
+    module = transformers.LlamaForCausalLM(llama_config())
+    with WeightStreamClient(_target(plain_server), progress=False, transport="auto", shm_dir=shm_dir) as client:
+        report = client.load_into(module, "tiny-llama")
+        got = client.load_state_dict("blocks")
+    assert report.transport == "grpc"
+    _assert_same(load_folder(root / "tiny-llama"), dict(module.state_dict()))
+    _assert_same(load_folder(root / "blocks"), got)
+
+
+def test_shm_transport_refuses_clearly_when_it_cannot_be_used(plain_server: WeightStreamServer, shm_dir: Path) -> None:
+    with (
+        WeightStreamClient(_target(plain_server), progress=False, transport="shm", shm_dir=shm_dir) as client,
+        pytest.raises(FailedPreconditionError, match="shared-memory directory"),
+    ):
+        client.load_state_dict("blocks")
+
+
+# --- the protocol, on a raw call -----------------------------------------------------------------
+
+
+def _raw_call(server: WeightStreamServer) -> tuple[grpc.Channel, grpc.StreamStreamMultiCallable]:
+    channel = grpc.insecure_channel(_target(server))
+    method = channel.stream_stream(
+        "/weightstream.v1.WeightStreamService/StreamTensorsShared",
+        request_serializer=pb.StreamTensorsSharedRequest.SerializeToString,
+        response_deserializer=pb.StreamTensorsSharedResponse.FromString,
+    )
+    return channel, method
+
+
+class _Requests:
+    """A request stream fed from the test's thread."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.queue: queue.SimpleQueue[pb.StreamTensorsSharedRequest | None] = queue.SimpleQueue()
+
+    def __iter__(self) -> Iterator[pb.StreamTensorsSharedRequest]:
+        while (item := self.queue.get()) is not None:
+            yield item
+
+
+def test_segment_mode_name_and_unlink_at_attach(shm_server: WeightStreamServer, shm_dir: Path) -> None:
+    before = _entries(shm_dir)
+    channel, method = _raw_call(shm_server)
+    requests = _Requests()
+    requests.queue.put(
+        pb.StreamTensorsSharedRequest(
+            request=pb.StreamTensorsRequest(model="blocks", max_chunk_bytes=CHUNK), slots=4, slot_bytes=CHUNK
+        )
+    )
+    call = method(iter(requests), timeout=30)
+    try:
+        announcement = next(call)
+        assert (announcement.slots, announcement.slot_bytes) == (4, CHUNK)
+        assert announcement.segment.startswith(f"weightstream-seg-{os.getpid()}-")
+        path = shm_dir / announcement.segment
+        info = path.stat()
+        assert stat.S_IMODE(info.st_mode) == server_shm.SEGMENT_MODE == 0o640
+        assert info.st_uid == os.getuid() and info.st_size == 4 * CHUNK
+        # Until the client says it has mapped the segment, the file stays; then it goes at once.
+        assert _entries(shm_dir) == sorted([*before, announcement.segment])
+        requests.queue.put(pb.StreamTensorsSharedRequest())
+        eventually(lambda: not path.exists(), "the segment unlinked after attach")
+        # With the ring full and no credits returned, the server sends no more than the ring holds.
+        slots_seen: set[int] = set()
+        for _ in range(4):
+            message = next(call)
+            slots_seen.update(c.slot for c in message.chunks)
+        assert slots_seen == {0, 1, 2, 3}
+        # A credit for a slot that is not in flight is refused.
+        requests.queue.put(pb.StreamTensorsSharedRequest(released_slots=[0, 0]))
+        with pytest.raises(grpc.RpcError) as raised:
+            for _ in call:
+                pass
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not in flight" in (raised.value.details() or "")
+    finally:
+        requests.queue.put(None)
+        call.cancel()
+        channel.close()
+    eventually(lambda: shm_server.stats.active_streams == 0, "the stream ended on the server")
+    assert _entries(shm_dir) == before
+
+
+def test_cancel_before_attach_leaves_no_segment(shm_server: WeightStreamServer, shm_dir: Path) -> None:
+    before = _entries(shm_dir)
+    channel, method = _raw_call(shm_server)
+    requests = _Requests()
+    requests.queue.put(pb.StreamTensorsSharedRequest(request=pb.StreamTensorsRequest(model="blocks")))
+    call = method(iter(requests), timeout=30)
+    try:
+        announcement = next(call)
+        assert (shm_dir / announcement.segment).exists()
+        call.cancel()
+        eventually(lambda: not (shm_dir / announcement.segment).exists(), "the segment removed after cancel")
+    finally:
+        requests.queue.put(None)
+        channel.close()
+    eventually(lambda: shm_server.stats.active_streams == 0, "the stream ended on the server")
+    assert _entries(shm_dir) == before
+
+
+def test_bad_rings_and_nonces_are_refused(shm_server: WeightStreamServer, shm_dir: Path) -> None:
+    channel, method = _raw_call(shm_server)
+    try:
+        for slots, slot_bytes, needle in ((1, 0, "slots 1"), (16, 100, "slot_bytes 100"), (4096, 1 << 24, "larger")):
+            first = pb.StreamTensorsSharedRequest(
+                request=pb.StreamTensorsRequest(model="blocks"), slots=slots, slot_bytes=slot_bytes
+            )
+            with pytest.raises(grpc.RpcError) as raised:
+                list(method(iter([first]), timeout=30))
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, needle
+            assert needle in (raised.value.details() or "")
+        with pytest.raises(grpc.RpcError) as raised:
+            list(method(iter([pb.StreamTensorsSharedRequest()]), timeout=30))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        opener = channel.unary_unary(
+            "/weightstream.v1.WeightStreamService/OpenSharedMemory",
+            request_serializer=pb.OpenSharedMemoryRequest.SerializeToString,
+            response_deserializer=pb.OpenSharedMemoryResponse.FromString,
+        )
+        (shm_dir / "weightstream-nonce-test").write_bytes(b"a" * 32)
+        try:
+            for name, nonce, code in (
+                ("../etc/passwd", b"x", grpc.StatusCode.INVALID_ARGUMENT),
+                ("weightstream-nonce-test", b"b" * 32, grpc.StatusCode.FAILED_PRECONDITION),
+                ("weightstream-nonce-missing", b"a" * 32, grpc.StatusCode.FAILED_PRECONDITION),
+            ):
+                with pytest.raises(grpc.RpcError) as raised:
+                    opener(pb.OpenSharedMemoryRequest(nonce_file=name, nonce=nonce), timeout=10)
+                assert raised.value.code() == code, name
+            granted = opener(pb.OpenSharedMemoryRequest(nonce_file="weightstream-nonce-test", nonce=b"a" * 32))
+            assert granted.max_ring_bytes == shm_server.settings.read_ahead_bytes
+        finally:
+            (shm_dir / "weightstream-nonce-test").unlink()
+    finally:
+        channel.close()
+
+
+def test_transport_directly_matches_the_file(shm_server: WeightStreamServer, root: Path, shm_dir: Path) -> None:
+    """The transport on its own: every byte of every chunk, read at its address, checked against the file."""
+    import ctypes
+
+    from weightstream import wire
+
+    expected = {n: t.contiguous().view(torch.uint8).reshape(-1) for n, t in load_folder(root / "blocks").items()}
+    channel = grpc.insecure_channel(_target(shm_server))
+    try:
+        transport = SharedMemoryTransport.negotiate(channel, shm_dir, ())
+        assert transport is not None and transport.name == "shm"
+        got = {n: torch.zeros_like(t) for n, t in expected.items()}
+        batches = 0
+        request = pb.StreamTensorsRequest(model="blocks", max_chunk_bytes=CHUNK)
+        for batch in transport.stream(request, (), StreamCancel()):
+            batches += 1
+            for chunk in batch:
+                assert wire.crc32c_at(chunk.address, chunk.length) == chunk.crc32c
+                ctypes.memmove(got[chunk.tensor].data_ptr() + chunk.offset, chunk.address, chunk.length)
+        assert batches >= sum(t.numel() for t in expected.values()) // CHUNK
+        for name, tensor in expected.items():
+            assert got[name].equal(tensor), name
+    finally:
+        channel.close()
+
+
+# --- crashes -------------------------------------------------------------------------------------
+
+
+def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    # A process that made a segment and died without cleaning up, and one that still holds its own.
+    maker = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from pathlib import Path
+        from weightstream.server.shm import Segment
+        segment = Segment(Path({str(directory)!r}), 2, 4096)
+        print(segment.name, flush=True)
+        if sys.argv[1] == "die":
+            os._exit(0)
+        time.sleep(120)
+        """
+    )
+    dead = subprocess.run([sys.executable, "-c", maker, "die"], capture_output=True, text=True, timeout=60, check=True)
+    holder = subprocess.Popen([sys.executable, "-c", maker, "hold"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        held = holder.stdout.readline().strip()
+        stale = dead.stdout.strip()
+        assert _entries(directory) == sorted([stale, held])
+        server = create_server(
+            ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=directory)
+        )
+        server.start()
+        server.stop(grace=0)
+        assert _entries(directory) == [held]
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert server_shm.remove_stale_segments(directory) == 1
+    assert _entries(directory) == []
+
+
+_SLOW_CLIENT = textwrap.dedent(
+    """
+    import sys, time
+    from weightstream.client import WeightStreamClient
+    client = WeightStreamClient(sys.argv[1], progress=False, transport="shm", shm_dir=sys.argv[2], chunk_bytes=65536)
+    for name, tensor in client.iter_tensors("blocks"):
+        print("got", name, flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def test_killed_client_leaves_no_segment(shm_server: WeightStreamServer, shm_dir: Path) -> None:
+    before = _entries(shm_dir)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CLIENT, _target(shm_server), str(shm_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("got "), proc.stderr.read() if proc.stderr else ""
+        assert shm_server.stats.active_streams == 1
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    eventually(lambda: shm_server.stats.active_streams == 0, "the server ending the killed client's stream", 30)
+    assert _entries(shm_dir) == before
+
+
+@contextlib.contextmanager
+def _serve_process(root: Path, shm_dir: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`weightstream serve` with --shm-dir on a fixed port; waits until it listens; killed on the way out."""
+    command = [sys.executable, "-m", "weightstream", "serve", "--model-root", str(root), "--host", LOOPBACK]
+    command += ["--grpc-port", str(port), "--http-port", "0", "--shm-dir", str(shm_dir), "--chunk-bytes", str(CHUNK)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSTREAM_")}
+    with log.open("ab") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "grpc_port=" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")
+            assert time.monotonic() < deadline, f"server did not start:\n{log.read_text(errors='replace')}"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_server_killed_mid_stream_client_resumes_bit_exact(root: Path, shm_dir: Path, tmp_path: Path) -> None:
+    expected = load_folder(root / "blocks")
+    before = _entries(shm_dir)
+    port = free_port()
+    log = tmp_path / "serve.log"
+    got: dict[str, torch.Tensor] = {}
+    retry = RetryPolicy(attempts=50, initial_backoff=0.05, max_backoff=0.5, total_deadline=60.0, idle_timeout=30.0)
+    with WeightStreamClient(
+        f"{LOOPBACK}:{port}", progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK, retry=retry
+    ) as client:
+        first = _serve_process(root, shm_dir, port, log)
+        server = first.__enter__()
+        try:
+            tensors = client.iter_tensors("blocks")
+            name, tensor = next(tensors)
+            got[name] = tensor
+            # The first server dies with its ring full and a stream in flight.
+            server.send_signal(signal.SIGKILL)
+            server.wait(timeout=30)
+        finally:
+            first.__exit__(None, None, None)
+        with _serve_process(root, shm_dir, port, log):
+            for name, tensor in tensors:
+                got[name] = tensor
+            assert client._transport_for(0).name == "shm"
+    _assert_same(expected, got)
+    assert _entries(shm_dir) == before
+    record("shared memory", server_kills_survived=1)
