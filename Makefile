@@ -26,7 +26,7 @@ $(S3RVER): tests/s3/package.json
 	npm install --prefix tests/s3 --no-audit --no-fund --no-package-lock
 	touch $(S3RVER)
 
-test: $(STAMP) $(S3RVER) vllm-venv lint typecheck check-proto
+test: $(STAMP) $(S3RVER) vllm-venv lint typecheck check-proto check-deploy
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
@@ -52,3 +52,27 @@ check-proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build
+
+.PHONY: check-deploy container-test
+
+# The deployment files, offline (no Docker engine or cluster needed; the tools come with the dev
+# extra): hadolint on the Dockerfile, `kubectl kustomize` of every overlay validated against the
+# Kubernetes schemas (strict: unknown fields fail) of the oldest release with native sidecars and of
+# the newest, and the compose file against the Compose specification. tests/test_deploy.py, run by
+# pytest, checks on top that the files' env vars, flags and probes are ones the server accepts.
+check-deploy: $(STAMP)
+	$(BIN)/hadolint Dockerfile
+	mkdir -p build/deploy
+	for o in deploy/k8s/overlays/*/; do \
+		$(BIN)/kubectl kustomize "$$o" > "build/deploy/$$(basename $$o).yaml" || exit 1; \
+		for v in 1.29.0 1.37.0; do \
+			$(BIN)/kubernetes-validate --strict --quiet -k $$v "build/deploy/$$(basename $$o).yaml" || exit 1; \
+		done; \
+	done
+	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec deploy/docker-compose.yml
+
+# Optional, not part of `make test`: builds the image with podman from a base made locally with
+# debootstrap, serves a demo checkpoint from it and loads it through the client (needs root, podman,
+# runc and debootstrap: apt-get install podman runc debootstrap).
+container-test: $(STAMP)
+	PYTHON=$(BIN)/python bash deploy/container_test.sh

@@ -26,9 +26,7 @@ ATTEMPTS = 30
 def main() -> int:
     bucket = os.environ.get("DEMO_BUCKET", "weights")
     model = os.environ.get("DEMO_MODEL", "demo-llama")
-    s3 = boto3.client(
-        "s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], config=Config(s3={"addressing_style": "path"})
-    )
+    s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], config=Config(s3={"addressing_style": "path"}))
     for attempt in range(ATTEMPTS):
         try:
             s3.head_bucket(Bucket=bucket)
