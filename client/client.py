@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from weightstream import wire
+from weightstream.client import replicas
 from weightstream.client.errors import (
     FailedPreconditionError,
     IntegrityError,
@@ -38,7 +39,6 @@ from weightstream.client.manifest import (
     manifest_from_proto,
 )
 from weightstream.client.placement import Destination, Placers
-from weightstream.client import replicas
 from weightstream.client.progress import byte_bar
 from weightstream.client.retry import IDLE, RETRYABLE_CODES, IdleWatchdog, Outage, RetryPolicy
 from weightstream.client.sharding import ShardSpec, sliced_manifest
@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 # Where the client finds a bearer token when none is passed.
 TOKEN_ENV = "WEIGHTSTREAM_TOKEN"
+# Where the client finds its shared-memory directory when none is passed.
+SHM_DIR_ENV = "WEIGHTSTREAM_SHM_DIR"
 
 # The reason a StreamCancel carries when the load itself stopped a stream (another stream failed,
 # or the caller stopped iterating).
@@ -166,7 +168,14 @@ class WeightStreamClient:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self._transport_kind = transport
+        # Like the token, the shared-memory directory may come from the environment (a pod sets it once).
+        shm_dir = shm_dir if shm_dir is not None else os.environ.get(SHM_DIR_ENV) or None
         self._shm_dir = Path(shm_dir) if shm_dir is not None else None
+        if transport == "shm" and self._shm_dir is None:
+            raise ValueError(f"transport='shm' needs shm_dir, or the environment variable {SHM_DIR_ENV}")
+        # What OpenSharedMemory granted (max ring bytes), asked once per client; 0: use gRPC.
+        self._shm_grant: int | None = None
+        self._shm_lock = threading.Lock()
         self._retry = retry
         self._watchdog = IdleWatchdog(retry.idle_timeout) if retry is not None else None
 
@@ -206,11 +215,26 @@ class WeightStreamClient:
             found = self._transports.get(index)
         if found is not None:
             return found
-        # Hook for the shared-memory transport (client/shm.py): "shm" and "auto" (shm when the
-        # server shares self._shm_dir, else gRPC) branch here, on the same channel.
-        if self._transport_kind == "shm":
-            raise ValueError("the shared-memory transport is not wired into this client yet")
-        made = GrpcTransport(self._channel_at(index))
+        # "shm" and "auto": shared memory when the server proves it sees self._shm_dir (asked once,
+        # on the main channel); "auto" falls back to gRPC, logged once by negotiate, "shm" raises.
+        if self._transport_kind != "grpc":
+            from weightstream.client.shm import SharedMemoryTransport
+
+            with self._shm_lock:
+                if self._shm_grant is None:
+                    granted = None
+                    if self._shm_dir is not None:
+                        granted = SharedMemoryTransport.negotiate(
+                            self._channel_at(0), self._shm_dir, self._metadata, required=self._transport_kind == "shm"
+                        )
+                    else:
+                        logger.info("shared memory not used: no shm_dir given and %s is not set", SHM_DIR_ENV)
+                    self._shm_grant = granted.max_ring_bytes if granted is not None else 0
+        made: Transport
+        if self._shm_grant and self._shm_dir is not None:
+            made = SharedMemoryTransport(self._channel_at(index), self._shm_dir, max_ring_bytes=self._shm_grant)
+        else:
+            made = GrpcTransport(self._channel_at(index))
         with self._lock:
             return self._transports.setdefault(index, made)
 

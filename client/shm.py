@@ -15,6 +15,7 @@ Concurrency: as for every transport, one stream per thread, each iterator used b
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -24,10 +25,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
-import numpy as np
 
 from weightstream import wire
-from weightstream.client.errors import IntegrityError
+from weightstream.client.errors import FailedPreconditionError, IntegrityError
 from weightstream.client.transport import ChunkRef, StreamCancel
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -81,11 +81,13 @@ class SharedMemoryTransport:
         metadata: Sequence[tuple[str, str]],
         *,
         timeout: float | None = NEGOTIATE_TIMEOUT_S,
+        required: bool = False,
     ) -> SharedMemoryTransport | None:
-        """A transport if the server at channel sees shm_dir as this process does; None (logged) if not.
+        """A transport if the server at channel sees shm_dir as this process does; None (logged once) if not.
 
         None when this process cannot write to shm_dir, or the server answers FAILED_PRECONDITION
-        (another directory, or none) or UNIMPLEMENTED (an older server). Other gRPC errors propagate.
+        (another directory, or none) or UNIMPLEMENTED (an older server); with required, those raise
+        FailedPreconditionError instead. Other gRPC errors propagate.
         """
         directory = Path(shm_dir)
         nonce = secrets.token_bytes(NONCE_BYTES)
@@ -94,7 +96,7 @@ class SharedMemoryTransport:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            logger.info("shared memory not used: cannot write to %s: %s", directory, exc.strerror or exc)
+            _refused(required, f"cannot write to {directory}: {exc.strerror or exc}")
             return None
         try:
             try:
@@ -115,7 +117,7 @@ class SharedMemoryTransport:
                 code = exc.code() if isinstance(exc, grpc.Call) else None
                 if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
                     details = exc.details() if isinstance(exc, grpc.Call) else ""
-                    logger.info("shared memory not used: the server says %s: %s", code.name, details)
+                    _refused(required, f"the server says {code.name}: {details}")
                     return None
                 raise
         finally:
@@ -160,6 +162,12 @@ class SharedMemoryTransport:
         return slots, slot_bytes
 
 
+def _refused(required: bool, why: str) -> None:
+    if required:
+        raise FailedPreconditionError(f"the shared-memory transport cannot be used: {why}")
+    logger.info("shared memory not used, streaming over gRPC: %s", why)
+
+
 def _drain(
     outgoing: queue.SimpleQueue[pb.StreamTensorsSharedRequest | None],
 ) -> Iterator[pb.StreamTensorsSharedRequest]:
@@ -168,12 +176,14 @@ def _drain(
 
 
 class _Ring:
-    """The server's segment, mapped read-only; chunk addresses point into it until close()."""
+    """The server's segment, mapped read-only (libc mmap: no buffer object, so no copy and no numpy).
 
-    def __init__(self, mapping: mmap.mmap, slots: int, slot_bytes: int, model: str) -> None:
-        self._map = mapping
-        self._view = np.frombuffer(mapping, dtype=np.uint8)
-        self.address = int(self._view.ctypes.data)
+    Chunk addresses point into it until close().
+    """
+
+    def __init__(self, address: int, size: int, slots: int, slot_bytes: int, model: str) -> None:
+        self.address = address
+        self.size = size
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.model = model
@@ -194,10 +204,13 @@ class _Ring:
         try:
             if os.fstat(fd).st_size < size:
                 raise IntegrityError(f"model {model!r}: segment {name!r} is smaller than its {size} bytes")
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+            address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_POPULATE, fd, 0)
         finally:
             os.close(fd)
-        return cls(mapping, slots, slot_bytes, model)
+        if address is None or address == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise IntegrityError(f"model {model!r}: cannot map segment {name!r}: {os.strerror(err)}")
+        return cls(address, size, slots, slot_bytes, model)
 
     def ref(self, chunk: pb.TensorChunk) -> ChunkRef:
         """Where chunk's bytes lie in the mapping; a chunk outside its slot is an IntegrityError."""
@@ -211,5 +224,16 @@ class _Ring:
         return ChunkRef(chunk.tensor, chunk.offset, chunk.crc32c, chunk.length, address, chunk.length)
 
     def close(self) -> None:
-        del self._view
-        self._map.close()
+        if self.address:
+            _libc.munmap(self.address, self.size)
+            self.address = 0
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+# Map every page at once: one call instead of a fault per 4 KiB page on first read.
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)

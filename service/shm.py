@@ -187,7 +187,20 @@ class _Credits:
         self._slots = slots
         self._cond = threading.Condition()
         self._closed = False
+        self._attached = False
         self.error: ServerError | None = None
+
+    def attach(self) -> None:
+        with self._cond:
+            self._attached = True
+            self._cond.notify_all()
+
+    def wait_attached(self) -> bool:
+        """Wait until the client has mapped the segment; False if the stream was closed first."""
+        with self._cond:
+            while not self._attached and not self._closed:
+                self._cond.wait()
+            return self._attached
 
     def take(self) -> int | None:
         with self._cond:
@@ -225,6 +238,7 @@ def _read_credits(requests: Iterator[pb.StreamTensorsSharedRequest], credits: _C
     try:
         for message in requests:
             segment.unlink()
+            credits.attach()
             credits.release(message.released_slots)
     except grpc.RpcError:
         pass  # the call was cancelled or ended; the stream's own thread finds out from the context
@@ -339,6 +353,10 @@ class SharedMemoryServicer:
                 for message, payload_bytes in fill_slots(chunks, segment, credits):
                     yield message
                     tally.sent += payload_bytes
+                # A stream that fits in the ring is done before the client has even opened the
+                # segment; ending now would remove the file under it.
+                if not credits.wait_attached():
+                    raise credits.error or _ClientGone()
         except GeneratorExit:
             code = grpc.StatusCode.CANCELLED
             raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -446,4 +447,6 @@ def test_server_killed_mid_stream_client_resumes_bit_exact(root: Path, shm_dir: 
             assert client._transport_for(0).name == "shm"
     _assert_same(expected, got)
     assert _entries(shm_dir) == before
+    # The rest of the load came over shared memory from the second server.
+    assert re.search(r"shared stream end: model='blocks' .* code=OK", log.read_text()), log.read_text()
     record("shared memory", server_kills_survived=1)
