@@ -25,10 +25,9 @@ import torch
 from runai_model_streamer import FileChunks, FileStreamer
 from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
-from weightstream import wire
 from weightstream.server.catalog import Manifest
 from weightstream.server.errors import CorruptCheckpoint, StorageUnavailable, TooManyStreams
-from weightstream.server.plan import ChunkPlace, ReadPlan, UnitPlace
+from weightstream.server.plan import ReadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -154,27 +153,3 @@ def read_units(
         raise failure(
             f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_reads} reads"
         )
-
-
-def unit_output(unit: UnitPlace, data: torch.Tensor) -> torch.Tensor:
-    """The bytes a unit sends: data itself, or the slice gathered out of its rows (a new tensor)."""
-    gather = unit.gather
-    if gather is None:
-        return data
-    rows = data.numel() // gather.row_bytes
-    return data.view(rows, gather.row_bytes)[:, gather.first : gather.first + gather.width].contiguous().view(-1)
-
-
-def cut_chunks(place: ChunkPlace, data: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[ChunkPlace, torch.Tensor]]:
-    """A unit's output cut into chunks of at most chunk_bytes, each a view of data."""
-    for start, length in wire.split_range(0, place.length, chunk_bytes):
-        yield ChunkPlace(place.tensor, place.offset + start, length), data[start : start + length]
-
-
-def read_chunks(
-    streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int
-) -> Iterator[tuple[ChunkPlace, torch.Tensor]]:
-    """Yield every chunk of the plan with its bytes, valid until the next item is taken (see read_units)."""
-    for file_id, range_index, data in read_units(streamer, manifest, plan, read_ahead_bytes):
-        unit = plan.files[file_id].places[range_index]
-        yield from cut_chunks(unit.place, unit_output(unit, data), plan.chunk_bytes)
