@@ -10,7 +10,7 @@ Every path writes into the same module, whose memory was touched before the firs
 every path once each, so the machine's noise spreads over all of them. Prints medians and spreads
 and the ratios the shared-memory issue targets (shm >= 2.5x gRPC, shm >= 0.5x the bare read).
 
-Usage (from the repository root): python benchmarks/shm_load.py [--gb 1] [--runs 5] [--slots 16]
+Usage (from the repository root): python benchmarks/shm_load.py [--gb 1] [--runs 5]
 The client process and the server tune glibc malloc (weightstream.allocator), as `weightstream bench` does.
 """
 
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from weightstream.allocator import tune_malloc
 from weightstream.bench import serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
+from weightstream.client.shm import DEFAULT_SLOTS
 from weightstream.demo import ParameterTree
 
 SHM_ROOT = Path("/dev/shm")
@@ -82,12 +83,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (default 1.0)")
     parser.add_argument("--runs", type=int, default=5, help="runs per path (default 5)")
-    parser.add_argument("--slots", type=int, default=16, help="ring slots per stream, of 4 MiB each (default 16)")
     args = parser.parse_args()
     tune_malloc()
 
     free = shutil.disk_usage(SHM_ROOT).free
-    needed = int(args.gb * 1e9) + args.slots * CHUNK_BYTES + (256 << 20)
+    needed = int(args.gb * 1e9) + DEFAULT_SLOTS * CHUNK_BYTES + (256 << 20)
     if free < needed:
         raise SystemExit(f"{SHM_ROOT} has {free / 1e9:.2f} GB free; this benchmark needs about {needed / 1e9:.2f} GB")
 
@@ -147,7 +147,7 @@ def main() -> None:
     medians = {name: statistics.median(times) for name, times in results.items()}
     print(
         f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors, 4 shards; chunk {CHUNK_BYTES >> 20} MiB, "
-        f"ring {args.slots} x {CHUNK_BYTES >> 20} MiB; {args.runs} runs each, medians; {os.cpu_count()} CPUs"
+        f"ring {DEFAULT_SLOTS} x {CHUNK_BYTES >> 20} MiB; {args.runs} runs each, medians; {os.cpu_count()} CPUs"
     )
     print(
         f"transports reported: {sorted(set(transports))}; segments left in the shm dir: {len(leftovers)}; "
