@@ -37,8 +37,8 @@ LABEL org.opencontainers.image.title="weightstream" \
       org.opencontainers.image.description="gRPC weight-streaming server for LLM inference" \
       org.opencontainers.image.licenses="Apache-2.0"
 # A fixed numeric user, so that Kubernetes' runAsNonRoot can check it without a passwd lookup.
-RUN groupadd --system --gid 10001 weightstream \
-    && useradd --system --uid 10001 --gid weightstream --no-create-home --home-dir /cache \
+RUN groupadd --gid 10001 weightstream \
+    && useradd --uid 10001 --gid weightstream --no-create-home --home-dir /cache \
        --shell /usr/sbin/nologin weightstream \
     && mkdir -p /models /cache \
     && chown weightstream:weightstream /cache

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import io
 import json
+import os
 import re
 import shlex
 import shutil
@@ -34,7 +35,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.s3_servers import S3RVER_KEY, S3Process
 from weightstream.cli import SERVE_OPTIONS, build_parser
+from weightstream.demo import llama_like_state_dict
+from weightstream.server import create_server
 from weightstream.server.health import SERVICE_NAME
 from weightstream.server.settings import ENV_PREFIX, ServerSettings
 
@@ -681,3 +685,51 @@ def test_dockerignore_keeps_the_context_small() -> None:
         assert f"!{source.rstrip('/')}/" in lines or f"!{source}" in lines, (
             f"COPY {source} is not let through .dockerignore"
         )
+
+
+# --- the compose stack's steps, run without Docker ----------------------------------------------
+
+
+def test_compose_steps_run_against_a_real_s3_store(s3_store: S3Process, tmp_path: Path) -> None:
+    """The compose stack's three steps as real processes, on s3rver in place of MinIO (no Docker here).
+
+    The upload job's script and the demo client's command line are run as the compose file gives
+    them, and the server with the compose file's settings; only the addresses (minio:9000,
+    weightstream:50051) and ports are this machine's.
+    """
+    document = interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), env_example())
+    services = document["services"]
+    job = services["upload-demo"]
+    script = COMPOSE_FILE.parent / job["volumes"][0].split(":")[0]
+    env = {**os.environ, **{k: str(v) for k, v in job["environment"].items()}}
+    env.update(AWS_ENDPOINT_URL=s3_store.endpoint, AWS_ACCESS_KEY_ID=S3RVER_KEY, AWS_SECRET_ACCESS_KEY=S3RVER_KEY)
+    result = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    bucket, model = env["DEMO_BUCKET"], env["DEMO_MODEL"]
+    assert f"demo checkpoint ready: s3://{bucket}/{model}" in result.stdout
+
+    server_container = next(c for c in compose_containers(document) if c.is_server)
+    settings = dataclasses.replace(
+        server_settings(server_container),
+        host="127.0.0.1",
+        grpc_port=0,
+        http_port=0,
+        s3_endpoint=s3_store.endpoint,
+        model_root=tmp_path,
+    )
+    server = create_server(settings)
+    server.start()
+    try:
+        argv = [a.replace("weightstream:50051", f"127.0.0.1:{server.port}") for a in services["demo-client"]["command"]]
+        result = subprocess.run(
+            [sys.executable, "-m", "weightstream", *argv], capture_output=True, text=True, timeout=120, check=False
+        )
+    finally:
+        server.stop(grace=1.0)
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = llama_like_state_dict()
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    assert f"loaded s3://{bucket}/{model}" in result.stdout
+    assert f"{len(state)} tensors, {total:,d} bytes" in result.stdout, result.stdout
