@@ -13,6 +13,7 @@ import re
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeAlias
 
 import grpc
 import pytest
@@ -38,7 +39,7 @@ MIB = 1024 * 1024
 HEADER_PEAK_FACTOR = 2.5
 RETAINED_BYTES = 48 * MIB
 
-Code = grpc.StatusCode
+Code: TypeAlias = grpc.StatusCode
 
 
 @pytest.fixture(scope="module")
