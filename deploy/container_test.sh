@@ -60,7 +60,8 @@ chmod -R a+rX "$work/models"
 ports=$("$PYTHON" -c "import socket; s=[socket.socket() for _ in range(2)]; [x.bind(('127.0.0.1', 0)) for x in s]; \
 print(' '.join(str(x.getsockname()[1]) for x in s))")
 read -r grpc_port http_port <<<"$ports"
-# As Kubernetes runs it: read-only root, no capabilities, the image's non-root user.
+# As Kubernetes runs it: read-only root, no capabilities, the image's non-root user. Without systemd,
+# podman logs that it cannot schedule the HEALTHCHECK's timer; the check is run by hand below.
 container=$("${PODMAN[@]}" run -d --network host "${LIMITS[@]}" --read-only --cap-drop ALL \
     --security-opt no-new-privileges -v "$work/models:/models:ro" \
     -e "WEIGHTSTREAM_GRPC_PORT=$grpc_port" -e "WEIGHTSTREAM_HTTP_PORT=$http_port" -e WEIGHTSTREAM_DRAIN_SECONDS=5 \
