@@ -1,27 +1,31 @@
 """The server's cache of read units, shared by every stream, with single-flight reads.
 
 Keys name a read unit by what was read: the file (path, size and version: modification time or
-ETag, so a changed file never hits), and the byte range. Values are CachedUnit: the unit's bytes as
-the stream that read it framed them for sending, so that a later stream asking for the same bytes
-in the same chunks sends the very same message bytes, with no copy and no checksum to compute.
+ETag, so a changed file never hits), and the byte range. Values are CachedUnit: the unit's bytes,
+with the CRC32C of each chunk as first sent, so a later stream sending the same chunks computes no
+checksum.
 
 Single-flight: the first stream to miss a unit claims it and reads it; streams that want it
 meanwhile wait for that read instead of reading it again. A claimer that fails or is cancelled
 abandons its claims, and waiters then read the unit themselves.
 
 Memory: resident bytes stay within capacity_bytes; least recently used units are evicted first,
-and a unit larger than the whole cache is shared with its waiters but not kept. Buffers are
-immutable bytes, so a stream may keep using a unit after it was evicted.
+and a unit larger than the whole cache is shared with its waiters but not kept. Units are never
+written after they are made, so a stream may keep using one after it was evicted; its memory is
+unmapped when the last reference goes.
 
 Concurrency: every method may be called from any thread.
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
+
+import numpy as np
 
 from weightstream.server.plan import ChunkPlace
 
@@ -29,31 +33,28 @@ UnitKey = tuple[str, int, str, int, int]  # path, file size, file version, offse
 
 
 @dataclass(frozen=True)
-class Piece:
-    """A part of a unit: buffer[data_start : data_start + length]; when place is set, buffer is the
-    framed chunk entry for place (framing.encode_chunk) and crc32c its payload's CRC32C."""
-
-    buffer: bytes
-    data_start: int
-    length: int
-    crc32c: int
-    place: ChunkPlace | None
-
-
-@dataclass(frozen=True)
 class CachedUnit:
-    pieces: tuple[Piece, ...]
+    """A read unit's bytes, in memory of their own, and the CRC32C of each chunk they were first sent as."""
+
+    data: np.ndarray
+    # (chunk place, CRC32C) of each chunk in the layout the reading stream sent; None for rows to gather.
+    chunks: tuple[tuple[ChunkPlace, int], ...] | None
 
     @property
     def nbytes(self) -> int:
-        return sum(len(p.buffer) for p in self.pieces)
+        return int(self.data.size)
 
-    def data(self) -> memoryview:
-        """The unit's bytes: a view when it is one piece, else joined (a copy)."""
-        if len(self.pieces) == 1:
-            p = self.pieces[0]
-            return memoryview(p.buffer)[p.data_start : p.data_start + p.length]
-        return memoryview(b"".join(memoryview(p.buffer)[p.data_start : p.data_start + p.length] for p in self.pieces))
+    @classmethod
+    def copy_of(cls, data: np.ndarray, chunks: tuple[tuple[ChunkPlace, int], ...] | None) -> CachedUnit:
+        """A copy of data in an anonymous mapping of its own, which goes back to the kernel when the unit is dropped.
+
+        Cached units outlive the streams and threads that read them; out of malloc's heaps, freed
+        units would stay resident in whichever thread's arena held them, and the process would grow
+        well past the cache's bound (measured: 1.7 GB for a 0.25 GB cache).
+        """
+        buffer = np.frombuffer(mmap.mmap(-1, max(1, data.size)), dtype=np.uint8, count=data.size)
+        buffer[:] = data
+        return cls(buffer, chunks)
 
 
 @dataclass(frozen=True)

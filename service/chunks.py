@@ -7,8 +7,7 @@ only the rest, and waits for the units in flight elsewhere once its own reads ar
 its own first means two streams that wait on each other always progress).
 
 Memory ownership: a ServedChunk's data is valid until the next chunk is taken (it may lie in the
-streamer's ring); a chunk with framed set is backed by immutable bytes that stay valid as long as
-they are referenced.
+streamer's ring).
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weightstream import framing, wire
-from weightstream.server.cache import CachedUnit, Claim, Piece, UnitCache, UnitKey
+from weightstream import wire
+from weightstream.server.cache import CachedUnit, Claim, UnitCache, UnitKey
 from weightstream.server.catalog import Manifest
 from weightstream.server.plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 from weightstream.server.reader import PooledStreamer, read_units
@@ -35,12 +34,11 @@ SHARED_READ_WAIT_S = 30.0
 
 @dataclass(frozen=True)
 class ServedChunk:
-    """One chunk to send: its place, the CRC32C of its bytes, the bytes, and its framed entry when made."""
+    """One chunk to send: its place, the CRC32C of its bytes, and the bytes."""
 
     place: ChunkPlace
     crc32c: int
     data: np.ndarray
-    framed: bytes | None
 
 
 def serve_chunks(
@@ -159,42 +157,37 @@ def _wait_or_read(
 
 
 def _to_cached(unit: UnitPlace, data: np.ndarray, chunk_bytes: int) -> CachedUnit:
-    """The unit's bytes copied out of the streamer's ring: framed chunks as sent, or raw rows to gather from."""
+    """The unit's bytes copied out of the streamer's ring, with its chunks' CRC32Cs (not for rows to gather)."""
     if unit.gather is not None:
-        return CachedUnit((Piece(data.tobytes(), 0, data.size, 0, None),))
-    pieces = []
-    for place, piece in _cut(unit.place, data, chunk_bytes):
-        crc = wire.crc32c_at(piece.ctypes.data, place.length)
-        framed = framing.encode_chunk(place.tensor, place.offset, crc, piece.data)
-        pieces.append(Piece(framed, len(framed) - place.length, place.length, crc, place))
-    return CachedUnit(tuple(pieces))
+        return CachedUnit.copy_of(data, None)
+    chunks = tuple(
+        (place, wire.crc32c_at(piece.ctypes.data, place.length)) for place, piece in _cut(unit.place, data, chunk_bytes)
+    )
+    return CachedUnit.copy_of(data, chunks)
 
 
 def _from_cached(unit: UnitPlace, cached: CachedUnit, chunk_bytes: int) -> Iterator[ServedChunk]:
-    """The chunks of unit out of a cached unit: its framed chunks as they are, when they fit this request."""
-    if unit.gather is None and [p.place for p in cached.pieces] == [
-        place for place, _ in _cut(unit.place, None, chunk_bytes)
-    ]:
-        for p in cached.pieces:
-            assert p.place is not None
-            data = np.frombuffer(p.buffer, dtype=np.uint8, count=p.length, offset=p.data_start)
-            yield ServedChunk(p.place, p.crc32c, data, p.buffer)
-        return
-    yield from _chunks(unit, np.frombuffer(cached.data(), dtype=np.uint8), chunk_bytes)
+    """The chunks of unit out of a cached unit, with the cached CRC32Cs when the chunks are the same."""
+    if unit.gather is None and cached.chunks is not None:
+        layout = list(_cut(unit.place, cached.data, chunk_bytes))
+        if [place for place, _ in layout] == [place for place, _ in cached.chunks]:
+            for (place, piece), (_, crc) in zip(layout, cached.chunks, strict=True):
+                yield ServedChunk(place, crc, piece)
+            return
+    yield from _chunks(unit, cached.data, chunk_bytes)
 
 
 def _chunks(unit: UnitPlace, data: np.ndarray, chunk_bytes: int) -> Iterator[ServedChunk]:
-    """The unit's output (gathered, for a slice of rows) cut into checksummed chunks, not yet framed."""
+    """The unit's output (gathered, for a slice of rows) cut into checksummed chunks."""
     gather = unit.gather
     if gather is not None:
         rows = data.size // gather.row_bytes
         data = np.ascontiguousarray(data.reshape(rows, gather.row_bytes)[:, gather.first : gather.first + gather.width])
         data = data.reshape(-1)
     for place, piece in _cut(unit.place, data, chunk_bytes):
-        yield ServedChunk(place, wire.crc32c_at(piece.ctypes.data, place.length), piece, None)
+        yield ServedChunk(place, wire.crc32c_at(piece.ctypes.data, place.length), piece)
 
 
-def _cut(place: ChunkPlace, data: np.ndarray | None, chunk_bytes: int) -> Iterator[tuple[ChunkPlace, np.ndarray]]:
+def _cut(place: ChunkPlace, data: np.ndarray, chunk_bytes: int) -> Iterator[tuple[ChunkPlace, np.ndarray]]:
     for start, length in wire.split_range(0, place.length, chunk_bytes):
-        piece = data[start : start + length] if data is not None else np.empty(0, dtype=np.uint8)
-        yield ChunkPlace(place.tensor, place.offset + start, length), piece
+        yield ChunkPlace(place.tensor, place.offset + start, length), data[start : start + length]

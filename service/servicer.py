@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from weightstream import framing, wire
 from weightstream.server.cache import UnitCache
@@ -229,8 +231,8 @@ def _batch(
     """Pack the chunks served into (serialized StreamTensorsResponse, payload bytes) of about chunk_bytes each.
 
     Copies per byte on this side: file -> streamer ring (the read), ring -> message (encode_chunk;
-    the CRC is taken from the ring in place), then gRPC's own buffer to the socket. A chunk served
-    from the cache in the layout it was cached in is sent as the same bytes, with no copy here.
+    the CRC is taken from the ring in place), then gRPC's own buffer to the socket. With a cache,
+    a unit is copied once more, from the ring into the cache, and chunks are framed from there.
     Chunks smaller than half a message are packed together, which copies their few bytes once more.
     """
     pending: list[bytes] = []
@@ -243,10 +245,8 @@ def _batch(
     for chunk in serve_chunks(manifest, plan, streamer, read_ahead_bytes, cache, count_read):
         place = chunk.place
         length = place.length
-        entry = chunk.framed
-        if entry is None:
-            # The ring slot is reused once the next chunk is taken, so the chunk is framed (copied) now.
-            entry = framing.encode_chunk(place.tensor, place.offset, chunk.crc32c, chunk.data.data)
+        # The ring slot is reused once the next chunk is taken, so the chunk is framed (copied) now.
+        entry = framing.encode_chunk(place.tensor, place.offset, chunk.crc32c, chunk.data.data)
         if pending and pending_bytes + len(entry) > chunk_bytes:
             yield b"".join(pending), pending_payload
             pending, pending_bytes, pending_payload = [], 0, 0
@@ -260,27 +260,44 @@ def _batch(
         yield b"".join(pending), pending_payload
 
 
+def _parsing(
+    message_type: type[Message], method: Callable[[Any, grpc.ServicerContext], Any]
+) -> Callable[[bytes, grpc.ServicerContext], Any]:
+    """method on the request's raw bytes, parsed here: gRPC's own deserializer would end bad bytes INTERNAL."""
+
+    def handler(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            request = message_type.FromString(raw)
+        except DecodeError as exc:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {message_type.DESCRIPTOR.full_name}: {exc}"
+            )
+        return method(request, context)
+
+    return handler
+
+
 def add_to_server(servicer: WeightStreamServicer, server: grpc.Server) -> None:
-    """Register servicer; StreamTensors yields messages already serialized, so it has no serializer."""
+    """Register servicer; requests are parsed by _parsing, and StreamTensors yields serialized messages."""
     handlers = {
         "GetManifest": grpc.unary_unary_rpc_method_handler(
-            servicer.GetManifest,
-            request_deserializer=pb.GetManifestRequest.FromString,
+            _parsing(pb.GetManifestRequest, servicer.GetManifest),
+            request_deserializer=None,
             response_serializer=pb.GetManifestResponse.SerializeToString,
         ),
         "StreamTensors": grpc.unary_stream_rpc_method_handler(
-            servicer.StreamTensors,
-            request_deserializer=pb.StreamTensorsRequest.FromString,
+            _parsing(pb.StreamTensorsRequest, servicer.StreamTensors),
+            request_deserializer=None,
             response_serializer=None,
         ),
         "ListModelFiles": grpc.unary_unary_rpc_method_handler(
-            servicer.ListModelFiles,
-            request_deserializer=pb.ListModelFilesRequest.FromString,
+            _parsing(pb.ListModelFilesRequest, servicer.ListModelFiles),
+            request_deserializer=None,
             response_serializer=pb.ListModelFilesResponse.SerializeToString,
         ),
         "ReadModelFile": grpc.unary_stream_rpc_method_handler(
-            servicer.ReadModelFile,
-            request_deserializer=pb.ReadModelFileRequest.FromString,
+            _parsing(pb.ReadModelFileRequest, servicer.ReadModelFile),
+            request_deserializer=None,
             response_serializer=pb.ReadModelFileResponse.SerializeToString,
         ),
     }

@@ -117,7 +117,10 @@ def test_preload_warms_the_cache_before_ready(tmp_path: Path) -> None:
     state = write_model(tmp_path, "warm", tensors=4, numel=MIB)
     with running(tmp_path, cache_bytes=64 * MIB, preload=("warm", "no-such-model")) as r:
         # The missing model keeps the server not ready, and says why.
-        eventually(lambda: "no-such-model" in " ".join(r.get("/readyz").json()["reasons"]), "the preload failure")
+        eventually(
+            lambda: "preloading no-such-model failed" in " ".join(r.get("/readyz").json()["reasons"]),
+            "the preload failure",
+        )
         reasons = r.get("/readyz").json()["reasons"]
         assert r.get("/readyz").status_code == 503
         assert not any("preloading warm" in reason for reason in reasons)

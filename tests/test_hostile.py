@@ -455,17 +455,13 @@ def test_the_most_ranges_allowed_are_served_exactly(
 MALFORMED_PROTOBUF = [b"\xff\xff\xff\xff", b"\x0a\x02\xc3\x28", b"\x0a\x05abc", b"\x12\x80\x80\x80\x80\x10"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a request that is not valid protobuf ends INTERNAL ('Exception deserializing request!', from "
-    "grpc's own deserializer) instead of INVALID_ARGUMENT; the fix is in service/servicer.py add_to_server",
-)
 @pytest.mark.parametrize("method", ["GetManifest", "StreamTensors", "ListModelFiles", "ReadModelFile"])
 def test_malformed_protobuf_is_invalid_argument(channel: grpc.Channel, method: str) -> None:
     call = channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
     for raw in MALFORMED_PROTOBUF:
         error = rpc_error(lambda raw=raw: call(raw, timeout=CALL_TIMEOUT_S))  # type: ignore[misc]
         assert error.code() == Code.INVALID_ARGUMENT, (raw, error.code(), error.details())
+        assert "is not a valid weightstream.v1." in error.details()
 
 
 # --- memory of a server process ------------------------------------------------------------------
