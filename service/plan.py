@@ -25,6 +25,8 @@ from weightstream.server.errors import InvalidRequest, RangeOutOfBounds
 
 MAX_REQUESTED_TENSORS = 1_000_000
 MAX_RANGES_PER_TENSOR = 4096
+# Ranges of all tensors of one request together: bounds the plan's memory (about 200 bytes a range).
+MAX_RANGES_PER_REQUEST = 262_144
 READ_UNIT_BYTES = 16 * 1024 * 1024
 # Slice segments smaller than this are gathered out of whole rows rather than read one by one.
 GATHER_BELOW_BYTES = 1024 * 1024
@@ -103,6 +105,9 @@ def plan_reads(manifest: Manifest, requested: Sequence[Requested], chunk_bytes: 
     """
     if len(requested) > MAX_REQUESTED_TENSORS:
         raise InvalidRequest(f"request names {len(requested)} tensors, more than {MAX_REQUESTED_TENSORS}")
+    ranges_total = sum(len(ranges) for _, ranges, _ in requested)
+    if ranges_total > MAX_RANGES_PER_REQUEST:
+        raise InvalidRequest(f"request has {ranges_total} byte ranges in all, more than {MAX_RANGES_PER_REQUEST}")
     unit_bytes = max(1, READ_UNIT_BYTES // chunk_bytes) * chunk_bytes
     per_file: dict[int, FilePlan] = {}
     total = 0

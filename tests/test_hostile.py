@@ -24,7 +24,7 @@ from tests.reliability_report import record
 from tests.test_cli import LOOPBACK, free_ports, serve_process, wait_grpc_ready
 from weightstream.bench import peak_rss, reset_peak_rss, rss
 from weightstream.server.header import MAX_HEADER_BYTES, MAX_HEADER_ITEMS
-from weightstream.server.plan import MAX_RANGES_PER_TENSOR, MAX_REQUESTED_TENSORS
+from weightstream.server.plan import MAX_RANGES_PER_REQUEST, MAX_RANGES_PER_TENSOR, MAX_REQUESTED_TENSORS
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
@@ -438,6 +438,19 @@ def test_ranges_on_an_empty_tensor_are_out_of_range(stub: pb_grpc.WeightStreamSe
     request = pb.StreamTensorsRequest(model=GOOD, tensors=[pb.TensorRequest(name="empty", ranges=_ranges((0, 1)))])
     error = stream_error(stub, request)
     assert error.code() == Code.OUT_OF_RANGE and "'empty'" in error.details()
+
+
+@pytest.mark.usefixtures("many")
+def test_more_ranges_in_all_than_the_limit_are_refused(stub: pb_grpc.WeightStreamServiceStub) -> None:
+    """Ranges are bounded per request too, so many tensors of many ranges cannot build a huge plan."""
+    per_tensor = _ranges(*[(i, i + 1) for i in range(MAX_RANGES_PER_TENSOR)])
+    tensors = MAX_RANGES_PER_REQUEST // MAX_RANGES_PER_TENSOR + 1
+    request = pb.StreamTensorsRequest(
+        model=MANY, tensors=[pb.TensorRequest(name=f"t{i}", ranges=per_tensor) for i in range(tensors)]
+    )
+    error = stream_error(stub, request)
+    assert error.code() == Code.INVALID_ARGUMENT, error.details()
+    assert f"more than {MAX_RANGES_PER_REQUEST}" in error.details()
 
 
 def test_the_most_ranges_allowed_are_served_exactly(
