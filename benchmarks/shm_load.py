@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from weightstream.allocator import tune_malloc
 from weightstream.bench import serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
-from weightstream.client.shm import DEFAULT_SLOTS
+from weightstream.client.shm import CHUNKS_PER_SLOT, DEFAULT_SLOTS
 from weightstream.demo import ParameterTree
 
 SHM_ROOT = Path("/dev/shm")
@@ -87,7 +87,7 @@ def main() -> None:
     tune_malloc()
 
     free = shutil.disk_usage(SHM_ROOT).free
-    needed = int(args.gb * 1e9) + DEFAULT_SLOTS * CHUNK_BYTES + (256 << 20)
+    needed = int(args.gb * 1e9) + DEFAULT_SLOTS * CHUNKS_PER_SLOT * CHUNK_BYTES + (256 << 20)
     if free < needed:
         raise SystemExit(f"{SHM_ROOT} has {free / 1e9:.2f} GB free; this benchmark needs about {needed / 1e9:.2f} GB")
 
@@ -147,7 +147,8 @@ def main() -> None:
     medians = {name: statistics.median(times) for name, times in results.items()}
     print(
         f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors, 4 shards; chunk {CHUNK_BYTES >> 20} MiB, "
-        f"ring {DEFAULT_SLOTS} x {CHUNK_BYTES >> 20} MiB; {args.runs} runs each, medians; {os.cpu_count()} CPUs"
+        f"ring {DEFAULT_SLOTS} x {CHUNKS_PER_SLOT * CHUNK_BYTES >> 20} MiB; {args.runs} runs each, medians; "
+        f"{os.cpu_count()} CPUs"
     )
     print(
         f"transports reported: {sorted(set(transports))}; segments left in the shm dir: {len(leftovers)}; "

@@ -62,7 +62,8 @@ logger = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "weightstream-seg-"
 SEGMENT_MODE = 0o640
-DEFAULT_SLOTS = 16
+DEFAULT_SLOTS = 4
+CHUNKS_PER_SLOT = 2
 MIN_SLOTS = 2
 MAX_SLOTS = 4096
 # Chunks packed into one slot start on this boundary, so that every copy starts aligned.
@@ -289,7 +290,7 @@ class SharedMemoryServicer:
     def StreamTensorsShared(
         self, requests: Iterator[pb.StreamTensorsSharedRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.StreamTensorsSharedResponse]:
-        """The first message names the segment; each later one carries the chunks of one slot.
+        """The first message names the segment; each later one carries the chunks of one or more filled slots.
 
         Every stream, however it ends, is counted in the stats, logged in one line at its end, and
         leaves no segment behind.
@@ -401,13 +402,13 @@ class SharedMemoryServicer:
     def _ring(self, slots: int, slot_bytes: int, chunk_bytes: int) -> tuple[int, int]:
         """The ring a stream gets for what it asked (0: the defaults); refuses sizes out of bounds."""
         slots = slots or DEFAULT_SLOTS
-        slot_bytes = slot_bytes or chunk_bytes
+        slot_bytes = slot_bytes or min(CHUNKS_PER_SLOT * chunk_bytes, wire.MAX_CHUNK_BYTES)
         if not MIN_SLOTS <= slots <= MAX_SLOTS:
             raise InvalidRequest(f"slots {slots} is outside {MIN_SLOTS}..{MAX_SLOTS} (0 means {DEFAULT_SLOTS})")
         if not wire.MIN_CHUNK_BYTES <= slot_bytes <= wire.MAX_CHUNK_BYTES or slot_bytes % SLOT_ALIGN:
             raise InvalidRequest(
                 f"slot_bytes {slot_bytes} is outside {wire.MIN_CHUNK_BYTES}..{wire.MAX_CHUNK_BYTES} or not a "
-                f"multiple of {SLOT_ALIGN} (0 means the chunk size)"
+                f"multiple of {SLOT_ALIGN} (0 means {CHUNKS_PER_SLOT} chunks)"
             )
         if slots * slot_bytes > self.max_ring_bytes:
             raise InvalidRequest(
