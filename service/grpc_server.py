@@ -148,7 +148,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         ],
     )
     add_to_server(WeightStreamServicer(settings, catalog, pool, stats, readiness, cache), server)
-    shm.add_to_server(shm.SharedMemoryServicer(settings, catalog, pool, stats, readiness), server)
+    shm.add_to_server(shm.SharedMemoryServicer(settings, catalog, pool, stats, readiness, cache), server)
     health_servicer = ReadinessHealthServicer(readiness)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection lets grpcurl and similar tools call the server without the .proto files.
