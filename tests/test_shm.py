@@ -454,3 +454,23 @@ def test_server_killed_mid_stream_client_resumes_bit_exact(root: Path, shm_dir: 
     # The rest of the load came over shared memory from the second server.
     assert re.search(r"shared stream end: model='blocks' .* code=OK", log.read_text()), log.read_text()
     record("shared memory", server_kills_survived=1)
+
+
+def test_shm_streams_from_the_cache_are_bit_exact(root: Path, shm_dir: Path) -> None:
+    """With --cache-bytes, the second load's chunks come from the cache (framed bytes) into the slots."""
+    settings = ServerSettings(
+        model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir, cache_bytes=64 << 20
+    )
+    server = create_server(settings)
+    server.start()
+    try:
+        expected = load_folder(root / "blocks")
+        with WeightStreamClient(
+            _target(server), progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK
+        ) as client:
+            _assert_same(expected, client.load_state_dict("blocks"))
+            read_once = server.stats.snapshot().storage_bytes_read_total
+            _assert_same(expected, client.load_state_dict("blocks"))
+            assert server.stats.snapshot().storage_bytes_read_total == read_once, "the second load read storage"
+    finally:
+        server.stop(grace=1.0)
