@@ -10,7 +10,7 @@ Every path writes into the same module, whose memory was touched before the firs
 every path once each, so the machine's noise spreads over all of them. Prints medians and spreads
 and the ratios the shared-memory issue targets (shm >= 2.5x gRPC, shm >= 0.5x the bare read).
 
-Usage (from the repository root): python benchmarks/shm_load.py [--gb 1] [--runs 5]
+Usage (from the repository root): python benchmarks/shm_load.py [--gb 1] [--runs 5] [--cache-bytes N]
 The client process and the server tune glibc malloc (weightstream.allocator), as `weightstream bench` does.
 """
 
@@ -83,6 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (default 1.0)")
     parser.add_argument("--runs", type=int, default=5, help="runs per path (default 5)")
+    parser.add_argument(
+        "--cache-bytes", type=int, default=0, help="the server's --cache-bytes (default 0: every load reads the files)"
+    )
     args = parser.parse_args()
     tune_malloc()
 
@@ -116,6 +119,7 @@ def main() -> None:
             results: dict[str, list[float]] = {"bare /dev/shm mmap read": [], "weightstream shm": [],
                                                 "weightstream grpc": []}  # fmt: skip
             os.environ["WEIGHTSTREAM_SHM_DIR"] = str(shm_dir)
+            os.environ["WEIGHTSTREAM_CACHE_BYTES"] = str(args.cache_bytes)
             transports: list[str] = []
             try:
                 with (
@@ -140,7 +144,7 @@ def main() -> None:
                     shm.load_into(module, MODEL)
                     exact = same_bytes(source, params, order)
             finally:
-                del os.environ["WEIGHTSTREAM_SHM_DIR"]
+                del os.environ["WEIGHTSTREAM_SHM_DIR"], os.environ["WEIGHTSTREAM_CACHE_BYTES"]
         finally:
             source.unlink(missing_ok=True)
 
@@ -148,7 +152,7 @@ def main() -> None:
     print(
         f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors, 4 shards; chunk {CHUNK_BYTES >> 20} MiB, "
         f"ring {DEFAULT_SLOTS} x {CHUNKS_PER_SLOT * CHUNK_BYTES >> 20} MiB; {args.runs} runs each, medians; "
-        f"{os.cpu_count()} CPUs"
+        f"{os.cpu_count()} CPUs; server cache {args.cache_bytes / 1e9:.1f} GB"
     )
     print(
         f"transports reported: {sorted(set(transports))}; segments left in the shm dir: {len(leftovers)}; "
