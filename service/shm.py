@@ -68,6 +68,8 @@ MIN_SLOTS = 2
 MAX_SLOTS = 4096
 # Chunks packed into one slot start on this boundary, so that every copy starts aligned.
 SLOT_ALIGN = 64
+# How long a stream that is done waits for its client to map the segment before giving up.
+ATTACH_TIMEOUT_S = 60.0
 # A nonce file is a few dozen bytes; anything much larger is not one.
 MAX_NONCE_BYTES = 1024
 _SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(\d+)-[0-9a-f]{16}")
@@ -196,11 +198,10 @@ class _Credits:
             self._attached = True
             self._cond.notify_all()
 
-    def wait_attached(self) -> bool:
-        """Wait until the client has mapped the segment; False if the stream was closed first."""
+    def wait_attached(self, timeout: float) -> bool:
+        """Wait up to timeout s until the client has mapped the segment; False if closed first or too late."""
         with self._cond:
-            while not self._attached and not self._closed:
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._attached or self._closed, timeout)
             return self._attached
 
     def take(self) -> int | None:
@@ -356,8 +357,12 @@ class SharedMemoryServicer:
                     tally.sent += payload_bytes
                 # A stream that fits in the ring is done before the client has even opened the
                 # segment; ending now would remove the file under it.
-                if not credits.wait_attached():
-                    raise credits.error or _ClientGone()
+                if not credits.wait_attached(ATTACH_TIMEOUT_S):
+                    if credits.error is not None:
+                        raise credits.error
+                    if not context.is_active():
+                        raise _ClientGone()
+                    raise InvalidRequest(f"the client did not map {segment.name} within {ATTACH_TIMEOUT_S:.0f} s")
         except GeneratorExit:
             code = grpc.StatusCode.CANCELLED
             raise
