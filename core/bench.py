@@ -173,9 +173,9 @@ def _process(
 
 
 def serve_weightstream(
-    root: Path | None, chunk_bytes: int
+    root: Path | None, chunk_bytes: int, extra_args: Sequence[str] = ()
 ) -> contextlib.AbstractContextManager[tuple[subprocess.Popen[str], int]]:
-    """`weightstream serve` in its own process on a free port (other settings from WEIGHTSTREAM_* variables)."""
+    """`weightstream serve` in its own process on a free port (other settings from extra_args, then WEIGHTSTREAM_*)."""
     command = [
         sys.executable,
         "-m",
@@ -194,7 +194,7 @@ def serve_weightstream(
     ]
     if root is not None:
         command += ["--model-root", str(root)]
-    return _process(command, "grpc_port")
+    return _process([*command, *extra_args], "grpc_port")
 
 
 def _tcp_sender(port: int, paths: Sequence[str], chunk_bytes: int) -> None:

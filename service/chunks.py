@@ -60,10 +60,13 @@ def serve_chunks(
         for index, unit in enumerate(file_plan.places):
             claims.append((unit, cache.claim(_key(manifest, file_plan, index))))
     leading = [(unit, claim) for unit, claim in claims if claim.leader]
+    # Each claim lets go of its unit once the unit is sent: a stream must not keep every unit it
+    # sent alive until it ends (a whole model, however small the cache).
     try:
         for unit, claim in claims:
             if claim.unit is not None:
                 yield from _from_cached(unit, claim.unit, plan.chunk_bytes)
+                claim.unit = None
         if leading:
             sub = _subplan(plan, {id(claim) for _, claim in leading}, claims)
             for file_id, index, data in read_units(streamer, manifest, sub.plan, read_ahead_bytes):
@@ -71,10 +74,12 @@ def serve_chunks(
                 unit, claim = sub.claims[file_id][index]
                 cached = _to_cached(unit, data.numpy(), plan.chunk_bytes)
                 cache.publish(claim, cached)
+                claim.future = None
                 yield from _from_cached(unit, cached, plan.chunk_bytes)
         for unit, claim in claims:
             if claim.future is not None and not claim.leader:
                 cached = _wait_or_read(manifest, plan, streamer, read_ahead_bytes, cache, unit, claim, on_read)
+                claim.future = None
                 yield from _from_cached(unit, cached, plan.chunk_bytes)
     finally:
         for _, claim in leading:
