@@ -74,6 +74,9 @@ ATTACH_TIMEOUT_S = 60.0
 # A nonce file is a few dozen bytes; anything much larger is not one.
 MAX_NONCE_BYTES = 1024
 _SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(\d+)-[0-9a-f]{16}")
+# Clients write nonce files under this prefix (client/shm.py) and remove them within a call.
+_NONCE_NAME = re.compile(r"weightstream-nonce-[0-9a-f]{16}")
+NONCE_MAX_AGE_S = 600.0
 
 
 class SharedMemoryUnavailable(ServerError):
@@ -145,7 +148,8 @@ def remove_stale_segments(directory: Path) -> int:
     """Delete the segments in directory that no process holds (left by a server that crashed); how many.
 
     A live segment is flock'ed by the server that made it, in whatever process or container, so a
-    lock that can be taken means nobody uses the file.
+    lock that can be taken means nobody uses the file. Nonce files older than NONCE_MAX_AGE_S (a
+    client that crashed while negotiating) go too.
     """
     removed = 0
     try:
@@ -153,7 +157,14 @@ def remove_stale_segments(directory: Path) -> int:
     except OSError as exc:
         logger.warning("shared-memory directory %s: cannot list it: %s", directory, exc.strerror or exc)
         return 0
+    now = time.time()
     for entry in entries:
+        if _NONCE_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                if now - entry.stat(follow_symlinks=False).st_mtime > NONCE_MAX_AGE_S:
+                    os.unlink(entry.path)
+                    removed += 1
+            continue
         if not _SEGMENT_NAME.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
             continue
         try:
@@ -175,7 +186,7 @@ def remove_stale_segments(directory: Path) -> int:
         finally:
             os.close(fd)
     if removed:
-        logger.info("removed %d stale shared-memory segments from %s", removed, directory)
+        logger.info("removed %d stale shared-memory segments and nonce files from %s", removed, directory)
     return removed
 
 

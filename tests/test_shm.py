@@ -357,18 +357,25 @@ def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_p
         assert holder.stdout is not None
         held = holder.stdout.readline().strip()
         stale = dead.stdout.strip()
-        assert _entries(directory) == sorted([stale, held])
+        # Nonce files of clients that crashed while negotiating: an old one goes, a fresh one stays.
+        old_nonce = directory / "weightstream-nonce-00000000000000aa"
+        fresh_nonce = directory / "weightstream-nonce-00000000000000bb"
+        old_nonce.write_bytes(b"x" * 32)
+        fresh_nonce.write_bytes(b"y" * 32)
+        long_ago = time.time() - 2 * server_shm.NONCE_MAX_AGE_S
+        os.utime(old_nonce, (long_ago, long_ago))
+        assert _entries(directory) == sorted([stale, held, old_nonce.name, fresh_nonce.name])
         server = create_server(
             ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=directory)
         )
         server.start()
         server.stop(grace=0)
-        assert _entries(directory) == [held]
+        assert _entries(directory) == sorted([held, fresh_nonce.name])
     finally:
         holder.kill()
         holder.wait(timeout=30)
     assert server_shm.remove_stale_segments(directory) == 1
-    assert _entries(directory) == []
+    assert _entries(directory) == [fresh_nonce.name]
 
 
 _SLOW_CLIENT = textwrap.dedent(
