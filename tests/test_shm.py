@@ -481,3 +481,37 @@ def test_shm_streams_from_the_cache_are_bit_exact(root: Path, shm_dir: Path) -> 
             assert server.stats.snapshot().storage_bytes_read_total == read_once, "the second load read storage"
     finally:
         server.stop(grace=1.0)
+
+
+def test_shm_needs_the_token_like_every_rpc(root: Path, shm_dir: Path, tmp_path: Path) -> None:
+    """With bearer tokens, negotiation and the shared stream need one; a wrong token is no reason to fall back."""
+    from weightstream.client.errors import UnauthenticatedError
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("shm-secret\n")
+    server = create_server(
+        ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir, token_file=tokens)
+    )
+    server.start()
+    try:
+        expected = load_folder(root / "blocks")
+        with WeightStreamClient(
+            _target(server), progress=False, transport="auto", shm_dir=shm_dir, token="shm-secret"
+        ) as client:
+            _assert_same(expected, client.load_state_dict("blocks"))
+            assert client._transport_for(0).name == "shm"
+        channel = grpc.insecure_channel(_target(server))
+        try:
+            with pytest.raises(grpc.RpcError) as raised:
+                SharedMemoryTransport.negotiate(channel, shm_dir, (("authorization", "Bearer wrong"),))
+            assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            channel.close()
+        with (
+            WeightStreamClient(_target(server), progress=False, transport="auto", shm_dir=shm_dir, token="x") as bad,
+            pytest.raises(UnauthenticatedError),
+        ):
+            bad.load_state_dict("blocks")
+    finally:
+        server.stop(grace=1.0)
+    assert not [name for name in _entries(shm_dir) if name.startswith("weightstream-")]
