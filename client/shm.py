@@ -2,9 +2,9 @@
 
 negotiate() proves that the server sees the client's directory (a nonce file written here, read
 back there) and returns a SharedMemoryTransport, or None when the server cannot use it; the client
-then streams over gRPC. Each stream() maps the segment the server announces, yields each message's
-chunks with their addresses inside the mapping, and returns a message's slots (credits) once the
-caller asks for the next batch.
+then streams over gRPC. Each stream() maps the segment the server announces, yields the chunks of
+each filled slot as one batch, with their addresses inside the mapping, and returns the slot (a
+credit) once the caller asks for the next batch.
 
 Copies per byte on this side: slot -> parameter (one memmove; on CUDA, slot -> pinned staging ->
 device). Memory: the mapping of one ring per stream (slots * slot_bytes), shared with the server.
@@ -132,7 +132,7 @@ class SharedMemoryTransport:
     def stream(
         self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
     ) -> Iterator[Sequence[ChunkRef]]:
-        """Chunks of request, one batch per server message; see the module doc for when slots are returned."""
+        """Chunks of request, one batch per filled slot; the slot is returned when the next batch is asked for."""
         slots, slot_bytes = self._ring(request)
         # Messages to the server: the request, then an "attached" message, then credits.
         outgoing: queue.SimpleQueue[pb.StreamTensorsSharedRequest | None] = queue.SimpleQueue()
@@ -158,7 +158,7 @@ class SharedMemoryTransport:
                 ring.close()
 
     def _ring(self, request: pb.StreamTensorsRequest) -> tuple[int, int]:
-        """The ring to ask for: slots of the chunk size (or slot_bytes), capped at what the server grants."""
+        """The ring to ask for: self.slots of CHUNKS_PER_SLOT chunks (or slot_bytes), capped by the grant."""
         chunk_bytes = wire.clamp_chunk_bytes(request.max_chunk_bytes)
         slot_bytes = self.slot_bytes or min(CHUNKS_PER_SLOT * chunk_bytes, wire.MAX_CHUNK_BYTES)
         slots = self.slots
