@@ -77,6 +77,10 @@ _CHANNEL_OPTIONS: list[tuple[str, int]] = [
     # stop after gRPC's default of 2 without data frames, or a dead peer goes unnoticed again.
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Any ping already in flight (gRPC's own bandwidth probes) is otherwise given 60 s to be
+    # answered, and a keepalive ping that finds one waits on it: a silent peer then took a minute
+    # to notice in tests. 5 s, like keepalive_timeout.
+    ("grpc.http2.ping_timeout_ms", 5_000),
     # After a failed connect gRPC waits 1 s, growing to 120 s, before it tries again, and fails
     # calls at once meanwhile; the client's RetryPolicy decides how long to keep trying, so the
     # channel reconnects promptly when asked (a restarted server is found within a second).

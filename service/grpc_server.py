@@ -140,9 +140,20 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             # A message holds up to MAX_CHUNK_BYTES of payload plus its chunk descriptors.
             ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-            # Clients ping every 30 s on idle connections to notice dead peers; allow it.
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            # Clients ping after 10 s without reads to notice a dead server (client.py _CHANNEL_OPTIONS).
+            # gRPC's default accepts one ping per 5 min without data and answers more with GOAWAY
+            # "too_many_pings", which would cut every stream in flight; accept one per 5 s, also on
+            # connections with no call (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS).
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # The server pings too: a client that vanished (node lost, cable cut) is found within
+            # about 25 s, and its stream ends and frees its slot and read-ahead memory, instead of
+            # blocking on flow control until TCP gives up after minutes.
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.max_pings_without_data", 0),
+            # A ping already in flight (a bandwidth probe) would otherwise get 60 s to be answered.
+            ("grpc.http2.ping_timeout_ms", 5_000),
             # gRPC shares ports by default; a second server on a busy port must fail, not split the traffic.
             ("grpc.so_reuseport", 0),
         ],
