@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 OPEN_SHARED_MEMORY_METHOD = "/weightstream.v1.WeightStreamService/OpenSharedMemory"
 STREAM_TENSORS_SHARED_METHOD = "/weightstream.v1.WeightStreamService/StreamTensorsShared"
-NONCE_PREFIX = "weightstream-nonce-"
+NONCE_PREFIX = wire.SHM_NONCE_PREFIX
 # Owner read-write, group read: a server in another container of the pod, running as another user
 # of the pod's fsGroup, can still read it.
 NONCE_MODE = 0o640
@@ -45,7 +45,7 @@ NONCE_BYTES = 32
 # beat many small ones: fewer messages each way, and a smaller segment to allocate per stream.
 DEFAULT_SLOTS = 4
 CHUNKS_PER_SLOT = 2
-SEGMENT_PREFIX = "weightstream-seg-"
+SEGMENT_PREFIX = wire.SHM_SEGMENT_PREFIX
 NEGOTIATE_TIMEOUT_S = 10.0
 
 

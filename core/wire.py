@@ -133,3 +133,8 @@ def numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         count *= dim
     return count
+
+
+# Shared-memory transport: names of the files client and server make in the shared directory.
+SHM_SEGMENT_PREFIX = "weightstream-seg-"
+SHM_NONCE_PREFIX = "weightstream-nonce-"

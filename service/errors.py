@@ -13,6 +13,7 @@ ServerError
 ├── UnsupportedCheckpoint FAILED_PRECONDITION a dtype torch cannot hold, and the like
 ├── RevisionMismatch      FAILED_PRECONDITION the checkpoint changed since the client's manifest
 ├── FileTooLarge          FAILED_PRECONDITION a companion file is larger than the server serves
+├── SharedMemoryUnavailable FAILED_PRECONDITION no --shm-dir, or not the client's directory
 ├── TooManyStreams        RESOURCE_EXHAUSTED the concurrent stream limit is reached
 ├── StorageUnauthenticated UNAUTHENTICATED   storage rejected the server's credentials
 └── StorageUnavailable    UNAVAILABLE        storage failed in a way worth retrying
@@ -71,6 +72,10 @@ class FileTooLarge(ServerError):
     pass
 
 
+class SharedMemoryUnavailable(ServerError):
+    pass
+
+
 class TooManyStreams(ServerError):
     pass
 
@@ -103,6 +108,7 @@ _CODES: dict[type[ServerError], grpc.StatusCode] = {
     UnsupportedCheckpoint: grpc.StatusCode.FAILED_PRECONDITION,
     RevisionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     FileTooLarge: grpc.StatusCode.FAILED_PRECONDITION,
+    SharedMemoryUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
     TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StorageUnauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     StorageUnavailable: grpc.StatusCode.UNAVAILABLE,

@@ -18,7 +18,14 @@ from weightstream import framing, wire
 from weightstream.server.cache import UnitCache
 from weightstream.server.catalog import Catalog, Manifest
 from weightstream.server.chunks import serve_chunks
-from weightstream.server.errors import Draining, InvalidRequest, RevisionMismatch, ServerError, status_code
+from weightstream.server.errors import (
+    Draining,
+    InvalidRequest,
+    RevisionMismatch,
+    ServerError,
+    SharedMemoryUnavailable,
+    status_code,
+)
 from weightstream.server.files import FileKind, FileListing, list_files, read_file
 from weightstream.server.health import Readiness
 from weightstream.server.plan import MAX_REQUESTED_TENSORS, ReadPlan, Requested, SliceRequest, plan_reads
@@ -77,18 +84,8 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
         code = grpc.StatusCode.OK
         self._stats.stream_started()
         try:
-            # Manifests are still served while draining: a load in flight may ask for one again.
-            if self._readiness.draining:
-                raise Draining("the server is shutting down and takes no new streams; retry on another server")
-            check_stream_request(request)
-            manifest = self._catalog.manifest(request.model)
+            manifest, chunk_bytes = start_stream(request, self._catalog, self._readiness, self._settings.chunk_bytes)
             model = manifest.model
-            if request.revision and request.revision != manifest.revision:
-                raise RevisionMismatch(
-                    f"model {request.model!r} changed: revision {manifest.revision}, "
-                    f"the request expects {request.revision}"
-                )
-            chunk_bytes = wire.clamp_chunk_bytes(request.max_chunk_bytes or self._settings.chunk_bytes)
             requested = requested_tensors(request)
             plan = plan_reads(manifest, requested, chunk_bytes)
             tensors = len(requested) or len(manifest.tensors)
@@ -182,13 +179,36 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
             )
 
     def _abort(self, context: grpc.ServicerContext, method: str, model: str, exc: Exception) -> None:
-        code = status_code(exc)
-        self._stats.error(code.name)
-        if isinstance(exc, ServerError):
-            logger.warning("%s %r: %s: %s", method, model, code.name, exc)
-            context.abort(code, str(exc))
-        logger.exception("%s %r: internal error", method, model)
-        context.abort(code, f"internal error while serving model {model!r}: {type(exc).__name__}")
+        abort(context, self._stats, method, model, exc)
+
+
+def abort(context: grpc.ServicerContext, stats: ServerStats, method: str, model: str, exc: Exception) -> None:
+    """End the RPC with exc's status code and message (internal errors: logged whole, sent as their type only)."""
+    code = status_code(exc)
+    stats.error(code.name)
+    if isinstance(exc, ServerError):
+        # A client that falls back from shared memory to gRPC is no warning.
+        level = logging.INFO if isinstance(exc, SharedMemoryUnavailable) else logging.WARNING
+        logger.log(level, "%s %r: %s: %s", method, model, code.name, exc)
+        context.abort(code, str(exc))
+    logger.exception("%s %r: internal error", method, model)
+    context.abort(code, f"internal error while serving model {model!r}: {type(exc).__name__}")
+
+
+def start_stream(
+    request: pb.StreamTensorsRequest, catalog: Catalog, readiness: Readiness, default_chunk_bytes: int
+) -> tuple[Manifest, int]:
+    """What every tensor stream starts with, whatever its transport: the checks, its manifest and chunk size."""
+    # Manifests are still served while draining: a load in flight may ask for one again.
+    if readiness.draining:
+        raise Draining("the server is shutting down and takes no new streams; retry on another server")
+    check_stream_request(request)
+    manifest = catalog.manifest(request.model)
+    if request.revision and request.revision != manifest.revision:
+        raise RevisionMismatch(
+            f"model {request.model!r} changed: revision {manifest.revision}, the request expects {request.revision}"
+        )
+    return manifest, wire.clamp_chunk_bytes(request.max_chunk_bytes or default_chunk_bytes)
 
 
 def check_stream_request(request: pb.StreamTensorsRequest) -> None:

@@ -50,18 +50,18 @@ from weightstream import wire
 from weightstream.server.cache import UnitCache
 from weightstream.server.catalog import Catalog, Manifest
 from weightstream.server.chunks import ServedChunk, serve_chunks
-from weightstream.server.errors import Draining, InvalidRequest, RevisionMismatch, ServerError, status_code
+from weightstream.server.errors import InvalidRequest, ServerError, SharedMemoryUnavailable, status_code
 from weightstream.server.health import Readiness
 from weightstream.server.plan import ReadPlan, plan_reads
 from weightstream.server.reader import PooledStreamer, StreamerPool
-from weightstream.server.servicer import check_stream_request, requested_tensors
+from weightstream.server.servicer import abort, requested_tensors, start_stream
 from weightstream.server.settings import ServerSettings
 from weightstream.server.stats import ServerStats
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-SEGMENT_PREFIX = "weightstream-seg-"
+SEGMENT_PREFIX = wire.SHM_SEGMENT_PREFIX
 SEGMENT_MODE = 0o640
 DEFAULT_SLOTS = 4
 CHUNKS_PER_SLOT = 2
@@ -75,12 +75,8 @@ ATTACH_TIMEOUT_S = 60.0
 MAX_NONCE_BYTES = 1024
 _SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(\d+)-[0-9a-f]{16}")
 # Clients write nonce files under this prefix (client/shm.py) and remove them within a call.
-_NONCE_NAME = re.compile(r"weightstream-nonce-[0-9a-f]{16}")
+_NONCE_NAME = re.compile(re.escape(wire.SHM_NONCE_PREFIX) + r"[0-9a-f]{16}")
 NONCE_MAX_AGE_S = 600.0
-
-
-class SharedMemoryUnavailable(ServerError):
-    """The server cannot use the client's shared-memory directory (none configured, or not the same one)."""
 
 
 @dataclass
@@ -319,23 +315,14 @@ class SharedMemoryServicer:
         credits: _Credits | None = None
         self._stats.stream_started()
         try:
-            if self._readiness.draining:
-                raise Draining("the server is shutting down and takes no new streams; retry on another server")
             directory = self._directory()
             first = next(requests, None)
             if first is None or not first.HasField("request"):
                 raise InvalidRequest("the first StreamTensorsSharedRequest must carry the request")
             request = first.request
             model_id = request.model
-            check_stream_request(request)
-            manifest = self._catalog.manifest(request.model)
+            manifest, chunk_bytes = start_stream(request, self._catalog, self._readiness, self._settings.chunk_bytes)
             model = manifest.model
-            if request.revision and request.revision != manifest.revision:
-                raise RevisionMismatch(
-                    f"model {request.model!r} changed: revision {manifest.revision}, "
-                    f"the request expects {request.revision}"
-                )
-            chunk_bytes = wire.clamp_chunk_bytes(request.max_chunk_bytes or self._settings.chunk_bytes)
             slots, slot_bytes = self._ring(first.slots, first.slot_bytes, chunk_bytes)
             # Every chunk fits in one slot.
             chunk_bytes = min(chunk_bytes, slot_bytes)
@@ -381,7 +368,7 @@ class SharedMemoryServicer:
         except _ClientGone:
             code = grpc.StatusCode.CANCELLED
         except Exception as exc:
-            code = _status(exc)
+            code = status_code(exc)
             self._abort(context, "StreamTensorsShared", model_id, exc)
         finally:
             if credits is not None:
@@ -435,22 +422,7 @@ class SharedMemoryServicer:
         return slots, slot_bytes
 
     def _abort(self, context: grpc.ServicerContext, method: str, model: str, exc: Exception) -> None:
-        code = _status(exc)
-        self._stats.error(code.name)
-        if isinstance(exc, ServerError):
-            # A client that falls back to gRPC is no warning.
-            level = logging.INFO if isinstance(exc, SharedMemoryUnavailable) else logging.WARNING
-            logger.log(level, "%s %r: %s: %s", method, model, code.name, exc)
-            context.abort(code, str(exc))
-        logger.exception("%s %r: internal error", method, model)
-        context.abort(code, f"internal error while serving model {model!r}: {type(exc).__name__}")
-
-
-def _status(exc: BaseException) -> grpc.StatusCode:
-    # SharedMemoryUnavailable belongs in errors.py's table (FAILED_PRECONDITION) with the others.
-    if isinstance(exc, SharedMemoryUnavailable):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    return status_code(exc)
+        abort(context, self._stats, method, model, exc)
 
 
 class _ClientGone(Exception):

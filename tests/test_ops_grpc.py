@@ -72,7 +72,14 @@ def test_reflection_describes_the_services(channel: grpc.Channel) -> None:
     described = database.FindFileContainingSymbol(SERVICE)
     assert described.package == "weightstream.v1"
     methods = {m.name for m in described.service[0].method}
-    assert methods == {"GetManifest", "StreamTensors", "ListModelFiles", "ReadModelFile"}
+    assert methods == {
+        "GetManifest",
+        "StreamTensors",
+        "ListModelFiles",
+        "ReadModelFile",
+        "OpenSharedMemory",
+        "StreamTensorsShared",
+    }
 
 
 def _stream_error(channel: grpc.Channel, request: pb.StreamTensorsRequest) -> grpc.RpcError:
