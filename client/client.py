@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import logging
 import os
 import queue
@@ -57,9 +56,8 @@ SHM_DIR_ENV = "WEIGHTSTREAM_SHM_DIR"
 # The reason a StreamCancel carries when the load itself stopped a stream (another stream failed,
 # or the caller stopped iterating).
 _STOPPED = "stopped"
-# Transports a client may be asked for; "auto" and "shm" need client/shm.py.
-_SHM_AVAILABLE = importlib.util.find_spec("weightstream.client.shm") is not None
-TRANSPORTS = ("auto", "grpc", "shm") if _SHM_AVAILABLE else ("grpc",)
+# Transports a client may be asked for.
+TRANSPORTS = ("auto", "grpc", "shm")
 
 _CHANNEL_OPTIONS: list[tuple[str, int]] = [
     # A message carries up to MAX_CHUNK_BYTES of payload plus chunk descriptors; gRPC's default
@@ -127,9 +125,10 @@ class WeightStreamClient:
     client's certificate for servers that require mutual TLS. The files are read here, once.
 
     retry says how broken streams are resumed and how long GetManifest is retried on UNAVAILABLE
-    (see RetryPolicy); None fails at the first error and turns the idle-stream deadline off.
-    transport chooses the data path: "grpc" (the default); "shm" and "auto" (shared memory with
-    the server when both share shm_dir) where the shared-memory transport is installed.
+    (see RetryPolicy; on by default); None fails at the first error and turns the idle-stream
+    deadline off. transport chooses the data path: "auto" (the default) uses shared memory when the
+    server proves it sees shm_dir (default: the environment variable WEIGHTSTREAM_SHM_DIR) and
+    gRPC otherwise; "shm" insists on shared memory; "grpc" never tries it.
     """
 
     def __init__(
@@ -145,8 +144,8 @@ class WeightStreamClient:
         timeout: float | None = 30.0,
         progress: bool = True,
         streams: int = 1,
-        retry: RetryPolicy | None = None,
-        transport: str = "grpc",
+        retry: RetryPolicy | None = RetryPolicy(),  # noqa: B008 - frozen, one shared default
+        transport: str = "auto",
         shm_dir: str | Path | None = None,
     ) -> None:
         self.target = target if isinstance(target, str) else ",".join(target)
@@ -232,7 +231,7 @@ class WeightStreamClient:
                             self._channel_at(0), self._shm_dir, self._metadata, required=self._transport_kind == "shm"
                         )
                     else:
-                        logger.info("shared memory not used: no shm_dir given and %s is not set", SHM_DIR_ENV)
+                        logger.debug("shared memory not used: no shm_dir given and %s is not set", SHM_DIR_ENV)
                     self._shm_grant = granted.max_ring_bytes if granted is not None else 0
         made: Transport
         if self._shm_grant and self._shm_dir is not None:

@@ -105,7 +105,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(
             assert _health(target) == health_pb2.HealthCheckResponse.NOT_SERVING
 
             # A new stream is refused; the manifest it asks for first is still served.
-            with WeightStreamClient(target, progress=False, timeout=10) as second:
+            with WeightStreamClient(target, progress=False, timeout=10, retry=None) as second:
                 assert len(second.manifest(MODEL).tensors) == TENSORS
                 with pytest.raises(UnavailableError, match="shutting down"):
                     second.load_state_dict(MODEL)
@@ -130,7 +130,7 @@ def test_streams_past_the_drain_deadline_are_cancelled(
     target, base = f"{LOOPBACK}:{grpc_port}", f"http://{LOOPBACK}:{http_port}"
     with serve_process(_args(root, grpc_port, http_port, drain_seconds=0.5), tmp_path) as server:
         wait_http_ready(server, http, f"{base}/readyz")
-        with WeightStreamClient(target, chunk_bytes=CHUNK_BYTES, progress=False) as client:
+        with WeightStreamClient(target, chunk_bytes=CHUNK_BYTES, progress=False, retry=None) as client:
             stream = client.iter_tensors(MODEL)
             next(stream)
             started = time.monotonic()

@@ -139,7 +139,7 @@ def test_draining_refuses_new_streams_but_serves_manifests(root: Path, state: di
         watch.cancel()
         assert _health(channel) == NOT_SERVING
         assert _health(channel, SERVICE) == NOT_SERVING
-        with WeightStreamClient(r.target, progress=False) as client:
+        with WeightStreamClient(r.target, progress=False, retry=None) as client:
             assert len(client.manifest(MODEL).tensors) == len(state)
             with pytest.raises(UnavailableError, match="shutting down"):
                 client.load_state_dict(MODEL)

@@ -118,7 +118,7 @@ def test_metrics_move_by_exactly_the_bytes_streamed(root: Path, state: dict[str,
     ranges = [(100, 5000), (70_000, 200_000)]
     with (
         running(root, max_streams=1) as r,
-        WeightStreamClient(r.target, progress=False) as client,
+        WeightStreamClient(r.target, progress=False, retry=None) as client,
         grpc.insecure_channel(r.target) as channel,
     ):
         before = r.get("/metrics").text

@@ -53,7 +53,7 @@ def mtls_server(root: Path, state: dict[str, torch.Tensor], pki: Pki) -> Iterato
 
 
 def _load(target: str, **options: object) -> dict[str, torch.Tensor]:
-    with WeightStreamClient(target, progress=False, timeout=TIMEOUT_S, **options) as client:  # type: ignore[arg-type]
+    with WeightStreamClient(target, progress=False, timeout=TIMEOUT_S, retry=None, **options) as client:  # type: ignore[arg-type]
         return client.load_state_dict(MODEL)
 
 

@@ -135,7 +135,7 @@ def test_unreachable_store_is_unavailable(s3_store: S3Process) -> None:
     server = create_server(s3_settings(closed, s3_buckets=("ws-models",)))
     server.start()
     try:
-        with WeightStreamClient(f"127.0.0.1:{server.port}", timeout=60, progress=False) as client:
+        with WeightStreamClient(f"127.0.0.1:{server.port}", timeout=60, progress=False, retry=None) as client:
             with pytest.raises(UnavailableError, match=r"s3://ws-models/x/.*unreachable") as info:
                 client.manifest("s3://ws-models/x")
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
@@ -161,7 +161,9 @@ def test_store_dying_mid_stream_is_unavailable(tmp_path: Path, model_root: Path)
         )
         server.start()
         try:
-            with WeightStreamClient(f"127.0.0.1:{server.port}", chunk_bytes=1 << 20, progress=False) as client:
+            with WeightStreamClient(
+                f"127.0.0.1:{server.port}", chunk_bytes=1 << 20, progress=False, retry=None
+            ) as client:
                 received = 0
                 with pytest.raises(UnavailableError, match="s3://ws-dying/m") as info:
                     for _name, _tensor in client.iter_tensors("s3://ws-dying/m"):

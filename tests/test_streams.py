@@ -69,7 +69,7 @@ def test_streams_beyond_the_limit_are_resource_exhausted(checkpoint: dict[str, t
         with WeightStreamClient(target, chunk_bytes=16 * 1024, progress=False) as first:
             stream = first.iter_tensors(MODEL)
             next(stream)  # the only stream slot is now held
-            with WeightStreamClient(target, progress=False) as second:
+            with WeightStreamClient(target, progress=False, retry=None) as second:
                 with pytest.raises(ResourceExhaustedError, match="1 streams are already running"):
                     second.load_state_dict(MODEL)
             rest = dict(stream)
@@ -103,7 +103,9 @@ def test_parallel_streams_relay_the_first_error_and_stop_the_others(
     server.start()
     try:
         module = ParameterTree({n: (tuple(t.shape), t.dtype) for n, t in checkpoint.items()})
-        with WeightStreamClient(f"127.0.0.1:{server.port}", chunk_bytes=16 * 1024, progress=False, streams=4) as c:
+        with WeightStreamClient(
+            f"127.0.0.1:{server.port}", chunk_bytes=16 * 1024, progress=False, streams=4, retry=None
+        ) as c:
             with pytest.raises(ResourceExhaustedError) as info:
                 c.load_into(module, MODEL)
         assert info.value.partially_written is not None
