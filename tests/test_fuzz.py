@@ -376,6 +376,67 @@ def test_stream_requests(good: dict[str, torch.Tensor], stub: pb_grpc.WeightStre
 
 
 @pytest.mark.usefixtures("still_serving")
+def test_slice_requests(good: dict[str, torch.Tensor], stub: pb_grpc.WeightStreamServiceStub) -> None:
+    """Slices of every dimension and bound, in and out of range, with and without byte ranges."""
+    counts: Counter[str] = Counter()
+    small = st.integers(0, 40)
+    bound = st.one_of(small, small, small, _U64)
+
+    @st.composite
+    def in_bounds(draw: Any) -> tuple[str, int, int, int]:
+        name = draw(st.sampled_from(["a.weight", "b", "c"]))
+        dim = draw(st.integers(0, good[name].dim() - 1))
+        start = draw(st.integers(0, good[name].shape[dim] - 1))
+        return name, dim, start, draw(st.integers(start + 1, good[name].shape[dim]))
+
+    anything = st.tuples(
+        st.sampled_from(sorted(good)),
+        st.one_of(st.integers(0, 1), st.integers(0, 3), st.integers(0, 2**32 - 1)),
+        bound,
+        bound,
+    )
+
+    @FUZZ
+    @given(
+        spec=st.one_of(in_bounds(), anything),
+        points=st.one_of(st.just([]), st.just([]), st.lists(st.integers(0, 600), unique=True, max_size=6)),
+    )
+    def run(spec: tuple[str, int, int, int], points: list[int]) -> None:
+        name, dim, start, stop = spec
+        counts["cases"] += 1
+        ranges = _disjoint_ranges(points)
+        piece = pb.TensorSlice(dim=dim, start=start, stop=stop)
+        request = pb.StreamTensorsRequest(
+            model=MODEL, tensors=[pb.TensorRequest(name=name, slice=piece, ranges=ranges)]
+        )
+        code, details, responses = outcome(lambda: list(stub.StreamTensors(request, timeout=CALL_TIMEOUT_S)))
+        check_code(counts, code, details, REQUEST_CODES - {Code.FAILED_PRECONDITION, Code.PERMISSION_DENIED})
+        if code != Code.OK:
+            return
+        # Taken: the bytes are those of the slice, laid out contiguously.
+        full = good[name]
+        assert 0 <= dim < full.dim() and 0 <= start < stop <= full.shape[dim]
+        expected = tensor_bytes(full.narrow(dim, start, stop - start).contiguous())
+        for response in responses:
+            for chunk in response.chunks:
+                assert chunk.data == expected[chunk.offset : chunk.offset + len(chunk.data)]
+
+    try:
+        run()
+    finally:
+        record_counts(
+            counts,
+            slice_cases="cases",
+            crashes="crashes",
+            unexpected_codes="unexpected",
+            slice_ok="OK",
+            slice_out_of_range="OUT_OF_RANGE",
+            slice_invalid="INVALID_ARGUMENT",
+        )
+    assert counts["cases"] > 0
+
+
+@pytest.mark.usefixtures("still_serving")
 def test_manifest_requests(good: dict[str, torch.Tensor], stub: pb_grpc.WeightStreamServiceStub) -> None:
     counts: Counter[str] = Counter()
 
