@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["WeightStreamService"].full_name
 HEALTH_SERVICE_NAME: str = health.SERVICE_NAME
+# A health service name that is SERVING while the process answers at all, for gRPC liveness probes
+# (Kubernetes `grpc: {port: 50051, service: liveness}`); "" and SERVICE_NAME report readiness.
+LIVENESS_SERVICE_NAME = "liveness"
 # How long a source's reachability answer is reused; probes come every few seconds at most.
 PROBE_TTL_S = 1.0
 
@@ -125,9 +128,10 @@ class Readiness:
 class ReadinessHealthServicer(health.HealthServicer):
     """grpc.health.v1.Health answering from Readiness: SERVING when ready, else NOT_SERVING.
 
-    It knows the overall service ("") and weightstream.v1.WeightStreamService; other names are
-    NOT_FOUND. Check asks Readiness afresh; Watch streams see a change when refresh() runs, which
-    every Check and every lifecycle change (start, drain) does.
+    It knows the overall service ("") and weightstream.v1.WeightStreamService (readiness), and
+    "liveness" (SERVING while the process answers); other names are NOT_FOUND. Check asks
+    Readiness afresh; Watch streams see a change when refresh() runs, which every Check and every
+    lifecycle change (start, drain) does.
     """
 
     def __init__(self, readiness: Readiness) -> None:
@@ -141,6 +145,8 @@ class ReadinessHealthServicer(health.HealthServicer):
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in (health.OVERALL_HEALTH, SERVICE_NAME):
             self.set(name, status)
+        # Liveness is not readiness: a store outage or a drain must not get a server restarted.
+        self.set(LIVENESS_SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         return ready
 
     def Check(

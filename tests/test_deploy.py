@@ -39,7 +39,7 @@ from tests.s3_servers import S3RVER_KEY, S3Process
 from weightstream.cli import SERVE_OPTIONS, build_parser
 from weightstream.demo import llama_like_state_dict
 from weightstream.server import create_server
-from weightstream.server.health import SERVICE_NAME
+from weightstream.server.health import LIVENESS_SERVICE_NAME, SERVICE_NAME
 from weightstream.server.settings import ENV_PREFIX, ServerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 # The image every manifest's weightstream container uses, before kustomize's `images:` renames it.
 IMAGE_NAMES = ("weightstream", "ghcr.io/example/weightstream", "weightstream:dev", "localhost/weightstream")
 HEALTH_PATHS = ("/healthz", "/readyz")
-GRPC_HEALTH_SERVICES = ("", SERVICE_NAME)
+GRPC_HEALTH_SERVICES = ("", SERVICE_NAME, LIVENESS_SERVICE_NAME)
 # The client reads this one when no shm_dir is passed (the same-host transport).
 CLIENT_SHM_ENV = "WEIGHTSTREAM_SHM_DIR"
 SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerSettings)}
@@ -215,10 +215,17 @@ def probe_problems(c: Container, settings: ServerSettings) -> list[str]:
         else:
             problems.append(f"{c.where}: {kind} is neither an HTTP nor a gRPC health probe: {probe}")
     liveness = c.probes.get("livenessProbe")
-    # gRPC health and /readyz both report readiness (the stores answering): as liveness they would
-    # restart healthy servers during a store outage.
-    if liveness is not None and liveness.get("httpGet", {}).get("path") != "/healthz":
-        problems.append(f"{c.where}: livenessProbe must be GET /healthz, not {liveness}")
+    # /readyz and gRPC health of "" or the service report readiness (the stores answering): as
+    # liveness they would restart healthy servers during a store outage. /healthz and gRPC health
+    # of "liveness" report only that the process answers.
+    live = liveness is not None and (
+        liveness.get("httpGet", {}).get("path") == "/healthz"
+        or liveness.get("grpc", {}).get("service") == LIVENESS_SERVICE_NAME
+    )
+    if liveness is not None and not live:
+        problems.append(
+            f"{c.where}: livenessProbe must be GET /healthz or gRPC health of {LIVENESS_SERVICE_NAME!r}, not {liveness}"
+        )
     if c.ports:
         for name, port in (("gRPC", settings.grpc_port), ("REST", settings.http_port)):
             if port not in c.ports.values():

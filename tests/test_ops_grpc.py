@@ -139,6 +139,8 @@ def test_draining_refuses_new_streams_but_serves_manifests(root: Path, state: di
         watch.cancel()
         assert _health(channel) == NOT_SERVING
         assert _health(channel, SERVICE) == NOT_SERVING
+        # Draining is not dying: a liveness probe must not get the server restarted mid-drain.
+        assert _health(channel, "liveness") == SERVING
         with WeightStreamClient(r.target, progress=False, retry=None) as client:
             assert len(client.manifest(MODEL).tensors) == len(state)
             with pytest.raises(UnavailableError, match="shutting down"):
@@ -153,6 +155,7 @@ def test_health_follows_source_reachability(tmp_path: Path) -> None:
         root.rename(tmp_path / "aside")
         try:
             eventually(lambda: _health(channel) == NOT_SERVING, "NOT_SERVING")
+            assert _health(channel, "liveness") == SERVING
         finally:
             (tmp_path / "aside").rename(root)
         eventually(lambda: _health(channel) == SERVING, "SERVING again")
