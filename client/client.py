@@ -565,6 +565,9 @@ class WeightStreamClient:
                             if dest.complete and dest.name in pending:
                                 placers.for_tensor(dest.buffer).finish(dest)
                                 del pending[dest.name]
+                                # Only partly landed tensors are kept for a resume: a complete one
+                                # is the caller's (iter_tensors must not hold every tensor it yielded).
+                                del touched[dest.name]
                                 yield dest
                         bar.update(landed)
                         resent = sum(c.length for c in batch) - landed
@@ -660,7 +663,8 @@ class WeightStreamClient:
     ) -> pb.StreamTensorsRequest:
         """The request for what has not landed: whole pending tensors, or their missing ranges once begun."""
         sliced = any(info.slice is not None for info in infos.values())
-        everything = not touched and not sliced and len(infos) == len(manifest.tensors)
+        begun = bool(touched) or len(pending) < sum(1 for info in infos.values() if info.nbytes)
+        everything = not begun and not sliced and len(infos) == len(manifest.tensors)
         tensors = []
         if not everything:
             for name, info in pending.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,19 @@ def test_parallel_streams_relay_the_first_error_and_stop_the_others(
         _wait_idle(server)
     finally:
         server.stop(grace=1.0)
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_iter_tensors_keeps_no_tensor_it_has_yielded(
+    checkpoint: dict[str, torch.Tensor], target: str, streams: int
+) -> None:
+    """Memory held is bounded by the tensors in flight: every tensor yielded and dropped is freed."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    with WeightStreamClient(target, chunk_bytes=256 * 1024, progress=False, streams=streams) as client:
+        for name, tensor in client.iter_tensors(MODEL):
+            assert torch.equal(tensor, checkpoint[name])
+            refs.append(weakref.ref(tensor))
+            del tensor  # tensors hold no reference cycles: refcounting frees them at once
+            # The iterator may still hold the tensor it yielded last, until it is asked for the next.
+            assert sum(ref() is not None for ref in refs[:-1]) == 0, "an earlier tensor is still referenced"
+    assert len(refs) == len(checkpoint)
