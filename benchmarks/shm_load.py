@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument(
         "--cache-bytes", type=int, default=0, help="the server's --cache-bytes (default 0: every load reads the files)"
     )
+    parser.add_argument("--streams", type=int, default=1, help="streams per load on both transports (default 1)")
     args = parser.parse_args()
     tune_malloc()
 
@@ -124,8 +125,12 @@ def main() -> None:
             try:
                 with (
                     serve_weightstream(work, CHUNK_BYTES) as (_server, port),
-                    WeightStreamClient(f"127.0.0.1:{port}", progress=False, transport="shm", shm_dir=shm_dir) as shm,
-                    WeightStreamClient(f"127.0.0.1:{port}", progress=False, transport="grpc") as grpc_client,
+                    WeightStreamClient(
+                        f"127.0.0.1:{port}", progress=False, transport="shm", shm_dir=shm_dir, streams=args.streams
+                    ) as shm,
+                    WeightStreamClient(
+                        f"127.0.0.1:{port}", progress=False, transport="grpc", streams=args.streams
+                    ) as grpc_client,
                 ):
                     # Warm the page cache, the server's streamer and both channels.
                     shm.load_into(module, MODEL)
@@ -152,7 +157,7 @@ def main() -> None:
     print(
         f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors, 4 shards; chunk {CHUNK_BYTES >> 20} MiB, "
         f"ring {DEFAULT_SLOTS} x {CHUNKS_PER_SLOT * CHUNK_BYTES >> 20} MiB; {args.runs} runs each, medians; "
-        f"{os.cpu_count()} CPUs; server cache {args.cache_bytes / 1e9:.1f} GB"
+        f"{os.cpu_count()} CPUs; server cache {args.cache_bytes / 1e9:.1f} GB; {args.streams} stream(s) per load"
     )
     print(
         f"transports reported: {sorted(set(transports))}; segments left in the shm dir: {len(leftovers)}; "
