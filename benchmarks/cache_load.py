@@ -73,6 +73,12 @@ def client_load(target: str, shapes: Any, barrier: Any) -> tuple[float, float, s
     return started, ended, digest(dict(module.named_parameters()))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def status(http_port: int) -> dict[str, Any]:
     return httpx.get(f"http://127.0.0.1:{http_port}/status", timeout=10, trust_env=False).json()
 
@@ -106,6 +112,8 @@ def main() -> None:
         cache_on = ["--cache-bytes", str(int(total * 1.25))]
         times: dict[str, list[float]] = {k: [] for k in ("baseline", "4 on", "4 off", "reload", "4 warm")}
         read: dict[str, list[int]] = {k: [] for k in times}
+        s3_cpu: dict[str, list[float]] = {k: [] for k in times}
+        server_cpu: dict[str, list[float]] = {k: [] for k in times}
         bad = 0
         with (
             s3rver(work) as store,
@@ -119,18 +127,17 @@ def main() -> None:
             for _ in range(args.runs):
                 for key, clients, extra in (("baseline", 1, cache_on), ("4 on", 4, cache_on), ("4 off", 4, [])):
                     http = free_port()
-                    with serve_weightstream(None, 4 * MIB, [*extra, "--http-port", str(http)]) as (_, port):
-                        wall, digests = concurrent_loads(pool, manager, f"127.0.0.1:{port}", shapes, clients)
-                        bad += sum(d != expected for d in digests)
-                        times[key].append(wall)
-                        read[key].append(status(http)["storage_bytes_read_total"])
-                        if key == "baseline":
-                            for again, clients in (("reload", 1), ("4 warm", 4)):
-                                before = status(http)["storage_bytes_read_total"]
-                                wall, digests = concurrent_loads(pool, manager, f"127.0.0.1:{port}", shapes, clients)
-                                bad += sum(d != expected for d in digests)
-                                times[again].append(wall)
-                                read[again].append(status(http)["storage_bytes_read_total"] - before)
+                    with serve_weightstream(None, 4 * MIB, [*extra, "--http-port", str(http)]) as (server, port):
+                        runs = [(key, clients)] + ([("reload", 1), ("4 warm", 4)] if key == "baseline" else [])
+                        for path, count in runs:
+                            before = status(http)["storage_bytes_read_total"]
+                            cpu = (cpu_seconds(store.proc.pid), cpu_seconds(server.pid))
+                            wall, digests = concurrent_loads(pool, manager, f"127.0.0.1:{port}", shapes, count)
+                            s3_cpu[path].append(cpu_seconds(store.proc.pid) - cpu[0])
+                            server_cpu[path].append(cpu_seconds(server.pid) - cpu[1])
+                            bad += sum(d != expected for d in digests)
+                            times[path].append(wall)
+                            read[path].append(status(http)["storage_bytes_read_total"] - before)
 
             # The memory bound: the model loaded twice through a server whose cache is a quarter of
             # it, and through one with no cache (the baseline: read-ahead and messages in flight).
@@ -168,7 +175,8 @@ def main() -> None:
         bytes_read = int(statistics.median(read[key]))
         print(
             f"| {name} | {clients} | {med(key):.2f} | {min(times[key]):.2f}..{max(times[key]):.2f} | "
-            f"{total / med(key) / 1e9:.2f} | {bytes_read:,} | {bytes_read / total:.2f}x |"
+            f"{total / med(key) / 1e9:.2f} | {bytes_read:,} | {bytes_read / total:.2f}x | "
+            f"{statistics.median(s3_cpu[key]):.2f} | {statistics.median(server_cpu[key]):.2f} |"
         )
     print(
         f"4 clients, cold, cache on / one client cold:  {med('4 on') / med('baseline'):.2f}x the time (target <= 1.5)"
