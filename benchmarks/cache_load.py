@@ -160,9 +160,10 @@ def main() -> None:
     print(f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors, 4 shards in s3rver on 127.0.0.1; "
           f"{args.runs} runs of every path, fresh servers each run; clients in their own processes")  # fmt: skip
     print(
-        "| path | clients | median wall s | min..max s | GB/s per client | storage bytes read (median) | vs one copy |"
+        "| path | clients | median wall s | min..max s | GB/s per client | storage bytes read (median) | vs one copy "
+        "| s3rver CPU s | server CPU s |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     names = {
         "baseline": "baseline: one client, cold cache",
         "4 on": "4 clients at once, cold cache (single-flight)",
