@@ -46,7 +46,9 @@ class _Tally:
     sent: int = 0
 
 
-class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
+class Handlers:
+    """What every RPC handler of a server serves from (the gRPC and the shared-memory servicers alike)."""
+
     def __init__(
         self,
         settings: ServerSettings,
@@ -63,6 +65,11 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
         self._readiness = readiness
         self._cache = cache
 
+    def _abort(self, context: grpc.ServicerContext, method: str, model: str, exc: Exception) -> None:
+        abort(context, self._stats, method, model, exc)
+
+
+class WeightStreamServicer(Handlers, pb_grpc.WeightStreamServiceServicer):
     def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
         try:
             return manifest_to_proto(self._catalog.manifest(request.model))
@@ -177,9 +184,6 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
                 seconds,
                 code.name,
             )
-
-    def _abort(self, context: grpc.ServicerContext, method: str, model: str, exc: Exception) -> None:
-        abort(context, self._stats, method, model, exc)
 
 
 def abort(context: grpc.ServicerContext, stats: ServerStats, method: str, model: str, exc: Exception) -> None:

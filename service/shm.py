@@ -47,16 +47,12 @@ from pathlib import Path
 import grpc
 
 from weightstream import wire
-from weightstream.server.cache import UnitCache
-from weightstream.server.catalog import Catalog, Manifest
+from weightstream.server.catalog import Manifest
 from weightstream.server.chunks import ServedChunk, serve_chunks
 from weightstream.server.errors import InvalidRequest, ServerError, SharedMemoryUnavailable, status_code
-from weightstream.server.health import Readiness
 from weightstream.server.plan import ReadPlan, plan_reads
-from weightstream.server.reader import PooledStreamer, StreamerPool
-from weightstream.server.servicer import abort, requested_tensors, start_stream
-from weightstream.server.settings import ServerSettings
-from weightstream.server.stats import ServerStats
+from weightstream.server.reader import PooledStreamer
+from weightstream.server.servicer import Handlers, requested_tensors, start_stream
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -261,24 +257,8 @@ def _read_credits(requests: Iterator[pb.StreamTensorsSharedRequest], credits: _C
         credits.close()
 
 
-class SharedMemoryServicer:
+class SharedMemoryServicer(Handlers):
     """OpenSharedMemory and StreamTensorsShared; the stream reuses StreamTensors' checks, plan and reader."""
-
-    def __init__(
-        self,
-        settings: ServerSettings,
-        catalog: Catalog,
-        pool: StreamerPool,
-        stats: ServerStats,
-        readiness: Readiness,
-        cache: UnitCache | None = None,
-    ) -> None:
-        self._settings = settings
-        self._catalog = catalog
-        self._pool = pool
-        self._stats = stats
-        self._readiness = readiness
-        self._cache = cache
 
     @property
     def max_ring_bytes(self) -> int:
@@ -420,9 +400,6 @@ class SharedMemoryServicer:
                 "server grants a stream (OpenSharedMemoryResponse.max_ring_bytes)"
             )
         return slots, slot_bytes
-
-    def _abort(self, context: grpc.ServicerContext, method: str, model: str, exc: Exception) -> None:
-        abort(context, self._stats, method, model, exc)
 
 
 class _ClientGone(Exception):
