@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 SEGMENT_PREFIX = wire.SHM_SEGMENT_PREFIX
 SEGMENT_MODE = 0o640
 DEFAULT_SLOTS = 4
-CHUNKS_PER_SLOT = 2
+CHUNKS_PER_SLOT = 4
 MIN_SLOTS = 2
 MAX_SLOTS = 4096
 # Chunks packed into one slot start on this boundary, so that every copy starts aligned.
