@@ -284,7 +284,7 @@ def _batch(
         yield b"".join(pending), pending_payload
 
 
-def _parsing(
+def parsing(
     message_type: type[Message], method: Callable[[Any, grpc.ServicerContext], Any]
 ) -> Callable[[bytes, grpc.ServicerContext], Any]:
     """method on the request's raw bytes, parsed here: gRPC's own deserializer would end bad bytes INTERNAL."""
@@ -293,34 +293,51 @@ def _parsing(
         try:
             request = message_type.FromString(raw)
         except DecodeError as exc:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {message_type.DESCRIPTOR.full_name}: {exc}"
-            )
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _not_valid(message_type, exc))
         return method(request, context)
 
     return handler
 
 
+def parsing_stream(
+    message_type: type[Message], method: Callable[[Iterator[Any], grpc.ServicerContext], Any]
+) -> Callable[[Iterator[bytes], grpc.ServicerContext], Any]:
+    """parsing for a client stream: each message is parsed as it is read; a bad one raises InvalidRequest."""
+
+    def messages(raw: Iterator[bytes]) -> Iterator[Any]:
+        for item in raw:
+            try:
+                yield message_type.FromString(item)
+            except DecodeError as exc:
+                raise InvalidRequest(_not_valid(message_type, exc)) from None
+
+    return lambda raw, context: method(messages(raw), context)
+
+
+def _not_valid(message_type: type[Message], exc: DecodeError) -> str:
+    return f"request is not a valid {message_type.DESCRIPTOR.full_name}: {exc}"
+
+
 def add_to_server(servicer: WeightStreamServicer, server: grpc.Server) -> None:
-    """Register servicer; requests are parsed by _parsing, and StreamTensors yields serialized messages."""
+    """Register servicer; requests are parsed by parsing(), and StreamTensors yields serialized messages."""
     handlers = {
         "GetManifest": grpc.unary_unary_rpc_method_handler(
-            _parsing(pb.GetManifestRequest, servicer.GetManifest),
+            parsing(pb.GetManifestRequest, servicer.GetManifest),
             request_deserializer=None,
             response_serializer=pb.GetManifestResponse.SerializeToString,
         ),
         "StreamTensors": grpc.unary_stream_rpc_method_handler(
-            _parsing(pb.StreamTensorsRequest, servicer.StreamTensors),
+            parsing(pb.StreamTensorsRequest, servicer.StreamTensors),
             request_deserializer=None,
             response_serializer=None,
         ),
         "ListModelFiles": grpc.unary_unary_rpc_method_handler(
-            _parsing(pb.ListModelFilesRequest, servicer.ListModelFiles),
+            parsing(pb.ListModelFilesRequest, servicer.ListModelFiles),
             request_deserializer=None,
             response_serializer=pb.ListModelFilesResponse.SerializeToString,
         ),
         "ReadModelFile": grpc.unary_stream_rpc_method_handler(
-            _parsing(pb.ReadModelFileRequest, servicer.ReadModelFile),
+            parsing(pb.ReadModelFileRequest, servicer.ReadModelFile),
             request_deserializer=None,
             response_serializer=pb.ReadModelFileResponse.SerializeToString,
         ),

@@ -52,7 +52,7 @@ from weightstream.server.chunks import ServedChunk, serve_chunks
 from weightstream.server.errors import InvalidRequest, ServerError, SharedMemoryUnavailable, status_code
 from weightstream.server.plan import ReadPlan, plan_reads
 from weightstream.server.reader import PooledStreamer
-from weightstream.server.servicer import Handlers, requested_tensors, start_stream
+from weightstream.server.servicer import Handlers, parsing, parsing_stream, requested_tensors, start_stream
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -295,10 +295,10 @@ class SharedMemoryServicer(Handlers):
         credits: _Credits | None = None
         self._stats.stream_started()
         try:
-            directory = self._directory()
             first = next(requests, None)
             if first is None or not first.HasField("request"):
                 raise InvalidRequest("the first StreamTensorsSharedRequest must carry the request")
+            directory = self._directory()
             request = first.request
             model_id = request.model
             manifest, chunk_bytes = start_stream(request, self._catalog, self._readiness, self._settings.chunk_bytes)
@@ -490,13 +490,13 @@ def add_to_server(servicer: SharedMemoryServicer, server: grpc.Server) -> None:
     """Register the two shared-memory methods (a second generic handler for WeightStreamService)."""
     handlers = {
         "OpenSharedMemory": grpc.unary_unary_rpc_method_handler(
-            servicer.OpenSharedMemory,
-            request_deserializer=pb.OpenSharedMemoryRequest.FromString,
+            parsing(pb.OpenSharedMemoryRequest, servicer.OpenSharedMemory),
+            request_deserializer=None,
             response_serializer=pb.OpenSharedMemoryResponse.SerializeToString,
         ),
         "StreamTensorsShared": grpc.stream_stream_rpc_method_handler(
-            servicer.StreamTensorsShared,
-            request_deserializer=pb.StreamTensorsSharedRequest.FromString,
+            parsing_stream(pb.StreamTensorsSharedRequest, servicer.StreamTensorsShared),
+            request_deserializer=None,
             response_serializer=pb.StreamTensorsSharedResponse.SerializeToString,
         ),
     }

@@ -468,7 +468,10 @@ def test_the_most_ranges_allowed_are_served_exactly(
 MALFORMED_PROTOBUF = [b"\xff\xff\xff\xff", b"\x0a\x02\xc3\x28", b"\x0a\x05abc", b"\x12\x80\x80\x80\x80\x10"]
 
 
-@pytest.mark.parametrize("method", ["GetManifest", "StreamTensors", "ListModelFiles", "ReadModelFile"])
+@pytest.mark.parametrize(
+    "method",
+    ["GetManifest", "StreamTensors", "ListModelFiles", "ReadModelFile", "OpenSharedMemory", "StreamTensorsShared"],
+)
 def test_malformed_protobuf_is_invalid_argument(channel: grpc.Channel, method: str) -> None:
     call = channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
     for raw in MALFORMED_PROTOBUF:
