@@ -31,6 +31,7 @@ MIB = 1 << 20
 # Per stream, the server holds its read-ahead plus what gRPC has queued for the socket: about one
 # message being framed and the HTTP/2 flow-control window (a few MiB). Bounds below allow that.
 GRPC_SLACK = 48 * MIB
+ARENA_SLACK = 64 * MIB
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,9 @@ def test_a_slow_client_does_not_make_the_server_buffer(load_root: Path, tmp_path
         peak = max(samples)
     total = sum(p.stat().st_size for p in (load_root / MODEL).glob("*.safetensors"))
     growth = peak - idle_rss
-    bound = (fast + 1) * (read_ahead + GRPC_SLACK)
+    # Freed message buffers stay resident in the malloc arena of whichever gRPC thread used them
+    # (weightstream.allocator keeps them): a fast client's new streams may land on other threads.
+    bound = (fast + 1) * (read_ahead + GRPC_SLACK) + ARENA_SLACK
     slow_rate = slow_received[0] / phase_s / 1e6
     record(
         "load",
