@@ -164,12 +164,17 @@ def _process(
             )
         yield proc, found[0]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
+    """SIGTERM proc and wait for it (a server drains); SIGKILL it after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def serve_weightstream(

@@ -49,9 +49,6 @@ class Gather:
     first: int
     width: int
 
-    def output_bytes(self, read_bytes: int) -> int:
-        return read_bytes // self.row_bytes * self.width
-
 
 @dataclass(frozen=True)
 class ChunkPlace:
@@ -88,10 +85,6 @@ class ReadPlan:
     num_reads: int
     # Largest payload of one sent chunk; every read unit is a whole number of these but its last.
     chunk_bytes: int
-
-    @property
-    def read_bytes(self) -> int:
-        return sum(sum(fp.sizes) for fp in self.files)
 
 
 Requested = tuple[str, Sequence[tuple[int, int]], SliceRequest | None]

@@ -39,11 +39,14 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Tally:
-    """The bytes of one stream: read from storage, and handed to gRPC to send."""
+class Tally:
+    """The bytes of one stream: read from storage, and handed to the transport to send."""
 
     read: int = 0
     sent: int = 0
+
+    def count_read(self, nbytes: int) -> None:
+        self.read += nbytes
 
 
 class Handlers:
@@ -68,6 +71,32 @@ class Handlers:
     def _abort(self, context: grpc.ServicerContext, method: str, model: str, exc: Exception) -> None:
         abort(context, self._stats, method, model, exc)
 
+    def _stream_ended(
+        self,
+        kind: str,
+        model_id: str,
+        model: str | None,
+        peer: str,
+        tensors: int,
+        tally: Tally,
+        started: float,
+        code: grpc.StatusCode,
+    ) -> None:
+        """Count a tensor stream that ended, however it ended, and log it in one line."""
+        seconds = time.monotonic() - started
+        self._stats.stream_ended(model, sent=tally.sent, read=tally.read, seconds=seconds)
+        logger.info(
+            "%s end: model=%r peer=%s tensors=%d bytes=%d seconds=%.3f gbps=%.2f code=%s",
+            kind,
+            model_id,
+            peer,
+            tensors,
+            tally.sent,
+            seconds,
+            tally.sent / seconds / 1e9 if seconds else 0.0,
+            code.name,
+        )
+
 
 class WeightStreamServicer(Handlers, pb_grpc.WeightStreamServiceServicer):
     def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
@@ -85,7 +114,7 @@ class WeightStreamServicer(Handlers, pb_grpc.WeightStreamServiceServicer):
         started = time.monotonic()
         # Asked now: once a call is cancelled, context.peer() is empty.
         peer = context.peer()
-        tally = _Tally()
+        tally = Tally()
         model: str | None = None
         tensors = 0
         code = grpc.StatusCode.OK
@@ -118,18 +147,7 @@ class WeightStreamServicer(Handlers, pb_grpc.WeightStreamServiceServicer):
             code = status_code(exc)
             self._abort(context, "StreamTensors", request.model, exc)
         finally:
-            seconds = time.monotonic() - started
-            self._stats.stream_ended(model, sent=tally.sent, read=tally.read, seconds=seconds)
-            logger.info(
-                "stream end: model=%r peer=%s tensors=%d bytes=%d seconds=%.3f gbps=%.2f code=%s",
-                request.model,
-                peer,
-                tensors,
-                tally.sent,
-                seconds,
-                tally.sent / seconds / 1e9 if seconds else 0.0,
-                code.name,
-            )
+            self._stream_ended("stream", request.model, model, peer, tensors, tally, started, code)
 
     def ListModelFiles(
         self, request: pb.ListModelFilesRequest, context: grpc.ServicerContext
@@ -249,7 +267,7 @@ def _batch(
     streamer: PooledStreamer,
     read_ahead_bytes: int,
     chunk_bytes: int,
-    tally: _Tally,
+    tally: Tally,
     cache: UnitCache | None,
 ) -> Iterator[tuple[bytes, int]]:
     """Pack the chunks served into (serialized StreamTensorsResponse, payload bytes) of about chunk_bytes each.
@@ -263,10 +281,7 @@ def _batch(
     pending_bytes = 0
     pending_payload = 0
 
-    def count_read(nbytes: int) -> None:
-        tally.read += nbytes
-
-    for chunk in serve_chunks(manifest, plan, streamer, read_ahead_bytes, cache, count_read):
+    for chunk in serve_chunks(manifest, plan, streamer, read_ahead_bytes, cache, tally.count_read):
         place = chunk.place
         length = place.length
         # The ring slot is reused once the next chunk is taken, so the chunk is framed (copied) now.
@@ -342,6 +357,11 @@ def add_to_server(servicer: WeightStreamServicer, server: grpc.Server) -> None:
             response_serializer=pb.ReadModelFileResponse.SerializeToString,
         ),
     }
+    register(server, handlers)
+
+
+def register(server: grpc.Server, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+    """Add handlers for methods of WeightStreamService; several such groups may be added to one server."""
     service = pb.DESCRIPTOR.services_by_name["WeightStreamService"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 

@@ -41,7 +41,6 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -52,7 +51,15 @@ from weightstream.server.chunks import ServedChunk, serve_chunks
 from weightstream.server.errors import InvalidRequest, ServerError, SharedMemoryUnavailable, status_code
 from weightstream.server.plan import ReadPlan, plan_reads
 from weightstream.server.reader import PooledStreamer
-from weightstream.server.servicer import Handlers, parsing, parsing_stream, requested_tensors, start_stream
+from weightstream.server.servicer import (
+    Handlers,
+    Tally,
+    parsing,
+    parsing_stream,
+    register,
+    requested_tensors,
+    start_stream,
+)
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -73,12 +80,6 @@ _SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(\d+)-[0-9a-f]{16}")
 # Clients write nonce files under this prefix (client/shm.py) and remove them within a call.
 _NONCE_NAME = re.compile(re.escape(wire.SHM_NONCE_PREFIX) + r"[0-9a-f]{16}")
 NONCE_MAX_AGE_S = 600.0
-
-
-@dataclass
-class _Tally:
-    read: int = 0
-    sent: int = 0
 
 
 class Segment:
@@ -286,7 +287,7 @@ class SharedMemoryServicer(Handlers):
         """
         started = time.monotonic()
         peer = context.peer()
-        tally = _Tally()
+        tally = Tally()
         model_id = ""
         model: str | None = None
         tensors = 0
@@ -355,28 +356,13 @@ class SharedMemoryServicer(Handlers):
                 credits.close()
             if segment is not None:
                 segment.close()
-            seconds = time.monotonic() - started
-            self._stats.stream_ended(model, sent=tally.sent, read=tally.read, seconds=seconds)
-            logger.info(
-                "shared stream end: model=%r peer=%s tensors=%d bytes=%d seconds=%.3f gbps=%.2f code=%s",
-                model_id,
-                peer,
-                tensors,
-                tally.sent,
-                seconds,
-                tally.sent / seconds / 1e9 if seconds else 0.0,
-                code.name,
-            )
+            self._stream_ended("shared stream", model_id, model, peer, tensors, tally, started, code)
 
     def _chunks(
-        self, streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, tally: _Tally
+        self, streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, tally: Tally
     ) -> Iterator[ServedChunk]:
         """Where the bytes come from, as for StreamTensors: each chunk's data is valid until the next is taken."""
-
-        def count_read(nbytes: int) -> None:
-            tally.read += nbytes
-
-        return serve_chunks(manifest, plan, streamer, self._settings.read_ahead_bytes, self._cache, count_read)
+        return serve_chunks(manifest, plan, streamer, self._settings.read_ahead_bytes, self._cache, tally.count_read)
 
     def _directory(self) -> Path:
         if self._settings.shm_dir is None:
@@ -500,5 +486,4 @@ def add_to_server(servicer: SharedMemoryServicer, server: grpc.Server) -> None:
             response_serializer=pb.StreamTensorsSharedResponse.SerializeToString,
         ),
     }
-    service = pb.DESCRIPTOR.services_by_name["WeightStreamService"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    register(server, handlers)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from weightstream.bench import rss
+from weightstream.bench import rss, stop_process
 
 LOOPBACK = "127.0.0.1"
 READY_TIMEOUT_S = 60.0
@@ -116,12 +116,7 @@ class Supervisor:
             self._stopping = True
             proc = self._proc
         if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+            stop_process(proc)
         if self._thread is not None:
             self._thread.join(timeout=10)
 
