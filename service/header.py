@@ -170,12 +170,12 @@ def _parse_entry(display_name: str, name: object, entry: object, data_start: int
     expected = wire.numel(tuple(shape)) * dtype.itemsize
     if end - begin != expected:
         raise CorruptCheckpoint(
-            f"{display_name}: tensor {name!r}: data_offsets span {end - begin} bytes, "
+            f"{display_name}: tensor {name!r}: data_offsets span {_quote(end - begin)} bytes, "
             f"but shape {_quote(shape)} of {dtype_code} needs {_quote(expected)}"
         )
     if end > data_size:
         raise CorruptCheckpoint(
-            f"{display_name}: truncated or bad offsets: tensor {name!r} ends at byte {end} of the "
+            f"{display_name}: truncated or bad offsets: tensor {name!r} ends at byte {_quote(end)} of the "
             f"data section, which holds {data_size} bytes"
         )
     return HeaderTensor(name, dtype, tuple(shape), data_start + begin, data_start + end)
