@@ -79,6 +79,31 @@ def timed(action: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User plus system CPU seconds of this process (pid None) or of process pid, all threads."""
+    if pid is None:
+        times = os.times()
+        return times.user + times.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds spent by this process and the server during each measured action, per path."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+        self.client: dict[str, list[float]] = {}
+        self.server: dict[str, list[float]] = {}
+
+    def measure(self, path: str, action: Callable[[], float]) -> float:
+        client, server = cpu_seconds(), cpu_seconds(self.server_pid)
+        seconds = action()
+        self.client.setdefault(path, []).append(cpu_seconds() - client)
+        self.server.setdefault(path, []).append(cpu_seconds(self.server_pid) - server)
+        return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (default 1.0)")
@@ -124,7 +149,7 @@ def main() -> None:
             transports: list[str] = []
             try:
                 with (
-                    serve_weightstream(work, CHUNK_BYTES) as (_server, port),
+                    serve_weightstream(work, CHUNK_BYTES) as (server, port),
                     WeightStreamClient(
                         f"127.0.0.1:{port}", progress=False, transport="shm", shm_dir=shm_dir, streams=args.streams
                     ) as shm,
@@ -135,14 +160,20 @@ def main() -> None:
                     # Warm the page cache, the server's streamer and both channels.
                     shm.load_into(module, MODEL)
                     grpc_client.load_into(module, MODEL)
+                    meter = CpuMeter(server.pid)
+
+                    def load(client: WeightStreamClient) -> float:
+                        report = client.load_into(module, MODEL)
+                        transports.append(report.transport)
+                        return report.seconds
+
                     for _ in range(args.runs):
-                        results["bare /dev/shm mmap read"].append(timed(lambda: bare_read(source, params, order)))
-                        report = shm.load_into(module, MODEL)
-                        results["weightstream shm"].append(report.seconds)
-                        transports.append(report.transport)
-                        report = grpc_client.load_into(module, MODEL)
-                        results["weightstream grpc"].append(report.seconds)
-                        transports.append(report.transport)
+                        for path, action in (
+                            ("bare /dev/shm mmap read", lambda: timed(lambda: bare_read(source, params, order))),
+                            ("weightstream shm", lambda: load(shm)),
+                            ("weightstream grpc", lambda: load(grpc_client)),
+                        ):
+                            results[path].append(meter.measure(path, action))
                     leftovers = sorted(os.listdir(shm_dir))
                     for p in params.values():
                         p.view(torch.uint8).random_()
@@ -164,11 +195,16 @@ def main() -> None:
         f"shm load bit-exact: {exact}"
     )
     print()
-    print("| path | median s | median GB/s | min..max GB/s |")
-    print("|---|---|---|---|")
+    print("| path | median s | median GB/s | min..max GB/s | client CPU s/GB | server CPU s/GB |")
+    print("|---|---|---|---|---|---|")
     for name, times in results.items():
         rates = sorted(total / t / 1e9 for t in times)
-        print(f"| {name} | {medians[name]:.3f} | {total / medians[name] / 1e9:.2f} | {rates[0]:.2f}..{rates[-1]:.2f} |")
+        client_cpu = statistics.median(meter.client[name]) / (total / 1e9)
+        server_cpu = statistics.median(meter.server[name]) / (total / 1e9)
+        print(
+            f"| {name} | {medians[name]:.3f} | {total / medians[name] / 1e9:.2f} | {rates[0]:.2f}..{rates[-1]:.2f} "
+            f"| {client_cpu:.3f} | {server_cpu:.3f} |"
+        )
     print()
     shm_rate = total / medians["weightstream shm"]
     grpc_rate = total / medians["weightstream grpc"]

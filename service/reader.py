@@ -1,4 +1,5 @@
-"""Where tensor bytes are read: Run:ai Model Streamer reads of files and S3 objects, and a pool of streamers.
+"""Where tensor bytes are read: Run:ai Model Streamer reads of files and S3 objects, a pool of streamers,
+and direct reads of local files into memory the caller names (the shared-memory ring's slots).
 
 Concurrency: a FileStreamer is not thread-safe and holds one stream at a time, so each stream
 checks one out of the StreamerPool for its whole life and returns it when done. Streamers are
@@ -15,9 +16,11 @@ only until the next chunk is taken: callers must copy it out before asking for m
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -25,9 +28,10 @@ import torch
 from runai_model_streamer import FileChunks, FileStreamer
 from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
+from weightstream import wire
 from weightstream.server.catalog import Manifest
 from weightstream.server.errors import CorruptCheckpoint, StorageUnavailable, TooManyStreams
-from weightstream.server.plan import ReadPlan
+from weightstream.server.plan import ChunkPlace, ReadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -153,3 +157,99 @@ def read_units(
         raise failure(
             f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_reads} reads"
         )
+
+
+def reads_directly(manifest: Manifest, plan: ReadPlan) -> bool:
+    """Whether read_direct can serve plan: local files only, and no unit that gathers slice rows."""
+    return all(
+        not manifest.files[fp.file_index].path.startswith(_S3_SCHEME) and all(u.gather is None for u in fp.places)
+        for fp in plan.files
+    )
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """One chunk of a local file: into(address) reads its place.length bytes to address (valid until the next)."""
+
+    place: ChunkPlace
+    into: Callable[[int], None]
+
+
+def read_direct(
+    manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int, on_read: Callable[[int], None]
+) -> Iterator[DirectRead]:
+    """Every chunk of plan (see reads_directly), each read by the caller straight into its destination.
+
+    One copy per byte: the kernel's page cache -> the destination (pread). The streamer's path is
+    two on the shared-memory transport (page cache -> the streamer's ring -> the slot), and that
+    second copy, on the stream's one thread, was what bounded it. To keep storage busy the kernel is
+    asked to read read_ahead_bytes ahead of the copies (posix_fadvise WILLNEED), as the streamer's
+    reader threads would. Files are read one after another, each unit's chunks in order. A short
+    read or a file whose size changed is a CorruptCheckpoint, as on the streamer's path.
+    """
+    for file_plan in plan.files:
+        source = manifest.files[file_plan.file_index]
+        try:
+            fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise CorruptCheckpoint(
+                f"model {manifest.model!r}: cannot open {source.name}: {exc.strerror or exc}"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != source.size:
+                raise CorruptCheckpoint(
+                    f"model {manifest.model!r}: {source.name} is {size} bytes, not the {source.size} bytes it had "
+                    "when its header was read; it changed on disk"
+                )
+            advised = 0  # units of this file the kernel was asked to read ahead
+            ahead = 0  # their bytes not yet read
+            for index, (offset, length, unit) in enumerate(
+                zip(file_plan.offsets, file_plan.sizes, file_plan.places, strict=True)
+            ):
+                while advised < len(file_plan.sizes) and (advised <= index or ahead < read_ahead_bytes):
+                    _advise(fd, file_plan.offsets[advised], file_plan.sizes[advised])
+                    ahead += file_plan.sizes[advised]
+                    advised += 1
+                for start, piece in wire.split_range(0, length, plan.chunk_bytes):
+                    place = ChunkPlace(unit.place.tensor, unit.place.offset + start, piece)
+                    reader = _ChunkReader(fd, offset + start, piece, manifest.model, source.name, place.tensor)
+                    yield DirectRead(place, reader.into)
+                ahead -= length
+                on_read(length)
+        finally:
+            os.close(fd)
+
+
+def _advise(fd: int, offset: int, length: int) -> None:
+    with contextlib.suppress(OSError):  # advice only: a file system that ignores it still reads
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+
+
+@dataclass(frozen=True)
+class _ChunkReader:
+    fd: int
+    offset: int
+    length: int
+    model: str
+    file_name: str
+    tensor: str
+
+    def into(self, address: int) -> None:
+        done = 0
+        while done < self.length:
+            # The GIL is released while the kernel copies.
+            buffer = (ctypes.c_char * (self.length - done)).from_address(address + done)
+            try:
+                n = os.preadv(self.fd, [buffer], self.offset + done)
+            except OSError as exc:
+                raise CorruptCheckpoint(
+                    f"model {self.model!r}: reading {self.file_name} at byte {self.offset + done} failed: "
+                    f"{exc.strerror or exc}"
+                ) from None
+            if n == 0:
+                raise CorruptCheckpoint(
+                    f"model {self.model!r}: tensor {self.tensor!r}: read {done} bytes at file offset {self.offset} "
+                    f"of {self.file_name}, expected {self.length}; the file ended early"
+                )
+            done += n

@@ -162,7 +162,9 @@ def _repeated(parts: tuple[bytes, bytes, bytes], count: int) -> bytes:
 @pytest.mark.parametrize("parts", _REPEATS, ids=lambda parts: parts[1].decode().strip(", "))
 @pytest.mark.parametrize("count", [4000, 4295])
 @pytest.mark.parametrize("data_len", [0, 4])
-def test_header_with_long_numbers_gets_a_short_message(parts: tuple[bytes, bytes, bytes], count: int, data_len: int) -> None:
+def test_header_with_long_numbers_gets_a_short_message(
+    parts: tuple[bytes, bytes, bytes], count: int, data_len: int
+) -> None:
     """The cases the random search found first: numbers thousands of digits long stay out of messages."""
     result = parse(with_prefix(_repeated(parts, count), data_len))
     assert isinstance(result, (CorruptCheckpoint, UnsupportedCheckpoint))
