@@ -325,8 +325,9 @@ class SharedMemoryServicer(Handlers):
                     name="weightstream-shm-credits",
                     daemon=True,
                 ).start()
+                direct = self._cache is None and reads_directly(manifest, plan)
                 logger.debug(
-                    "shared stream %r from %s: %d tensors, %d bytes, ring %s (%d x %d bytes)",
+                    "shared stream %r from %s: %d tensors, %d bytes, ring %s (%d x %d bytes), %s",
                     request.model,
                     peer,
                     tensors,
@@ -334,9 +335,10 @@ class SharedMemoryServicer(Handlers):
                     segment.name,
                     slots,
                     slot_bytes,
+                    "read into the slots" if direct else "copied into the slots from the streamer or the cache",
                 )
                 yield pb.StreamTensorsSharedResponse(segment=segment.name, slots=slots, slot_bytes=slot_bytes)
-                writes = self._writes(streamer, manifest, plan, tally)
+                writes = self._writes(direct, streamer, manifest, plan, tally)
                 for message, payload_bytes in fill_slots(writes, segment, credits):
                     yield message
                     tally.sent += payload_bytes
@@ -364,11 +366,11 @@ class SharedMemoryServicer(Handlers):
             self._stream_ended("shared stream", model_id, model, peer, tensors, tally, started, code)
 
     def _writes(
-        self, streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, tally: Tally
+        self, direct: bool, streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, tally: Tally
     ) -> Iterator[SlotWrite]:
-        """How each chunk gets into its slot: read there directly where it can be, else copied from the chunk source."""
+        """How each chunk gets into its slot: read there (direct), or copied from the chunk source of StreamTensors."""
         read_ahead = self._settings.read_ahead_bytes
-        if self._cache is None and reads_directly(manifest, plan):
+        if direct:
             return map(_read_into, read_direct(manifest, plan, read_ahead, tally.count_read))
         return map(_copied, serve_chunks(manifest, plan, streamer, read_ahead, self._cache, tally.count_read))
 

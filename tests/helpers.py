@@ -11,6 +11,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from weightstream.client.sharding import ShardSpec
 from weightstream.demo import save_sharded
 
 DTYPES = [
@@ -114,3 +115,25 @@ def assert_bytes_identical(expected: dict[str, torch.Tensor], got: dict[str, tor
         other = got[name]
         assert other.dtype == tensor.dtype and other.shape == tensor.shape, name
         assert torch.equal(other.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+def expected_piece(full: torch.Tensor, spec: ShardSpec, name: str) -> torch.Tensor:
+    dim = spec.dim_for(name)
+    if dim is None:
+        return full
+    part = full.shape[dim] // spec.world_size
+    return full.narrow(dim, spec.rank * part, part)
+
+
+def skeleton(shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> torch.nn.Module:
+    """A module tree with a zeroed parameter of each given name and shape (a rank's empty model)."""
+    root = torch.nn.Module()
+    for name, (shape, dtype) in shapes.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
+    return root

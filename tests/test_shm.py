@@ -8,6 +8,7 @@ the crash tests), safetensors files, torch modules, and segment files in a direc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -26,17 +27,24 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers import llama_config, load_folder, write_tiny_llama
+from tests.helpers import expected_piece, llama_config, load_folder, skeleton, write_tiny_llama
 from tests.ops_helpers import eventually, write_model
 from tests.reliability_report import record
 from tests.s3_servers import free_port
 from weightstream.client import WeightStreamClient
 from weightstream.client.errors import FailedPreconditionError
+from weightstream.client.manifest import TensorSlice
 from weightstream.client.retry import RetryPolicy
+from weightstream.client.sharding import ShardSpec
 from weightstream.client.shm import SharedMemoryTransport
 from weightstream.client.transport import StreamCancel
 from weightstream.server import ServerSettings, WeightStreamServer, create_server
 from weightstream.server import shm as server_shm
+from weightstream.server.catalog import Catalog, Manifest
+from weightstream.server.errors import CorruptCheckpoint
+from weightstream.server.plan import plan_reads
+from weightstream.server.reader import read_direct, reads_directly
+from weightstream.server.source import LocalSource
 from weightstream.v1 import weightstream_pb2 as pb
 
 LOOPBACK = "127.0.0.1"
@@ -481,6 +489,72 @@ def test_shm_streams_from_the_cache_are_bit_exact(root: Path, shm_dir: Path) -> 
             assert server.stats.snapshot().storage_bytes_read_total == read_once, "the second load read storage"
     finally:
         server.stop(grace=1.0)
+
+
+READ_INTO_SLOTS = "read into the slots"
+COPIED_INTO_SLOTS = "copied into the slots from the streamer or the cache"
+
+
+def _fill_paths(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """How each shared stream logged since the test began filled its slots."""
+    messages = [r.getMessage() for r in caplog.records if r.name == server_shm.logger.name]
+    return [m.rsplit(", ", 1)[1] for m in messages if m.startswith("shared stream ") and " ring " in m]
+
+
+def test_tensor_parallel_ranks_over_shm_are_bit_exact(
+    shm_server: WeightStreamServer, root: Path, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Row-parallel slices are gathered from the streamer's reads and copied into the slots; plain byte
+    ranges (whole tensors, slices of dimension 0) are read by the kernel straight into the slots."""
+    caplog.set_level(logging.DEBUG, logger=server_shm.logger.name)
+    reference = load_folder(root / "tiny-llama")
+    blocks = load_folder(root / "blocks")
+    first = sorted(blocks)[0]
+    with WeightStreamClient(
+        _target(shm_server), progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK
+    ) as client:
+        for rank in range(2):
+            spec = ShardSpec(rank, 2)
+            pieces = {name: expected_piece(t, spec, name) for name, t in reference.items()}
+            module = skeleton({name: (p.shape, p.dtype) for name, p in pieces.items()})
+            report = client.load_into(module, "tiny-llama", shard=spec)
+            assert report.transport == "shm"
+            for name, parameter in module.named_parameters():
+                assert torch.equal(parameter, pieces[name]), (rank, name)
+        sliced = dict(client.iter_tensors("blocks", slices={first: TensorSlice(0, 1000, 200_000)}))
+    assert torch.equal(sliced[first], blocks[first][1000:200_000])
+    assert _fill_paths(caplog) == [COPIED_INTO_SLOTS, COPIED_INTO_SLOTS, READ_INTO_SLOTS]
+    assert not [name for name in _entries(shm_dir) if name.startswith("weightstream-")]
+
+
+def test_direct_reads_refuse_a_file_that_changed_or_ends_early(tmp_path: Path) -> None:
+    """The direct read checks what the streamer's path checks: a file of another size, a read that comes up short."""
+    write_model(tmp_path, "changing", tensors=4, numel=50_000, seed=3)
+    catalog = Catalog([LocalSource(tmp_path)])
+    manifest = catalog.manifest("changing")
+    plan = plan_reads(manifest, [], CHUNK)
+    assert reads_directly(manifest, plan)
+    (source,) = manifest.files
+    path = Path(source.path)
+    buffer = torch.zeros(CHUNK, dtype=torch.uint8)
+
+    def read_all(m: Manifest) -> int:
+        done = 0
+        for read in read_direct(m, plan, 1 << 20, lambda n: None):
+            read.into(buffer.data_ptr())
+            done += read.place.length
+        return done
+
+    assert read_all(manifest) == plan.total_bytes
+    with path.open("r+b") as f:
+        f.truncate(source.size - 1000)
+    changed = r"model 'changing': model.safetensors is \d+ bytes, not the \d+ bytes .* changed on disk"
+    with pytest.raises(CorruptCheckpoint, match=changed):
+        read_all(manifest)
+    # The same short file, with the size it has now: the last read ends early.
+    shorter = dataclasses.replace(manifest, files=(dataclasses.replace(source, size=source.size - 1000),))
+    with pytest.raises(CorruptCheckpoint, match=r"read \d+ bytes at file offset \d+ of .*the file ended early"):
+        read_all(shorter)
 
 
 def test_shm_needs_the_token_like_every_rpc(root: Path, shm_dir: Path, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from tests.helpers import llama_config, load_folder
+from tests.helpers import expected_piece, llama_config, load_folder, skeleton
 from weightstream import framing
 from weightstream.client import WeightStreamClient
 from weightstream.client.manifest import TensorSlice
@@ -19,28 +19,6 @@ from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
 MODEL = "tiny-llama"
-
-
-def expected_piece(full: torch.Tensor, spec: ShardSpec, name: str) -> torch.Tensor:
-    dim = spec.dim_for(name)
-    if dim is None:
-        return full
-    part = full.shape[dim] // spec.world_size
-    return full.narrow(dim, spec.rank * part, part)
-
-
-def skeleton(shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> torch.nn.Module:
-    """A module tree with a zeroed parameter of each given name and shape (a rank's empty model)."""
-    root = torch.nn.Module()
-    for name, (shape, dtype) in shapes.items():
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
-    return root
 
 
 def test_llama_rules_follow_vllm() -> None:
