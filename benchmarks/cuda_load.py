@@ -1,9 +1,12 @@
-"""The CUDA path of load_into, measured on a GPU: pinned staging ring, non-blocking copies, events.
+"""The CUDA paths of load_into, measured on a GPU: pinned staging ring, registered shared-memory slots.
 
-Loads a Llama-shaped checkpoint over loopback gRPC straight into a module whose parameters live on
-cuda:0, checks every parameter bit for bit against the checkpoint, and compares the time with
-safetensors.torch.load_file(device="cuda:0") plus load_state_dict, side by side. On a machine
-without CUDA it says so and measures nothing.
+Loads a Llama-shaped checkpoint straight into a module whose parameters live on cuda:0, over
+loopback gRPC (slot-free: message -> pinned staging -> device) and over the shared-memory
+transport twice: with its ring registered with CUDA (slot -> device, one DMA copy) and with
+registration turned off (slot -> pinned staging -> device). Each path's last load goes into
+parameters filled with random bytes first and is checked bit for bit against the checkpoint. The
+baseline, side by side: safetensors.torch.load_file(device="cuda:0") plus load_state_dict. On a
+machine without CUDA it says so and measures nothing.
 
 Usage: python benchmarks/cuda_load.py [--gb 1] [--runs 5]
 """
@@ -11,12 +14,17 @@ Usage: python benchmarks/cuda_load.py [--gb 1] [--runs 5]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+SHM_ROOT = Path("/dev/shm")
 
 
 def main() -> int:
@@ -31,49 +39,93 @@ def main() -> int:
 
     from weightstream.allocator import tune_malloc
     from weightstream.bench import serve_weightstream, write_checkpoint
-    from weightstream.client import WeightStreamClient
+    from weightstream.client import WeightStreamClient, cuda_host
     from weightstream.demo import ParameterTree
 
     tune_malloc()
     device = torch.device("cuda:0")
-    with tempfile.TemporaryDirectory(prefix="weightstream-cuda-") as tmp:
+    registrations = {"registered": 0, "declined": 0}
+    register = cuda_host.register
+
+    def counting_register(address: int, size: int, *, writable: bool) -> bool:
+        done = register(address, size, writable=writable)
+        registrations["registered" if done else "declined"] += 1
+        return done
+
+    @contextlib.contextmanager
+    def registration_off() -> Iterator[None]:
+        cuda_host.register = lambda address, size, *, writable: False  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            cuda_host.register = counting_register  # type: ignore[assignment]
+
+    cuda_host.register = counting_register  # type: ignore[assignment]
+    with (
+        tempfile.TemporaryDirectory(prefix="weightstream-cuda-") as tmp,
+        tempfile.TemporaryDirectory(prefix="weightstream-cuda-", dir=SHM_ROOT) as shm_dir,
+    ):
         root = Path(tmp)
         total, shapes = write_checkpoint(root / "m", args.gb)
         files = sorted(str(p) for p in (root / "m").glob("*.safetensors"))
-        module = ParameterTree(shapes).to(device)
-        times: dict[str, list[float]] = {"weightstream load_into (cuda:0)": [], "safetensors load_file(cuda:0)": []}
-        with serve_weightstream(root, 4 << 20) as (_server, port), WeightStreamClient(f"127.0.0.1:{port}") as client:
-            client.load_into(module, "m")
-            for _ in range(args.runs):
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                client.load_into(module, "m")
-                torch.cuda.synchronize()
-                times["weightstream load_into (cuda:0)"].append(time.perf_counter() - started)
-                started = time.perf_counter()
-                loaded: dict[str, torch.Tensor] = {}
-                for f in files:
-                    loaded.update(load_file(f, device="cuda:0"))
-                module.load_state_dict(loaded)
-                torch.cuda.synchronize()
-                times["safetensors load_file(cuda:0)"].append(time.perf_counter() - started)
-                del loaded
-            client.load_into(module, "m")
         reference: dict[str, torch.Tensor] = {}
         for f in files:
             reference.update(load_file(f))
-        mismatched = [
-            n for n, p in module.named_parameters() if not torch.equal(p.detach().cpu().view(torch.uint8),
-                                                                      reference[n].view(torch.uint8))
-        ]  # fmt: skip
+        module = ParameterTree(shapes).to(device)
+        times: dict[str, list[float]] = {}
+        mismatched: dict[str, int] = {}
+
+        def safetensors_load() -> None:
+            loaded: dict[str, torch.Tensor] = {}
+            for f in files:
+                loaded.update(load_file(f, device="cuda:0"))
+            module.load_state_dict(loaded)
+
+        def measure(name: str, load: Callable[[], object]) -> None:
+            load()  # warm
+            for _ in range(args.runs):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                load()
+                torch.cuda.synchronize()
+                times.setdefault(name, []).append(time.perf_counter() - started)
+            for p in module.parameters():
+                p.data.view(torch.uint8).random_()
+            load()
+            torch.cuda.synchronize()
+            mismatched[name] = sum(
+                not torch.equal(p.detach().cpu().view(torch.uint8), reference[n].view(torch.uint8))
+                for n, p in module.named_parameters()
+            )
+
+        os.environ["WEIGHTSTREAM_SHM_DIR"] = shm_dir
+        with (
+            serve_weightstream(root, 4 << 20) as (_server, port),
+            WeightStreamClient(f"127.0.0.1:{port}", progress=False, transport="grpc") as grpc_client,
+            WeightStreamClient(f"127.0.0.1:{port}", progress=False, transport="shm", shm_dir=shm_dir) as shm,
+        ):
+            measure("safetensors load_file(cuda:0) + load_state_dict", safetensors_load)
+            measure("weightstream load_into over gRPC (pinned staging)", lambda: grpc_client.load_into(module, "m"))
+            measure("weightstream load_into over shm (registered slots)", lambda: shm.load_into(module, "m"))
+            with registration_off():
+                measure("weightstream load_into over shm (pinned staging)", lambda: shm.load_into(module, "m"))
+        leftovers = os.listdir(shm_dir)
+    baseline = statistics.median(times["safetensors load_file(cuda:0) + load_state_dict"])
     print(f"checkpoint: {total / 1e9:.2f} GB bfloat16 on {torch.cuda.get_device_name(device)}; {args.runs} runs")
-    print("| path | median GB/s | min..max GB/s |")
-    print("|---|---|---|")
+    print(f"shm rings registered with CUDA: {registrations['registered']}, declined: {registrations['declined']}")
+    print(f"segments left in the shm dir: {len(leftovers)}")
+    print("| path | median GB/s | min..max GB/s | vs safetensors | tensors differing |")
+    print("|---|---|---|---|---|")
     for name, values in times.items():
         rates = sorted(total / t / 1e9 for t in values)
-        print(f"| {name} | {total / statistics.median(values) / 1e9:.2f} | {rates[0]:.2f}..{rates[-1]:.2f} |")
-    print("verify: " + (f"FAILED, {len(mismatched)} tensors differ" if mismatched else "every parameter bit-identical"))
-    return 1 if mismatched else 0
+        median = statistics.median(values)
+        print(
+            f"| {name} | {total / median / 1e9:.2f} | {rates[0]:.2f}..{rates[-1]:.2f} | {baseline / median:.2f}x "
+            f"| {mismatched[name]} |"
+        )
+    failed = any(mismatched.values()) or leftovers
+    print("verify: " + ("FAILED" if failed else "every path bit-identical, no segment left"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -547,6 +547,8 @@ class WeightStreamClient:
                 batches = transport.stream(request, self._metadata, cancel)
                 try:
                     while True:
+                        # The transport may give the last batch's memory back now (a slot to the server).
+                        placers.settle()
                         if watch is not None:
                             watch.arm()
                         batch = next(batches, None)
@@ -582,7 +584,10 @@ class WeightStreamClient:
                         raise WeightStreamError(f"model {manifest.model!r}: the load was stopped") from exc
                     continue
                 finally:
-                    batches.close()
+                    try:
+                        placers.settle()  # before the transport unmaps what the copies read from
+                    finally:
+                        batches.close()
                     if watch is not None and self._watchdog is not None:
                         self._watchdog.unwatch(watch)
                 break
@@ -715,7 +720,7 @@ class WeightStreamClient:
         if not size:
             return None
         dest = destination(chunk.tensor)
-        placers.for_tensor(dest.buffer).place(dest, chunk.offset, chunk.address, size)
+        placers.for_tensor(dest.buffer).place(dest, chunk.offset, chunk.address, size, chunk.pinned)
         dest.written = True
         return dest, dest.landed.add(chunk.offset, end)
 

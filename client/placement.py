@@ -7,8 +7,10 @@ contiguous staging tensor and copied once more when complete.
 
 CUDA destinations go through a small ring of pinned host buffers: the chunk is copied into a
 pinned buffer, then to the device with a non-blocking copy on a side stream, so the next chunk is
-received while the previous one is in flight. A tensor is handed out only after its copies have
-finished.
+received while the previous one is in flight. A chunk whose memory is already registered with
+CUDA (a shared-memory slot, ChunkRef.pinned) is copied to the device directly, one copy; its
+memory must then stay until settle() has waited for those copies. A tensor is handed out only
+after its copies have finished.
 
 Concurrency: placers and destinations are used by one thread, the one reading the stream.
 """
@@ -58,13 +60,16 @@ class Destination:
 class CpuPlacer:
     """Writes chunks into host memory with one memmove each."""
 
-    def place(self, dest: Destination, offset: int, address: int, length: int) -> None:
+    def place(self, dest: Destination, offset: int, address: int, length: int, pinned: bool = False) -> None:
         """Copy length bytes at address into dest at offset; the caller keeps the source alive."""
         # Bounds were checked by the caller against dest.nbytes; memmove itself checks nothing.
         ctypes.memmove(dest.buffer.data_ptr() + offset, address, length)
 
     def finish(self, dest: Destination) -> None:
         dest.finish()
+
+    def settle(self) -> None:
+        pass  # every copy is done when place() returns
 
     def close(self) -> None:
         pass
@@ -81,9 +86,18 @@ class CudaPlacer:
         self.staging = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
         self.events: list[torch.cuda.Event | None] = [None] * depth
         self.next = 0
+        # Whether copies straight from the caller's (registered) memory were queued since settle().
+        self.direct = False
 
-    def place(self, dest: Destination, offset: int, address: int, length: int) -> None:
-        """Copy length bytes at address into dest at offset, through the pinned ring."""
+    def place(self, dest: Destination, offset: int, address: int, length: int, pinned: bool = False) -> None:
+        """Copy length bytes at address into dest at offset: directly if pinned, else through the pinned ring."""
+        if pinned:
+            # One copy: registered host memory -> device, asynchronous on the side stream.
+            source_bytes = torch.frombuffer((ctypes.c_char * length).from_address(address), dtype=torch.uint8)
+            with torch.cuda.stream(self.stream):
+                dest.buffer[offset : offset + length].copy_(source_bytes, non_blocking=True)
+            self.direct = True
+            return
         source, total = address, length
         size = self.staging[0].numel()
         for start in range(0, total, size):
@@ -109,6 +123,12 @@ class CudaPlacer:
         dest.finish()
         # Later work on the current stream (the caller's) sees the finished bytes.
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def settle(self) -> None:
+        """Wait for the direct copies queued since the last settle(): their source memory may go now."""
+        if self.direct:
+            self.stream.synchronize()
+            self.direct = False
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -136,6 +156,11 @@ class Placers:
                 raise IntegrityError(f"cannot place tensor bytes on device {device}")
             self._by_device[device] = placer
         return placer
+
+    def settle(self) -> None:
+        """Wait until no copy reads the memory of the chunks placed so far (before it is given back)."""
+        for placer in self._by_device.values():
+            placer.settle()
 
     def close(self) -> None:
         for placer in self._by_device.values():

@@ -6,8 +6,10 @@ then streams over gRPC. Each stream() maps the segment the server announces, yie
 each filled slot as one batch, with their addresses inside the mapping, and returns the slot (a
 credit) once the caller asks for the next batch.
 
-Copies per byte on this side: slot -> parameter (one memmove; on CUDA, slot -> pinned staging ->
-device). Memory: the mapping of one ring per stream (slots * slot_bytes), shared with the server.
+Copies per byte on this side: slot -> parameter (one memmove). On CUDA, when the process uses CUDA
+and the device allows it, the ring is registered with CUDA (cuda_host.register) and each chunk is
+one DMA copy from its slot to the device; otherwise slot -> pinned staging -> device. Memory: the
+mapping of one ring per stream (slots * slot_bytes), shared with the server.
 
 Concurrency: as for every transport, one stream per thread, each iterator used by one thread.
 """
@@ -28,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from weightstream import wire
+from weightstream.client import cuda_host
 from weightstream.client.errors import FailedPreconditionError, IntegrityError
 from weightstream.client.transport import ChunkRef, StreamCancel
 from weightstream.v1 import weightstream_pb2 as pb
@@ -181,17 +184,21 @@ def _drain(
 
 
 class _Ring:
-    """The server's segment, mapped read-only (libc mmap: no buffer object, so no copy and no numpy).
+    """The server's segment, mapped (libc mmap: no buffer object, so no copy and no numpy).
 
-    Chunk addresses point into it until close().
+    Mapped read-only, unless the process uses CUDA: then read-write where the file allows it (the
+    same user as the server), which every device can register, and read-only otherwise. This side
+    never writes to it. Chunk addresses point into it until close().
     """
 
-    def __init__(self, address: int, size: int, slots: int, slot_bytes: int, model: str) -> None:
+    def __init__(self, address: int, size: int, slots: int, slot_bytes: int, model: str, registered: bool) -> None:
         self.address = address
         self.size = size
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.model = model
+        # Whether the mapping is registered with CUDA: its chunks are then copied to a device directly.
+        self.registered = registered
 
     @classmethod
     def open(cls, directory: Path, announcement: pb.StreamTensorsSharedResponse, model: str) -> _Ring:
@@ -202,20 +209,31 @@ class _Ring:
                 "not a shared-memory ring"
             )
         size = slots * slot_bytes
+        path = directory / name
+        flags = os.O_NOFOLLOW | os.O_CLOEXEC
+        writable = cuda_host.in_use()
         try:
-            fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                fd = os.open(path, flags | (os.O_RDWR if writable else os.O_RDONLY))
+            except PermissionError:
+                if not writable:
+                    raise
+                writable = False  # another user's file, readable through the group
+                fd = os.open(path, flags | os.O_RDONLY)
         except OSError as exc:
             raise IntegrityError(f"model {model!r}: cannot open segment {name!r} in {directory}: {exc}") from exc
         try:
             if os.fstat(fd).st_size < size:
                 raise IntegrityError(f"model {model!r}: segment {name!r} is smaller than its {size} bytes")
-            address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_POPULATE, fd, 0)
+            protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            address = _libc.mmap(None, size, protection, mmap.MAP_SHARED | _MAP_POPULATE, fd, 0)
         finally:
             os.close(fd)
         if address is None or address == _MAP_FAILED:
             err = ctypes.get_errno()
             raise IntegrityError(f"model {model!r}: cannot map segment {name!r}: {os.strerror(err)}")
-        return cls(address, size, slots, slot_bytes, model)
+        registered = cuda_host.register(address, size, writable=writable)
+        return cls(address, size, slots, slot_bytes, model, registered)
 
     def ref(self, chunk: pb.TensorChunk) -> ChunkRef:
         """Where chunk's bytes lie in the mapping; a chunk outside its slot is an IntegrityError."""
@@ -226,10 +244,14 @@ class _Ring:
                 f"{chunk.length} bytes; {self.slots} slots of {self.slot_bytes} bytes)"
             )
         address = self.address + chunk.slot * self.slot_bytes + chunk.slot_offset
-        return ChunkRef(chunk.tensor, chunk.offset, chunk.crc32c, chunk.length, address, chunk.length)
+        return ChunkRef(chunk.tensor, chunk.offset, chunk.crc32c, chunk.length, address, chunk.length, self.registered)
 
     def close(self) -> None:
+        """Unregister and unmap; the caller has waited for copies from the ring (Placers.settle)."""
         if self.address:
+            if self.registered:
+                cuda_host.unregister(self.address)
+                self.registered = False
             _libc.munmap(self.address, self.size)
             self.address = 0
 

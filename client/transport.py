@@ -45,6 +45,10 @@ class ChunkRef:
     address: int
     # Bytes that actually arrived (for gRPC, the payload's size); must equal length.
     received: int
+    # Whether address lies in host memory registered with CUDA (a shared-memory slot): a CUDA
+    # placer then copies it to the device directly, and the batch's memory must outlive the copy
+    # until Placers.settle().
+    pinned: bool = False
 
 
 class StreamCancel:

@@ -31,7 +31,7 @@ from tests.helpers import expected_piece, llama_config, load_folder, skeleton, w
 from tests.ops_helpers import eventually, write_model
 from tests.reliability_report import record
 from tests.s3_servers import free_port
-from weightstream.client import WeightStreamClient
+from weightstream.client import WeightStreamClient, cuda_host
 from weightstream.client.errors import FailedPreconditionError
 from weightstream.client.manifest import TensorSlice
 from weightstream.client.retry import RetryPolicy
@@ -389,7 +389,7 @@ def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_p
 _SLOW_CLIENT = textwrap.dedent(
     """
     import sys, time
-    from weightstream.client import WeightStreamClient
+    from weightstream.client import WeightStreamClient, cuda_host
     client = WeightStreamClient(sys.argv[1], progress=False, transport="shm", shm_dir=sys.argv[2], chunk_bytes=65536)
     for name, tensor in client.iter_tensors("blocks"):
         print("got", name, flush=True)
@@ -555,6 +555,46 @@ def test_direct_reads_refuse_a_file_that_changed_or_ends_early(tmp_path: Path) -
     shorter = dataclasses.replace(manifest, files=(dataclasses.replace(source, size=source.size - 1000),))
     with pytest.raises(CorruptCheckpoint, match=r"read \d+ bytes at file offset \d+ of .*the file ended early"):
         read_all(shorter)
+
+
+def _segment_mappings() -> list[str]:
+    """The permissions of this process's mappings of shared-memory segments (/proc/self/maps)."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return [line.split()[1] for line in lines if server_shm.SEGMENT_PREFIX in line]
+
+
+@pytest.mark.parametrize("cuda_in_use", [False, True])
+def test_ring_is_mapped_read_only_unless_cuda_may_register_it(
+    shm_server: WeightStreamServer, root: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch, cuda_in_use: bool
+) -> None:
+    """A CPU load maps the ring read-only; a process using CUDA maps it writable (same user) to register it.
+
+    This machine has no GPU: with cuda_in_use the test pretends that the process uses CUDA and that
+    the device declines registration, so the chunks still go through the staging path (here the CPU).
+    """
+    asked: list[bool] = []
+    if cuda_in_use:
+        monkeypatch.setattr(cuda_host, "in_use", lambda: True)
+
+        def declined(address: int, size: int, *, writable: bool) -> bool:
+            asked.append(writable)
+            return False
+
+        monkeypatch.setattr(cuda_host, "register", declined)
+    expected = load_folder(root / "blocks")
+    with WeightStreamClient(
+        _target(shm_server), progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK, streams=1
+    ) as client:
+        tensors = client.iter_tensors("blocks")
+        got = dict([next(tensors)])
+        during = _segment_mappings()
+        got.update(tensors)
+    _assert_same(expected, got)
+    # The server runs in this process too, and maps the segment writable.
+    assert sorted(during) == sorted(["rw-s", "rw-s" if cuda_in_use else "r--s"])
+    assert asked == ([True] if cuda_in_use else [])
+    assert _segment_mappings() == []
+    assert not cuda_host.register(0, 4096, writable=True) or cuda_in_use  # no CUDA here: never registers
 
 
 def test_shm_needs_the_token_like_every_rpc(root: Path, shm_dir: Path, tmp_path: Path) -> None:
