@@ -10,7 +10,7 @@ Every path writes into the same module, whose memory was touched before the firs
 every path once each, so the machine's noise spreads over all of them. Prints medians and spreads
 and the ratios the shared-memory issue targets (shm >= 2.5x gRPC, shm >= 0.5x the bare read).
 
-Usage (from the repository root): python benchmarks/shm_load.py [--gb 1] [--runs 5] [--cache-bytes N]
+Usage (from the repository root): python benchmarks/shm_load.py [--gb 1] [--runs 5] [--cache-bytes N] [--cold]
 The client process and the server tune glibc malloc (weightstream.allocator), as `weightstream bench` does.
 """
 
@@ -59,6 +59,17 @@ def bare_read(source: Path, params: dict[str, torch.Tensor], order: list[str]) -
                 offset += size
         finally:
             del flat
+
+
+def evict(folder: Path) -> None:
+    """Drop folder's files from the page cache (clean pages go without privileges), so the next read is cold."""
+    for path in folder.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def same_bytes(source: Path, params: dict[str, torch.Tensor], order: list[str]) -> bool:
@@ -112,6 +123,11 @@ def main() -> None:
         "--cache-bytes", type=int, default=0, help="the server's --cache-bytes (default 0: every load reads the files)"
     )
     parser.add_argument("--streams", type=int, default=1, help="streams per load on both transports (default 1)")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the checkpoint's files from the page cache (posix_fadvise DONTNEED) before each weightstream load",
+    )
     args = parser.parse_args()
     tune_malloc()
 
@@ -163,6 +179,8 @@ def main() -> None:
                     meter = CpuMeter(server.pid)
 
                     def load(client: WeightStreamClient) -> float:
+                        if args.cold:
+                            evict(work / MODEL)
                         report = client.load_into(module, MODEL)
                         transports.append(report.transport)
                         return report.seconds
@@ -188,7 +206,8 @@ def main() -> None:
     print(
         f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors, 4 shards; chunk {CHUNK_BYTES >> 20} MiB, "
         f"ring {DEFAULT_SLOTS} x {CHUNKS_PER_SLOT * CHUNK_BYTES >> 20} MiB; {args.runs} runs each, medians; "
-        f"{os.cpu_count()} CPUs; server cache {args.cache_bytes / 1e9:.1f} GB; {args.streams} stream(s) per load"
+        f"{os.cpu_count()} CPUs; server cache {args.cache_bytes / 1e9:.1f} GB; {args.streams} stream(s) per load; "
+        f"page cache {'evicted before each load' if args.cold else 'warm'}"
     )
     print(
         f"transports reported: {sorted(set(transports))}; segments left in the shm dir: {len(leftovers)}; "
