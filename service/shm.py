@@ -7,8 +7,8 @@ same chunks as StreamTensors, but their bytes lie in a ring of slots in one segm
 directory, and the gRPC messages carry only (tensor, offset, CRC32C, slot, slot offset).
 
 Copies per byte on this side: where every file is local and no slice gathers rows, one: the
-kernel reads the file straight into the slot (reader.read_direct; the CRC32C is then taken on the
-slot). Otherwise (S3, a cache, gathered slices) two: the read into the streamer's ring or the
+kernel reads the file straight into the slot (reader.DirectReader, on a few threads; the CRC32C is
+then taken on the slot). Otherwise (S3, a cache, gathered slices) two: the read into the streamer's ring or the
 cache, then one memmove into the slot; the chunk source (chunks.serve_chunks, shared with
 StreamTensors) takes the CRC32C of the source bytes, so a fault in the copy or in the ring's
 bookkeeping is caught. The client checks the CRC32C on the slot and copies the slot into its
@@ -32,6 +32,8 @@ the sends measured about 3x slower here (GIL handoffs between the threads), so i
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import errno
@@ -45,17 +47,17 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from weightstream import wire
-from weightstream.server.catalog import Manifest
 from weightstream.server.chunks import ServedChunk, serve_chunks
 from weightstream.server.errors import InvalidRequest, ServerError, SharedMemoryUnavailable, status_code
-from weightstream.server.plan import ChunkPlace, ReadPlan, plan_reads
-from weightstream.server.reader import DirectRead, PooledStreamer, read_direct, reads_directly
+from weightstream.server.plan import ChunkPlace, plan_reads
+from weightstream.server.reader import DirectRead, DirectReader, reads_directly
 from weightstream.server.servicer import (
     Handlers,
     Tally,
@@ -74,6 +76,9 @@ SEGMENT_MODE = 0o640
 DEFAULT_SLOTS = 4
 CHUNKS_PER_SLOT = 4
 MIN_SLOTS = 2
+# Threads of a stream that read local files straight into slots: enough requests in flight for a
+# cold disk (the streamer's path keeps 16), few enough to stay cheap when the page cache is warm.
+READ_THREADS = 8
 MAX_SLOTS = 4096
 # Chunks packed into one slot start on this boundary, so that every copy starts aligned.
 SLOT_ALIGN = 64
@@ -214,11 +219,12 @@ class _Credits:
             self._cond.wait_for(lambda: self._attached or self._closed, timeout)
             return self._attached
 
-    def take(self) -> int | None:
+    def take(self, block: bool = True) -> int | None:
+        """A free slot; None once closed, or (block False) when none is free now."""
         with self._cond:
-            while not self._free and not self._closed:
+            while block and not self._free and not self._closed:
                 self._cond.wait()
-            if self._closed:
+            if self._closed or not self._free:
                 return None
             slot = self._free.pop()
             self._in_flight.add(slot)
@@ -338,10 +344,19 @@ class SharedMemoryServicer(Handlers):
                     "read into the slots" if direct else "copied into the slots from the streamer or the cache",
                 )
                 yield pb.StreamTensorsSharedResponse(segment=segment.name, slots=slots, slot_bytes=slot_bytes)
-                writes = self._writes(direct, streamer, manifest, plan, tally)
-                for message, payload_bytes in fill_slots(writes, segment, credits):
-                    yield message
-                    tally.sent += payload_bytes
+                read_ahead = self._settings.read_ahead_bytes
+                with contextlib.ExitStack() as reads:  # closed (its reads finished) before the segment
+                    if direct:
+                        reader = reads.enter_context(
+                            DirectReader(manifest, plan, read_ahead, tally.count_read, READ_THREADS)
+                        )
+                        writes = map(_read_into, reader.reads())
+                    else:
+                        chunks = serve_chunks(manifest, plan, streamer, read_ahead, self._cache, tally.count_read)
+                        writes = map(_copied, chunks)
+                    for message, payload_bytes in fill_slots(writes, segment, credits):
+                        yield message
+                        tally.sent += payload_bytes
                 # A stream that fits in the ring is done before the client has even opened the
                 # segment; ending now would remove the file under it.
                 if not credits.wait_attached(ATTACH_TIMEOUT_S):
@@ -364,15 +379,6 @@ class SharedMemoryServicer(Handlers):
             if segment is not None:
                 segment.close()
             self._stream_ended("shared stream", model_id, model, peer, tensors, tally, started, code)
-
-    def _writes(
-        self, direct: bool, streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, tally: Tally
-    ) -> Iterator[SlotWrite]:
-        """How each chunk gets into its slot: read there (direct), or copied from the chunk source of StreamTensors."""
-        read_ahead = self._settings.read_ahead_bytes
-        if direct:
-            return map(_read_into, read_direct(manifest, plan, read_ahead, tally.count_read))
-        return map(_copied, serve_chunks(manifest, plan, streamer, read_ahead, self._cache, tally.count_read))
 
     def _directory(self) -> Path:
         if self._settings.shm_dir is None:
@@ -405,10 +411,10 @@ class _ClientGone(Exception):
 @dataclass(frozen=True)
 class SlotWrite:
     """One chunk on its way into a slot: where it belongs, and write(address), which puts its
-    place.length bytes there and returns their CRC32C."""
+    place.length bytes there and gives their CRC32C, at once or as a future of the read under way."""
 
     place: ChunkPlace
-    write: Callable[[int], int]
+    write: Callable[[int], int | Future[int]]
 
 
 def _copied(chunk: ServedChunk) -> SlotWrite:
@@ -424,12 +430,37 @@ def _copied(chunk: ServedChunk) -> SlotWrite:
 
 def _read_into(read: DirectRead) -> SlotWrite:
     """A chunk of a local file, read by the kernel straight into the slot; its CRC32C is taken there."""
+    return SlotWrite(read.place, read.start)
 
-    def write(address: int) -> int:
-        read.into(address)
-        return wire.crc32c_at(address, read.place.length)
 
-    return SlotWrite(read.place, write)
+@dataclass
+class _Filling:
+    """A slot being filled: its chunks' places, slot offsets and CRC32Cs (or futures of them)."""
+
+    slot: int
+    chunks: list[tuple[ChunkPlace, int, int | Future[int]]] = field(default_factory=list)
+    nbytes: int = 0
+
+    def futures(self) -> list[Future[int]]:
+        return [crc for _, _, crc in self.chunks if isinstance(crc, Future)]
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures())
+
+    def message(self) -> tuple[pb.StreamTensorsSharedResponse, int]:
+        """The response announcing the slot (waits for its reads; a failed read raises here)."""
+        chunks = [
+            pb.TensorChunk(
+                tensor=place.tensor,
+                offset=place.offset,
+                crc32c=crc.result() if isinstance(crc, Future) else crc,
+                length=place.length,
+                slot=self.slot,
+                slot_offset=at,
+            )
+            for place, at, crc in self.chunks
+        ]
+        return pb.StreamTensorsSharedResponse(chunks=chunks), self.nbytes
 
 
 def fill_slots(
@@ -437,47 +468,56 @@ def fill_slots(
 ) -> Iterator[tuple[pb.StreamTensorsSharedResponse, int]]:
     """Write chunks into free slots; yield (response naming one slot's chunks, their payload bytes) per slot.
 
-    Small chunks share a slot (each at a SLOT_ALIGN boundary); a slot is announced once it is full
-    or the next chunk does not fit in it, before waiting for a free one, so the client always has every filled
-    slot and the ring cannot deadlock. All chunks of a slot are in one message, and the client
-    returns the slot once it has placed that message.
+    Small chunks share a slot (each at a SLOT_ALIGN boundary); a slot is closed once it is full or
+    the next chunk does not fit in it. All chunks of a slot are in one message, sent once every
+    write into it is done, and the client returns the slot once it has placed that message. Writes
+    may still run when they return (futures): then several slots fill at once, and slots are
+    announced in the order they were filled. Before waiting for a free slot, every closed slot is
+    announced (waiting for its writes), so the client always has every filled slot and the ring
+    cannot deadlock. On the way out, however it ends, no write into the segment is left running.
     """
-    slot: int | None = None
+    closed: collections.deque[_Filling] = collections.deque()
+    current: _Filling | None = None
     used = 0
-    pending: list[pb.TensorChunk] = []
-    pending_bytes = 0
-    for item in writes:
-        place = item.place
-        length = place.length
-        at = _aligned(used)
-        if slot is not None and at + length > segment.slot_bytes:
-            yield pb.StreamTensorsSharedResponse(chunks=pending), pending_bytes
-            slot, pending, pending_bytes = None, [], 0
-        if slot is None:
-            slot = credits.take()
-            if slot is None:
-                if credits.error is not None:
-                    raise credits.error
-                raise _ClientGone()
-            at = 0
-        crc32c = item.write(segment.slot_address(slot) + at)
-        pending.append(
-            pb.TensorChunk(
-                tensor=place.tensor,
-                offset=place.offset,
-                crc32c=crc32c,
-                length=length,
-                slot=slot,
-                slot_offset=at,
-            )
-        )
-        pending_bytes += length
-        used = at + length
-        if _aligned(used) >= segment.slot_bytes:
-            yield pb.StreamTensorsSharedResponse(chunks=pending), pending_bytes
-            slot, pending, pending_bytes = None, [], 0
-    if pending:
-        yield pb.StreamTensorsSharedResponse(chunks=pending), pending_bytes
+    try:
+        for item in writes:
+            length = item.place.length
+            at = _aligned(used)
+            if current is not None and at + length > segment.slot_bytes:
+                closed.append(current)
+                current = None
+            if current is None:
+                while closed and closed[0].done():
+                    yield closed.popleft().message()
+                slot = credits.take(block=False)
+                while slot is None:
+                    if closed:
+                        yield closed.popleft().message()
+                        slot = credits.take(block=False)
+                        continue
+                    slot = credits.take()
+                    if slot is None:
+                        if credits.error is not None:
+                            raise credits.error
+                        raise _ClientGone()
+                current = _Filling(slot)
+                at = 0
+            current.chunks.append((item.place, at, item.write(segment.slot_address(current.slot) + at)))
+            current.nbytes += length
+            used = at + length
+            if _aligned(used) >= segment.slot_bytes:
+                closed.append(current)
+                current = None
+        if current is not None:
+            closed.append(current)
+            current = None
+        while closed:
+            yield closed.popleft().message()
+    finally:
+        running = [f for filling in (*closed, *([current] if current else [])) for f in filling.futures()]
+        for future in running:
+            future.cancel()
+        concurrent.futures.wait(running)
 
 
 def _aligned(offset: int) -> int:

@@ -31,6 +31,7 @@ from tests.helpers import expected_piece, llama_config, load_folder, skeleton, w
 from tests.ops_helpers import eventually, write_model
 from tests.reliability_report import record
 from tests.s3_servers import free_port
+from weightstream import wire
 from weightstream.client import WeightStreamClient, cuda_host
 from weightstream.client.errors import FailedPreconditionError
 from weightstream.client.manifest import TensorSlice
@@ -43,7 +44,7 @@ from weightstream.server import shm as server_shm
 from weightstream.server.catalog import Catalog, Manifest
 from weightstream.server.errors import CorruptCheckpoint
 from weightstream.server.plan import plan_reads
-from weightstream.server.reader import read_direct, reads_directly
+from weightstream.server.reader import DirectReader, reads_directly
 from weightstream.server.source import LocalSource
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -527,25 +528,49 @@ def test_tensor_parallel_ranks_over_shm_are_bit_exact(
     assert not [name for name in _entries(shm_dir) if name.startswith("weightstream-")]
 
 
-def test_direct_reads_refuse_a_file_that_changed_or_ends_early(tmp_path: Path) -> None:
-    """The direct read checks what the streamer's path checks: a file of another size, a read that comes up short."""
-    write_model(tmp_path, "changing", tensors=4, numel=50_000, seed=3)
+def _evict(path: Path) -> None:
+    """Drop path's pages from the page cache (clean pages go without privileges)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path: Path) -> None:
+    """Cached bytes are read on the caller's thread, the rest on the reader's threads; either way the
+    bytes and CRC32Cs are the file's. The checks are the streamer path's: a file of another size, a
+    read that comes up short."""
+    state = write_model(tmp_path, "changing", tensors=4, numel=50_000, seed=3)
     catalog = Catalog([LocalSource(tmp_path)])
     manifest = catalog.manifest("changing")
     plan = plan_reads(manifest, [], CHUNK)
     assert reads_directly(manifest, plan)
     (source,) = manifest.files
     path = Path(source.path)
-    buffer = torch.zeros(CHUNK, dtype=torch.uint8)
+    expected = b"".join(state[name].numpy().tobytes() for name in sorted(state))
+    buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8)
 
-    def read_all(m: Manifest) -> int:
-        done = 0
-        for read in read_direct(m, plan, 1 << 20, lambda n: None):
-            read.into(buffer.data_ptr())
-            done += read.place.length
-        return done
+    def read_all(m: Manifest) -> list[bool]:
+        """Read every chunk into buffer at its place in expected; whether each one went to a thread."""
+        offsets = {name: sum(state[n].numel() * 4 for n in sorted(state)[:i]) for i, name in enumerate(sorted(state))}
+        threaded = []
+        with DirectReader(m, plan, 1 << 20, lambda n: None, threads=2) as reader:
+            for read in reader.reads():
+                address = buffer.data_ptr() + offsets[read.place.tensor] + read.place.offset
+                crc = read.start(address)
+                threaded.append(not isinstance(crc, int))
+                value = crc if isinstance(crc, int) else crc.result()
+                assert value == wire.crc32c_at(address, read.place.length), read.place
+        return threaded
 
-    assert read_all(manifest) == plan.total_bytes
+    assert not any(read_all(manifest)), "the page cache holds the file just written: no read needs a thread"
+    assert bytes(buffer.numpy()) == expected
+    buffer.zero_()
+    _evict(path)
+    assert any(read_all(manifest)), "after eviction, reads wait for storage on the reader's threads"
+    assert bytes(buffer.numpy()) == expected
     with path.open("r+b") as f:
         f.truncate(source.size - 1000)
     changed = r"model 'changing': model.safetensors is \d+ bytes, not the \d+ bytes .* changed on disk"
