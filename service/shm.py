@@ -344,14 +344,12 @@ class SharedMemoryServicer(Handlers):
                     "read into the slots" if direct else "copied into the slots from the streamer or the cache",
                 )
                 yield pb.StreamTensorsSharedResponse(segment=segment.name, slots=slots, slot_bytes=slot_bytes)
-                read_ahead = self._settings.read_ahead_bytes
                 with contextlib.ExitStack() as reads:  # closed (its reads finished) before the segment
                     if direct:
-                        reader = reads.enter_context(
-                            DirectReader(manifest, plan, read_ahead, tally.count_read, READ_THREADS)
-                        )
+                        reader = reads.enter_context(DirectReader(manifest, plan, tally.count_read, READ_THREADS))
                         writes = map(_read_into, reader.reads())
                     else:
+                        read_ahead = self._settings.read_ahead_bytes
                         chunks = serve_chunks(manifest, plan, streamer, read_ahead, self._cache, tally.count_read)
                         writes = map(_copied, chunks)
                     for message, payload_bytes in fill_slots(writes, segment, credits):

@@ -556,7 +556,7 @@ def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path:
         """Read every chunk into buffer at its place in expected; whether each one went to a thread."""
         offsets = {name: sum(state[n].numel() * 4 for n in sorted(state)[:i]) for i, name in enumerate(sorted(state))}
         threaded = []
-        with DirectReader(m, plan, 1 << 20, lambda n: None, threads=2) as reader:
+        with DirectReader(m, plan, lambda n: None, threads=2) as reader:
             for read in reader.reads():
                 address = buffer.data_ptr() + offsets[read.place.tensor] + read.place.offset
                 crc = read.start(address)
