@@ -720,7 +720,7 @@ class WeightStreamClient:
         if not size:
             return None
         dest = destination(chunk.tensor)
-        placers.for_tensor(dest.buffer).place(dest, chunk.offset, chunk.address, size, chunk.pinned)
+        placers.for_tensor(dest.buffer).place(dest, chunk.offset, chunk.address, size, chunk.region)
         dest.written = True
         return dest, dest.landed.add(chunk.offset, end)
 

@@ -1,7 +1,8 @@
 """Registering host memory with CUDA (cudaHostRegister), so that copies from it to a device are DMA.
 
-The shared-memory transport registers each ring it maps when the process uses CUDA: chunks then go
-from the slot straight to the device (one copy), instead of slot -> pinned staging -> device.
+The shared-memory transport hands out each ring it maps as a HostRegion; the first CUDA copy out
+of it registers it (on that copy's device, so that no other device gets a context), and chunks
+then go from the slot straight to the device (one copy), instead of slot -> pinned staging -> device.
 
 The calls go to the CUDA runtime library that torch already loaded in this process, found by its
 path in /proc/self/maps, through ctypes: torch's own binding (torch.cuda.cudart) has no
@@ -57,11 +58,38 @@ def in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+class HostRegion:
+    """Host memory (address, size) that CUDA copies may read from once registered; registered on first use.
+
+    Ownership: whoever mapped the memory; release() before unmapping it. Used from one thread.
+    """
+
+    def __init__(self, address: int, size: int, *, writable: bool) -> None:
+        self.address = address
+        self.size = size
+        self.writable = writable
+        self._registered: bool | None = None  # None: not tried yet
+
+    def pinned(self, device: torch.device) -> bool:
+        """Whether the region is registered with CUDA, registering it now (on device) if not tried yet."""
+        if self._registered is None:
+            with torch.cuda.device(device):
+                self._registered = register(self.address, self.size, writable=self.writable)
+        return self._registered
+
+    def release(self) -> None:
+        """Unregister, if registered; the region must not be the source of a copy still in flight."""
+        if self._registered:
+            unregister(self.address)
+        self._registered = None
+
+
 def register(address: int, size: int, *, writable: bool) -> bool:
     """Register [address, address + size) with CUDA for every device; False (nothing registered) if it cannot be.
 
     writable: whether the memory is mapped writable; read-only memory needs the device's support
-    for cudaHostRegisterReadOnly. The caller must unregister() before unmapping.
+    for cudaHostRegisterReadOnly. The support asked about is the current device's. The caller
+    must unregister() before unmapping.
     """
     if not in_use():
         return False

@@ -8,7 +8,7 @@ contiguous staging tensor and copied once more when complete.
 CUDA destinations go through a small ring of pinned host buffers: the chunk is copied into a
 pinned buffer, then to the device with a non-blocking copy on a side stream, so the next chunk is
 received while the previous one is in flight. A chunk whose memory is already registered with
-CUDA (a shared-memory slot, ChunkRef.pinned) is copied to the device directly, one copy; its
+CUDA (a shared-memory slot, ChunkRef.region) is copied to the device directly, one copy; its
 memory must then stay until settle() has waited for those copies. A tensor is handed out only
 after its copies have finished.
 
@@ -21,6 +21,7 @@ import ctypes
 
 import torch
 
+from weightstream.client.cuda_host import HostRegion
 from weightstream.client.errors import IntegrityError
 from weightstream.client.ranges import RangeSet
 
@@ -60,7 +61,9 @@ class Destination:
 class CpuPlacer:
     """Writes chunks into host memory with one memmove each."""
 
-    def place(self, dest: Destination, offset: int, address: int, length: int, pinned: bool = False) -> None:
+    def place(
+        self, dest: Destination, offset: int, address: int, length: int, region: HostRegion | None = None
+    ) -> None:
         """Copy length bytes at address into dest at offset; the caller keeps the source alive."""
         # Bounds were checked by the caller against dest.nbytes; memmove itself checks nothing.
         ctypes.memmove(dest.buffer.data_ptr() + offset, address, length)
@@ -89,9 +92,12 @@ class CudaPlacer:
         # Whether copies straight from the caller's (registered) memory were queued since settle().
         self.direct = False
 
-    def place(self, dest: Destination, offset: int, address: int, length: int, pinned: bool = False) -> None:
-        """Copy length bytes at address into dest at offset: directly if pinned, else through the pinned ring."""
-        if pinned:
+    def place(
+        self, dest: Destination, offset: int, address: int, length: int, region: HostRegion | None = None
+    ) -> None:
+        """Copy length bytes at address into dest at offset: straight from region if CUDA registered it,
+        else through the pinned ring."""
+        if region is not None and region.pinned(self.device):
             # One copy: registered host memory -> device, asynchronous on the side stream.
             source_bytes = torch.frombuffer((ctypes.c_char * length).from_address(address), dtype=torch.uint8)
             with torch.cuda.stream(self.stream):

@@ -6,9 +6,9 @@ then streams over gRPC. Each stream() maps the segment the server announces, yie
 each filled slot as one batch, with their addresses inside the mapping, and returns the slot (a
 credit) once the caller asks for the next batch.
 
-Copies per byte on this side: slot -> parameter (one memmove). On CUDA, when the process uses CUDA
-and the device allows it, the ring is registered with CUDA (cuda_host.register) and each chunk is
-one DMA copy from its slot to the device; otherwise slot -> pinned staging -> device. Memory: the
+Copies per byte on this side: slot -> parameter (one memmove). On CUDA, when the device allows it,
+the first copy registers the ring with CUDA (cuda_host.HostRegion) and each chunk is one DMA copy
+from its slot to the device; otherwise slot -> pinned staging -> device. Memory: the
 mapping of one ring per stream (slots * slot_bytes), shared with the server.
 
 Concurrency: as for every transport, one stream per thread, each iterator used by one thread.
@@ -191,14 +191,14 @@ class _Ring:
     never writes to it. Chunk addresses point into it until close().
     """
 
-    def __init__(self, address: int, size: int, slots: int, slot_bytes: int, model: str, registered: bool) -> None:
+    def __init__(self, address: int, size: int, slots: int, slot_bytes: int, model: str, writable: bool) -> None:
         self.address = address
         self.size = size
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.model = model
-        # Whether the mapping is registered with CUDA: its chunks are then copied to a device directly.
-        self.registered = registered
+        # The mapping as CUDA copies see it: registered by the first one (cuda_host.HostRegion).
+        self.region = cuda_host.HostRegion(address, size, writable=writable)
 
     @classmethod
     def open(cls, directory: Path, announcement: pb.StreamTensorsSharedResponse, model: str) -> _Ring:
@@ -232,8 +232,7 @@ class _Ring:
         if address is None or address == _MAP_FAILED:
             err = ctypes.get_errno()
             raise IntegrityError(f"model {model!r}: cannot map segment {name!r}: {os.strerror(err)}")
-        registered = cuda_host.register(address, size, writable=writable)
-        return cls(address, size, slots, slot_bytes, model, registered)
+        return cls(address, size, slots, slot_bytes, model, writable)
 
     def ref(self, chunk: pb.TensorChunk) -> ChunkRef:
         """Where chunk's bytes lie in the mapping; a chunk outside its slot is an IntegrityError."""
@@ -244,14 +243,12 @@ class _Ring:
                 f"{chunk.length} bytes; {self.slots} slots of {self.slot_bytes} bytes)"
             )
         address = self.address + chunk.slot * self.slot_bytes + chunk.slot_offset
-        return ChunkRef(chunk.tensor, chunk.offset, chunk.crc32c, chunk.length, address, chunk.length, self.registered)
+        return ChunkRef(chunk.tensor, chunk.offset, chunk.crc32c, chunk.length, address, chunk.length, self.region)
 
     def close(self) -> None:
         """Unregister and unmap; the caller has waited for copies from the ring (Placers.settle)."""
         if self.address:
-            if self.registered:
-                cuda_host.unregister(self.address)
-                self.registered = False
+            self.region.release()
             _libc.munmap(self.address, self.size)
             self.address = 0
 

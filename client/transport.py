@@ -27,6 +27,7 @@ from typing import Protocol
 import grpc
 
 from weightstream import framing
+from weightstream.client.cuda_host import HostRegion
 from weightstream.client.errors import IntegrityError
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -45,10 +46,10 @@ class ChunkRef:
     address: int
     # Bytes that actually arrived (for gRPC, the payload's size); must equal length.
     received: int
-    # Whether address lies in host memory registered with CUDA (a shared-memory slot): a CUDA
-    # placer then copies it to the device directly, and the batch's memory must outlive the copy
-    # until Placers.settle().
-    pinned: bool = False
+    # The host memory address lies in, when CUDA may register it (a shared-memory ring): a CUDA
+    # placer then copies from it to the device directly, and the batch's memory must outlive the
+    # copy until Placers.settle().
+    region: HostRegion | None = None
 
 
 class StreamCancel:
