@@ -170,6 +170,34 @@ def reads_directly(manifest: Manifest, plan: ReadPlan) -> bool:
     )
 
 
+def page_cached(manifest: Manifest, plan: ReadPlan, samples: int = 32) -> bool:
+    """Whether the page cache seems to hold plan's bytes: one page in the middle of each of up to
+    about `samples` read units, spread over the plan, must be readable without waiting for storage.
+
+    False where the kernel cannot tell (no RWF_NOWAIT) or a file cannot be read.
+    """
+    if _NOWAIT is None:
+        return False
+    units = [(fp.file_index, off, size) for fp in plan.files for off, size in zip(fp.offsets, fp.sizes, strict=True)]
+    probe = bytearray(1)
+    fds: dict[int, int] = {}
+    try:
+        for file_index, offset, size in units[:: max(1, len(units) // samples)]:
+            if not size:
+                continue
+            fd = fds.get(file_index)
+            if fd is None:
+                fd = fds[file_index] = os.open(manifest.files[file_index].path, os.O_RDONLY | os.O_CLOEXEC)
+            if os.preadv(fd, [probe], offset + size // 2, _NOWAIT) != 1:
+                return False
+    except OSError:  # BlockingIOError: that page must come from storage
+        return False
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return True
+
+
 @dataclass(frozen=True)
 class DirectRead:
     """One chunk of a local file: start(address) reads its place.length bytes to address and gives
@@ -188,11 +216,11 @@ class DirectReader:
     streamer's ring -> the slot), and the second, on the stream's one thread, was what bounded it.
     What the page cache holds is copied on the caller's thread (preadv2 with RWF_NOWAIT); the rest
     is read on a pool of threads (preadv and the CRC32C release the GIL), so that a cold file is read
-    with several requests in flight, as the streamer's threads would. Measured here, a warm load
-    ran about 1.3x slower when every read went through the threads, and a cold one about 1.5x
-    slower with no threads; asking the kernel to read ahead (posix_fadvise WILLNEED) made cold
-    loads slower, not faster. From a cold page cache the streamer's path stays somewhat faster
-    (about 1.1x here); from a warm one this path is about 1.3x faster. A short read, or a file
+    with several requests in flight. Measured here, a warm load ran about 1.3x slower when every
+    read went through the threads, and a cold one about 1.5x slower with no threads; asking the
+    kernel to read ahead (posix_fadvise WILLNEED) made cold loads slower, not faster. From a warm
+    page cache this path is about 1.3x faster than the streamer's; from a cold one the streamer's
+    is about 1.2x faster, which is why callers check page_cached() first. A short read, or a file
     whose size changed since its header was read, is a CorruptCheckpoint, as on the streamer's path.
 
     Ownership: the files it opens and its threads, until close(), which waits for every read

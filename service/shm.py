@@ -6,14 +6,15 @@ nonce file there, and the server must read back the same bytes. StreamTensorsSha
 same chunks as StreamTensors, but their bytes lie in a ring of slots in one segment file in that
 directory, and the gRPC messages carry only (tensor, offset, CRC32C, slot, slot offset).
 
-Copies per byte on this side: where every file is local and no slice gathers rows, one: the
-kernel reads the file straight into the slot (reader.DirectReader, on a few threads; the CRC32C is
-then taken on the slot). Otherwise (S3, a cache, gathered slices) two: the read into the streamer's ring or the
-cache, then one memmove into the slot; the chunk source (chunks.serve_chunks, shared with
-StreamTensors) takes the CRC32C of the source bytes, so a fault in the copy or in the ring's
-bookkeeping is caught. The client checks the CRC32C on the slot and copies the slot into its
-parameter once. Measured here (benchmarks/shm_load.py), the direct read cut the server's CPU per
-byte by about a third and made the transport about 1.3x faster.
+Copies per byte on this side: where every file is local and in the page cache and no slice gathers
+rows, one: the kernel reads the file straight into the slot (reader.DirectReader; the CRC32C is
+then taken on the slot). Otherwise (S3, a cold page cache, a server cache, gathered slices) two:
+the read into the streamer's ring or the cache, then one memmove into the slot; the chunk source
+(chunks.serve_chunks, shared with StreamTensors) takes the CRC32C of the source bytes, so a fault
+in the copy or in the ring's bookkeeping is caught. The client checks the CRC32C on the slot and
+copies the slot into its parameter once. Measured here (benchmarks/shm_load.py), the direct read
+cut the server's CPU per byte by about a third and made warm loads about 1.3x faster; from a cold
+page cache the streamer's parallel reads were about 1.2x faster, so they keep those loads.
 
 Memory: each stream holds one segment of slots * slot_bytes (at most the server's read-ahead
 setting), whatever the client's speed: a slot is filled again only after the client returned it.
@@ -57,7 +58,7 @@ from weightstream import wire
 from weightstream.server.chunks import ServedChunk, serve_chunks
 from weightstream.server.errors import InvalidRequest, ServerError, SharedMemoryUnavailable, status_code
 from weightstream.server.plan import ChunkPlace, plan_reads
-from weightstream.server.reader import DirectRead, DirectReader, reads_directly
+from weightstream.server.reader import DirectRead, DirectReader, page_cached, reads_directly
 from weightstream.server.servicer import (
     Handlers,
     Tally,
@@ -331,7 +332,9 @@ class SharedMemoryServicer(Handlers):
                     name="weightstream-shm-credits",
                     daemon=True,
                 ).start()
-                direct = self._cache is None and reads_directly(manifest, plan)
+                # Straight into the slots when the bytes are local and in the page cache; from
+                # storage the streamer's reads are faster (reader.DirectReader).
+                direct = self._cache is None and reads_directly(manifest, plan) and page_cached(manifest, plan)
                 logger.debug(
                     "shared stream %r from %s: %d tensors, %d bytes, ring %s (%d x %d bytes), %s",
                     request.model,

@@ -44,7 +44,7 @@ from weightstream.server import shm as server_shm
 from weightstream.server.catalog import Catalog, Manifest
 from weightstream.server.errors import CorruptCheckpoint
 from weightstream.server.plan import plan_reads
-from weightstream.server.reader import DirectReader, reads_directly
+from weightstream.server.reader import DirectReader, page_cached, reads_directly
 from weightstream.server.source import LocalSource
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -565,10 +565,12 @@ def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path:
                 assert value == wire.crc32c_at(address, read.place.length), read.place
         return threaded
 
+    assert page_cached(manifest, plan)
     assert not any(read_all(manifest)), "the page cache holds the file just written: no read needs a thread"
     assert bytes(buffer.numpy()) == expected
     buffer.zero_()
     _evict(path)
+    assert not page_cached(manifest, plan)
     assert any(read_all(manifest)), "after eviction, reads wait for storage on the reader's threads"
     assert bytes(buffer.numpy()) == expected
     with path.open("r+b") as f:
@@ -620,6 +622,28 @@ def test_ring_is_mapped_read_only_unless_cuda_may_register_it(
     assert sorted(during) == sorted(["rw-s", "rw-s" if cuda_in_use else "r--s"])
     assert asked == []
     assert _segment_mappings() == []
+
+
+def test_cold_files_are_read_by_the_streamer_and_copied_into_slots(
+    shm_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """From a cold page cache the streamer's parallel reads serve the slots; once cached, the kernel reads into them."""
+    state = write_model(tmp_path, "cold", tensors=8, numel=100_000, seed=11)
+    settings = ServerSettings(model_root=tmp_path, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir)
+    server = create_server(settings)
+    server.start()
+    caplog.set_level(logging.DEBUG, logger=server_shm.logger.name)
+    try:
+        with WeightStreamClient(
+            _target(server), progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK
+        ) as client:
+            _evict(tmp_path / "cold" / "model.safetensors")
+            _assert_same(state, client.load_state_dict("cold"))
+            (tmp_path / "cold" / "model.safetensors").read_bytes()  # into the page cache
+            _assert_same(state, client.load_state_dict("cold"))
+    finally:
+        server.stop(grace=1.0)
+    assert _fill_paths(caplog) == [COPIED_INTO_SLOTS, READ_INTO_SLOTS]
 
 
 def test_shm_needs_the_token_like_every_rpc(root: Path, shm_dir: Path, tmp_path: Path) -> None:
