@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from weightstream.allocator import tune_malloc
-from weightstream.bench import serve_weightstream, write_checkpoint
+from weightstream.bench import evict_from_page_cache, serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
 from weightstream.client.shm import CHUNKS_PER_SLOT, DEFAULT_SLOTS
 from weightstream.demo import ParameterTree
@@ -59,17 +59,6 @@ def bare_read(source: Path, params: dict[str, torch.Tensor], order: list[str]) -
                 offset += size
         finally:
             del flat
-
-
-def evict(folder: Path) -> None:
-    """Drop folder's files from the page cache (clean pages go without privileges), so the next read is cold."""
-    for path in folder.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def same_bytes(source: Path, params: dict[str, torch.Tensor], order: list[str]) -> bool:
@@ -180,7 +169,8 @@ def main() -> None:
 
                     def load(client: WeightStreamClient) -> float:
                         if args.cold:
-                            evict(work / MODEL)
+                            for shard in (work / MODEL).glob("*.safetensors"):
+                                evict_from_page_cache(shard)
                         report = client.load_into(module, MODEL)
                         transports.append(report.transport)
                         return report.seconds

@@ -104,6 +104,16 @@ def read_shapes(folder: Path) -> tuple[int, Shapes]:
 # Memory measurement (Linux)
 
 
+def evict_from_page_cache(path: Path) -> None:
+    """Drop path's pages from the page cache (clean pages go without privileges), so the next read is cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def peak_rss(pid: int | str = "self") -> int:
     """Peak resident set size of a process in bytes (VmHWM), 0 where /proc does not say."""
     return _status_bytes(pid, "VmHWM:")

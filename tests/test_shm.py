@@ -32,6 +32,7 @@ from tests.ops_helpers import eventually, write_model
 from tests.reliability_report import record
 from tests.s3_servers import free_port
 from weightstream import wire
+from weightstream.bench import evict_from_page_cache
 from weightstream.client import WeightStreamClient, cuda_host
 from weightstream.client.errors import FailedPreconditionError
 from weightstream.client.manifest import TensorSlice
@@ -528,16 +529,6 @@ def test_tensor_parallel_ranks_over_shm_are_bit_exact(
     assert not [name for name in _entries(shm_dir) if name.startswith("weightstream-")]
 
 
-def _evict(path: Path) -> None:
-    """Drop path's pages from the page cache (clean pages go without privileges)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path: Path) -> None:
     """Cached bytes are read on the caller's thread, the rest on the reader's threads; either way the
     bytes and CRC32Cs are the file's. The checks are the streamer path's: a file of another size, a
@@ -569,7 +560,7 @@ def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path:
     assert not any(read_all(manifest)), "the page cache holds the file just written: no read needs a thread"
     assert bytes(buffer.numpy()) == expected
     buffer.zero_()
-    _evict(path)
+    evict_from_page_cache(path)
     assert not page_cached(manifest, plan)
     assert any(read_all(manifest)), "after eviction, reads wait for storage on the reader's threads"
     assert bytes(buffer.numpy()) == expected
@@ -637,7 +628,7 @@ def test_cold_files_are_read_by_the_streamer_and_copied_into_slots(
         with WeightStreamClient(
             _target(server), progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK
         ) as client:
-            _evict(tmp_path / "cold" / "model.safetensors")
+            evict_from_page_cache(tmp_path / "cold" / "model.safetensors")
             _assert_same(state, client.load_state_dict("cold"))
             (tmp_path / "cold" / "model.safetensors").read_bytes()  # into the page cache
             _assert_same(state, client.load_state_dict("cold"))
