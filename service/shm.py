@@ -28,7 +28,8 @@ client attached. Start-up cleanup (remove_stale_segments) deletes segments that 
 
 Threading: each stream runs on its gRPC worker thread (reads, copies, sends) plus one thread of its
 own that reads the client's credits; they meet in _Credits. Filling slots on a thread apart from
-the sends measured about 3x slower here (GIL handoffs between the threads), so it stays on one.
+the sends measured about 3x slower here (GIL handoffs between the threads), so it stays on one;
+only the reads of a direct stream that must wait for storage go to DirectReader's threads.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ SEGMENT_MODE = 0o640
 DEFAULT_SLOTS = 4
 CHUNKS_PER_SLOT = 4
 MIN_SLOTS = 2
-# Threads of a stream that read local files straight into slots: enough requests in flight for a
-# cold disk (the streamer's path keeps 16), few enough to stay cheap when the page cache is warm.
+# Threads of a direct stream for the reads that miss the page cache (a file only partly cached):
+# several requests in flight for the disk.
 READ_THREADS = 8
 MAX_SLOTS = 4096
 # Chunks packed into one slot start on this boundary, so that every copy starts aligned.
