@@ -187,8 +187,8 @@ class _Ring:
     """The server's segment, mapped (libc mmap: no buffer object, so no copy and no numpy).
 
     Mapped read-only, unless the process uses CUDA: then read-write where the file allows it (the
-    same user as the server), which every device can register, and read-only otherwise. This side
-    never writes to it. Chunk addresses point into it until close().
+    same user as the server), because registering read-only memory with CUDA needs a device that
+    supports it; read-only otherwise. This side never writes to it. Chunk addresses point into it until close().
     """
 
     def __init__(self, address: int, size: int, slots: int, slot_bytes: int, model: str, writable: bool) -> None:
