@@ -25,7 +25,6 @@ RUN python3 -m venv /opt/weightstream \
     && /opt/weightstream/bin/pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY core ./core
 COPY client ./client
 COPY service ./service
 # A regular (not editable) install: the runtime stage copies the venv alone, without /src.

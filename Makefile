@@ -39,7 +39,7 @@ vllm-venv:
 	PYTHON=$(PYTHON) VLLM_VENV=$(VLLM_VENV) VLLM_TORCH_SPEC="$(VLLM_TORCH_SPEC)" bash scripts/vllm_venv.sh
 
 typecheck: $(STAMP)
-	$(BIN)/mypy core client service
+	$(BIN)/mypy
 
 proto: $(STAMP)
 	$(BIN)/python scripts/generate_proto.py
@@ -48,7 +48,7 @@ proto: $(STAMP)
 check-proto: $(STAMP)
 	rm -rf build/proto-check
 	$(BIN)/python scripts/generate_proto.py --out build/proto-check
-	for f in build/proto-check/*.py*; do diff -u "core/v1/$$(basename $$f)" "$$f" || exit 1; done
+	for f in build/proto-check/*.py*; do diff -u "client/weightstream/v1/$$(basename $$f)" "$$f" || exit 1; done
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build

@@ -1,4 +1,4 @@
-"""Generate the Python gRPC code for proto/ into core/v1 (or into another folder, for checks)."""
+"""Generate the Python gRPC code for proto/ into client/weightstream/v1 (or into another folder, for checks)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from grpc_tools import protoc
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PACKAGE_DIR = pathlib.PurePosixPath("weightstream/v1")
-DEFAULT_OUT = ROOT / "core" / "v1"
+DEFAULT_OUT = ROOT / "client" / "weightstream" / "v1"
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:

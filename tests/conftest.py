@@ -12,7 +12,7 @@ import torch
 from tests.helpers import write_many_dtypes, write_tiny_llama
 from tests.s3_servers import REGION, S3RVER_KEY, S3Process, s3rver
 from weightstream.client import WeightStreamClient
-from weightstream.server import ServerSettings, WeightStreamServer, create_server
+from weightstream_server import ServerSettings, WeightStreamServer, create_server
 
 # Chaos, load and fuzz tests record figures there; they are printed at the end of the run.
 pytest_plugins = ["tests.reliability_report"]

@@ -22,8 +22,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
-from weightstream.server import ServerSettings, WeightStreamServer, create_server
-from weightstream.server.http import RestServer, create_app, start_http
+from weightstream_server import ServerSettings, WeightStreamServer, create_server
+from weightstream_server.http import RestServer, create_app, start_http
 
 LOOPBACK = "127.0.0.1"
 # Source reachability is cached for about a second (health.PROBE_TTL_S); waits for a change are bounded by this.

@@ -21,7 +21,7 @@ from tests.reliability_report import record
 from weightstream.bench import write_checkpoint
 from weightstream.client import FailedPreconditionError, RetryPolicy, WeightStreamClient
 from weightstream.demo import ParameterTree
-from weightstream.server import WeightStreamServer
+from weightstream_server import WeightStreamServer
 
 MODEL = "chaos-llama"
 GB = 1.0

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from weightstream.client import IntegrityError, WeightStreamClient
 from weightstream.demo import ParameterTree
-from weightstream.server import WeightStreamServer
+from weightstream_server import WeightStreamServer
 
 MODEL = "corruptible"
 PATTERN = 0x5A

@@ -38,9 +38,9 @@ import yaml
 from tests.s3_servers import S3RVER_KEY, S3Process
 from weightstream.cli import SERVE_OPTIONS, build_parser
 from weightstream.demo import llama_like_state_dict
-from weightstream.server import create_server
-from weightstream.server.health import LIVENESS_SERVICE_NAME, SERVICE_NAME
-from weightstream.server.settings import ENV_PREFIX, ServerSettings
+from weightstream_server import create_server
+from weightstream_server.health import LIVENESS_SERVICE_NAME, SERVICE_NAME
+from weightstream_server.settings import ENV_PREFIX, ServerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -68,9 +68,9 @@ def tool(name: str) -> str:
 
 
 def client_env_names() -> set[str]:
-    """WEIGHTSTREAM_* names the client side reads: the *_ENV constants of client/ (read, not imported: vLLM)."""
+    """WEIGHTSTREAM_* names the client side reads: the *_ENV constants of client/weightstream/client/ (read, not imported: vLLM)."""
     names = {CLIENT_SHM_ENV}
-    for path in (ROOT / "client").glob("*.py"):
+    for path in (ROOT / "client" / "weightstream" / "client").rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
                 value = node.value.value

@@ -27,8 +27,8 @@ from weightstream.client import (
     WeightStreamClient,
 )
 from weightstream.client.fetch import partial_path
-from weightstream.server import WeightStreamServer
-from weightstream.server.files import MAX_COMPANION_BYTES
+from weightstream_server import WeightStreamServer
+from weightstream_server.files import MAX_COMPANION_BYTES
 
 MODEL = "fetch-llama"
 S3_MODEL = f"s3://{S3_BUCKET}/fetch/llama"

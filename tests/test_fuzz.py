@@ -33,8 +33,8 @@ from safetensors.torch import save_file
 
 from tests.reliability_report import record
 from weightstream import wire
-from weightstream.server.errors import CorruptCheckpoint, UnsupportedCheckpoint
-from weightstream.server.header import HeaderTensor, read_header
+from weightstream_server.errors import CorruptCheckpoint, UnsupportedCheckpoint
+from weightstream_server.header import HeaderTensor, read_header
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 

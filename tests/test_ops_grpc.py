@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from tests.ops_helpers import Running, eventually, nbytes, running, write_model
 from weightstream import wire
 from weightstream.client import UnavailableError, WeightStreamClient
-from weightstream.server.plan import MAX_REQUESTED_TENSORS
+from weightstream_server.plan import MAX_REQUESTED_TENSORS
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
@@ -113,7 +113,7 @@ def test_too_many_names_is_invalid(channel: grpc.Channel, state: dict[str, torch
 def test_one_log_line_per_stream(
     served: Running, state: dict[str, torch.Tensor], channel: grpc.Channel, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="weightstream.server.servicer")
+    caplog.set_level(logging.INFO, logger="weightstream_server.servicer")
     with WeightStreamClient(served.target, progress=False) as client:
         client.load_state_dict(MODEL)
     _stream_error(channel, pb.StreamTensorsRequest(model="no-such-model"))

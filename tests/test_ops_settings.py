@@ -9,7 +9,7 @@ import pytest
 
 from tests.ops_helpers import make_pki, running, write_model
 from weightstream.cli import build_parser, main
-from weightstream.server import ServerSettings
+from weightstream_server import ServerSettings
 
 
 def test_environment_sets_the_operations_options(tmp_path: Path) -> None:

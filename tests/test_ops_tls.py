@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.ops_helpers import Pki, Running, make_pki, running, write_model
 from weightstream.client import UnauthenticatedError, UnavailableError, WeightStreamClient
-from weightstream.server import ServerSettings
+from weightstream_server import ServerSettings
 
 MODEL = "ops-tls-model"
 # Failed handshakes fail fast; the bound only keeps a broken test from hanging.

@@ -52,11 +52,11 @@ def test_client_and_cli_import_without_server_dependencies(tmp_path: Path) -> No
 
         # The blocker works: the server itself cannot be imported.
         try:
-            import weightstream.server  # noqa: F401
+            import weightstream_server  # noqa: F401
         except ImportError:
             pass
         else:
-            raise SystemExit("weightstream.server imported although its dependencies are blocked")
+            raise SystemExit("weightstream_server imported although its dependencies are blocked")
 
         import weightstream.cli
         import weightstream.client
@@ -79,7 +79,7 @@ def test_client_import_loads_no_server_modules(tmp_path: Path) -> None:
         import sys
         import weightstream.client
         print(",".join(sorted(m for m in sys.modules if m.split(".")[0] in {SERVER_ONLY!r})))
-        print("weightstream.server" in sys.modules)
+        print("weightstream_server" in sys.modules)
     """
     result = run_python(code, tmp_path)
     assert result.returncode == 0, describe(result)
@@ -101,9 +101,9 @@ def test_generated_grpc_code_matches_proto(tmp_path: Path) -> None:
     assert result.returncode == 0, describe(result)
     generated = sorted(p.name for p in out.iterdir())
     assert generated == sorted(GENERATED)
-    committed = ROOT / "core" / "v1"
+    committed = ROOT / "client" / "weightstream" / "v1"
     stale = [name for name in generated if (out / name).read_bytes() != (committed / name).read_bytes()]
-    assert not stale, f"core/v1 is out of date with proto/ (run `make proto`): {stale}"
+    assert not stale, f"client/weightstream/v1 is out of date with proto/ (run `make proto`): {stale}"
 
 
 def test_client_all_is_sorted_and_importable() -> None:

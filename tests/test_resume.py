@@ -14,7 +14,7 @@ from weightstream.client import RetryPolicy, UnavailableError, WeightStreamClien
 from weightstream.client.retry import IDLE, IdleWatchdog, Outage
 from weightstream.client.transport import StreamCancel
 from weightstream.demo import ParameterTree
-from weightstream.server import WeightStreamServer
+from weightstream_server import WeightStreamServer
 
 QUICK = RetryPolicy(attempts=100, initial_backoff=0.05, max_backoff=0.5, total_deadline=60.0, idle_timeout=30.0)
 

@@ -23,7 +23,7 @@ from weightstream.client import (
     PermissionDeniedError,
     WeightStreamClient,
 )
-from weightstream.server import WeightStreamServer
+from weightstream_server import WeightStreamServer
 
 LLAMA = f"s3://{S3_BUCKET}/llama/tiny"
 MANY = f"s3://{S3_BUCKET}/many-dtypes"

@@ -23,7 +23,7 @@ from weightstream.client import (
     UnavailableError,
     WeightStreamClient,
 )
-from weightstream.server import create_server
+from weightstream_server import create_server
 
 BUCKET = "ws-guarded"
 SECRET_MARK = "do-not-leak"

@@ -40,13 +40,13 @@ from weightstream.client.retry import RetryPolicy
 from weightstream.client.sharding import ShardSpec
 from weightstream.client.shm import SharedMemoryTransport
 from weightstream.client.transport import StreamCancel
-from weightstream.server import ServerSettings, WeightStreamServer, create_server
-from weightstream.server import shm as server_shm
-from weightstream.server.catalog import Catalog, Manifest
-from weightstream.server.errors import CorruptCheckpoint
-from weightstream.server.plan import plan_reads
-from weightstream.server.reader import DirectReader, page_cached, reads_directly
-from weightstream.server.source import LocalSource
+from weightstream_server import ServerSettings, WeightStreamServer, create_server
+from weightstream_server import shm as server_shm
+from weightstream_server.catalog import Catalog, Manifest
+from weightstream_server.errors import CorruptCheckpoint
+from weightstream_server.plan import plan_reads
+from weightstream_server.reader import DirectReader, page_cached, reads_directly
+from weightstream_server.source import LocalSource
 from weightstream.v1 import weightstream_pb2 as pb
 
 LOOPBACK = "127.0.0.1"
@@ -353,7 +353,7 @@ def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_p
         f"""
         import os, sys, time
         from pathlib import Path
-        from weightstream.server.shm import Segment
+        from weightstream_server.shm import Segment
         segment = Segment(Path({str(directory)!r}), 2, 4096)
         print(segment.name, flush=True)
         if sys.argv[1] == "die":

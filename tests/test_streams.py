@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from weightstream.client import ResourceExhaustedError, WeightStreamClient
 from weightstream.demo import ParameterTree
-from weightstream.server import ServerSettings, WeightStreamServer, create_server
+from weightstream_server import ServerSettings, WeightStreamServer, create_server
 
 MODEL = "stream-model"
 

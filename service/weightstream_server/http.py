@@ -20,9 +20,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
 from weightstream import __version__
-from weightstream.server import metrics
-from weightstream.server.grpc_server import WeightStreamServer
-from weightstream.server.health import ReadinessReport, SourceState
+from weightstream_server import metrics
+from weightstream_server.grpc_server import WeightStreamServer
+from weightstream_server.health import ReadinessReport, SourceState
 
 logger = logging.getLogger(__name__)
 

@@ -114,7 +114,7 @@ class WeightStreamClient:
 
     target is "host:port", a gRPC name such as "dns:///weightstream-headless:50051" that resolves
     to every replica, or several IP "host:port" addresses (a list, or joined by commas); calls are
-    spread over the replicas (see client/replicas.py).
+    spread over the replicas (see weightstream.client.replicas).
 
     Use it as a context manager, or call close(). The channel is made on first use. One client may
     be used from several threads; each call runs its own stream.
@@ -149,7 +149,7 @@ class WeightStreamClient:
         shm_dir: str | Path | None = None,
     ) -> None:
         self.target = target if isinstance(target, str) else ",".join(target)
-        # Several replicas, or a name resolving to several: see client/replicas.py.
+        # Several replicas, or a name resolving to several: see weightstream.client.replicas.
         self._channel_target = replicas.channel_target(target)
         if token is None:
             token = os.environ.get(TOKEN_ENV)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from weightstream import wire
-from weightstream.server.errors import CorruptCheckpoint, UnsupportedCheckpoint
+from weightstream_server.errors import CorruptCheckpoint, UnsupportedCheckpoint
 
 # Real headers are kilobytes to a few MiB (hundreds of thousands of tensors); a larger one is
 # refused before it is read, so that a hostile file cannot make the server parse gigabytes of JSON.

@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from weightstream.server.settings import ServerSettings
+    from weightstream_server.settings import ServerSettings
 
     given = {field: getattr(args, field) for _flag, field, _k, _t in SERVE_OPTIONS}
     try:
@@ -183,7 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"weightstream serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from weightstream.server.app import serve
+    from weightstream_server.app import serve
 
     try:
         serve(settings)

@@ -15,17 +15,17 @@ from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
 from weightstream import wire
 from weightstream.allocator import tune_malloc
-from weightstream.server import shm
-from weightstream.server.auth import AuthInterceptor, TokenFile
-from weightstream.server.cache import UnitCache
-from weightstream.server.catalog import Catalog
-from weightstream.server.health import HEALTH_SERVICE_NAME, SERVICE_NAME, Readiness, ReadinessHealthServicer
-from weightstream.server.preload import start_preload
-from weightstream.server.reader import StreamerPool
-from weightstream.server.servicer import WeightStreamServicer, add_to_server
-from weightstream.server.settings import ServerSettings
-from weightstream.server.source import LocalSource, Source
-from weightstream.server.stats import ServerStats
+from weightstream_server import shm
+from weightstream_server.auth import AuthInterceptor, TokenFile
+from weightstream_server.cache import UnitCache
+from weightstream_server.catalog import Catalog
+from weightstream_server.health import HEALTH_SERVICE_NAME, SERVICE_NAME, Readiness, ReadinessHealthServicer
+from weightstream_server.preload import start_preload
+from weightstream_server.reader import StreamerPool
+from weightstream_server.servicer import WeightStreamServicer, add_to_server
+from weightstream_server.settings import ServerSettings
+from weightstream_server.source import LocalSource, Source
+from weightstream_server.stats import ServerStats
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def build_sources(settings: ServerSettings) -> list[Source]:
             raise ValueError(f"model root {settings.model_root} is not a readable directory")
         sources.append(local)
     if settings.s3_buckets:
-        from weightstream.server.s3 import S3Source, make_client
+        from weightstream_server.s3 import S3Source, make_client
 
         client, probe_client = make_client(settings), make_client(settings, probe=True)
         sources.extend(S3Source(bucket, client, probe_client) for bucket in settings.s3_buckets)

@@ -2,7 +2,7 @@
 
 serve_chunks is the one source of chunk bytes for every transport (gRPC messages, shared-memory
 slots). Without a cache it reads every unit of the plan with the stream's own streamer. With a
-cache (service/cache.py) it first takes the units other streams have read or are reading, reads
+cache (weightstream_server.cache) it first takes the units other streams have read or are reading, reads
 only the rest, and waits for the units in flight elsewhere once its own reads are done (reading
 its own first means two streams that wait on each other always progress).
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from weightstream import wire
-from weightstream.server.cache import CachedUnit, Claim, UnitCache, UnitKey
-from weightstream.server.catalog import Manifest
-from weightstream.server.plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
-from weightstream.server.reader import PooledStreamer, read_units
+from weightstream_server.cache import CachedUnit, Claim, UnitCache, UnitKey
+from weightstream_server.catalog import Manifest
+from weightstream_server.plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
+from weightstream_server.reader import PooledStreamer, read_units
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import grpc
 
-from weightstream.server.errors import Unauthenticated, status_code
-from weightstream.server.stats import ServerStats
+from weightstream_server.errors import Unauthenticated, status_code
+from weightstream_server.stats import ServerStats
 
 logger = logging.getLogger(__name__)
 

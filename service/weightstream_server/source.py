@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from weightstream.server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, ModelNotFound
+from weightstream_server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, ModelNotFound
 
 INDEX_FILE = "model.safetensors.index.json"
 # The small files served next to a model's weights; every other name in a model folder stays private.

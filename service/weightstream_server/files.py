@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from weightstream import wire
-from weightstream.server.catalog import Catalog
-from weightstream.server.errors import (
+from weightstream_server.catalog import Catalog
+from weightstream_server.errors import (
     AccessDenied,
     CorruptCheckpoint,
     FileNotFound,
@@ -24,7 +24,7 @@ from weightstream.server.errors import (
     RangeOutOfBounds,
     RevisionMismatch,
 )
-from weightstream.server.source import COMPANION_FILES, Source, SourceFile
+from weightstream_server.source import COMPANION_FILES, Source, SourceFile
 
 # Companion files are configs and tokenizers (a few MB at most); a larger one is refused rather
 # than sent, so that an allowed name cannot be used to pull a large private file.

@@ -21,7 +21,7 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from weightstream.server.errors import (
+from weightstream_server.errors import (
     AccessDenied,
     CorruptCheckpoint,
     ModelNotFound,
@@ -29,8 +29,8 @@ from weightstream.server.errors import (
     StorageUnauthenticated,
     StorageUnavailable,
 )
-from weightstream.server.settings import ServerSettings
-from weightstream.server.source import (
+from weightstream_server.settings import ServerSettings
+from weightstream_server.source import (
     COMPANION_FILES,
     INDEX_FILE,
     MAX_INDEX_BYTES,

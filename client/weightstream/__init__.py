@@ -1,6 +1,6 @@
 """weightstream: stream safetensors checkpoints over gRPC straight into a model's parameters.
 
-The client lives in :mod:`weightstream.client`, the server in :mod:`weightstream.server`; this
+The client lives in :mod:`weightstream.client`, the server in :mod:`weightstream_server`; this
 package holds what both share (the wire helpers and the generated gRPC code) and the CLI.
 """
 

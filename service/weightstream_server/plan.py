@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from weightstream import wire
-from weightstream.server.catalog import Manifest, TensorEntry
-from weightstream.server.errors import InvalidRequest, RangeOutOfBounds
+from weightstream_server.catalog import Manifest, TensorEntry
+from weightstream_server.errors import InvalidRequest, RangeOutOfBounds
 
 MAX_REQUESTED_TENSORS = 1_000_000
 MAX_RANGES_PER_TENSOR = 4096

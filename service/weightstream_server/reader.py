@@ -31,10 +31,10 @@ from runai_model_streamer import FileChunks, FileStreamer
 from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
 from weightstream import wire
-from weightstream.server.catalog import Manifest
-from weightstream.server.errors import CorruptCheckpoint, StorageUnavailable, TooManyStreams
-from weightstream.server.plan import ChunkPlace, ReadPlan
-from weightstream.server.source import SourceFile
+from weightstream_server.catalog import Manifest
+from weightstream_server.errors import CorruptCheckpoint, StorageUnavailable, TooManyStreams
+from weightstream_server.plan import ChunkPlace, ReadPlan
+from weightstream_server.source import SourceFile
 
 logger = logging.getLogger(__name__)
 

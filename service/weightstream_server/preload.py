@@ -7,13 +7,13 @@ import threading
 import time
 from collections.abc import Sequence
 
-from weightstream.server.cache import UnitCache
-from weightstream.server.catalog import Catalog
-from weightstream.server.chunks import serve_chunks
-from weightstream.server.health import Readiness
-from weightstream.server.plan import plan_reads
-from weightstream.server.reader import StreamerPool
-from weightstream.server.stats import ServerStats
+from weightstream_server.cache import UnitCache
+from weightstream_server.catalog import Catalog
+from weightstream_server.chunks import serve_chunks
+from weightstream_server.health import Readiness
+from weightstream_server.plan import plan_reads
+from weightstream_server.reader import StreamerPool
+from weightstream_server.stats import ServerStats
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weightstream.server.plan import ChunkPlace
+from weightstream_server.plan import ChunkPlace
 
 UnitKey = tuple[str, int, str, int, int]  # path, file size, file version, offset, length
 

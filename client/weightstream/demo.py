@@ -71,7 +71,7 @@ class ParameterTree(torch.nn.Module):
 
 def run_demo() -> int:
     try:
-        from weightstream.server import ServerSettings, create_server
+        from weightstream_server import ServerSettings, create_server
     except ImportError as exc:
         print(f"weightstream demo needs the server's dependencies (pip install 'weightstream[server]'): {exc}")
         return 2

@@ -15,10 +15,10 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from weightstream import framing, wire
-from weightstream.server.cache import UnitCache
-from weightstream.server.catalog import Catalog, Manifest
-from weightstream.server.chunks import serve_chunks
-from weightstream.server.errors import (
+from weightstream_server.cache import UnitCache
+from weightstream_server.catalog import Catalog, Manifest
+from weightstream_server.chunks import serve_chunks
+from weightstream_server.errors import (
     Draining,
     InvalidRequest,
     RevisionMismatch,
@@ -26,12 +26,12 @@ from weightstream.server.errors import (
     SharedMemoryUnavailable,
     status_code,
 )
-from weightstream.server.files import FileKind, FileListing, list_files, read_file
-from weightstream.server.health import Readiness
-from weightstream.server.plan import MAX_REQUESTED_TENSORS, ReadPlan, Requested, SliceRequest, plan_reads
-from weightstream.server.reader import PooledStreamer, StreamerPool
-from weightstream.server.settings import ServerSettings
-from weightstream.server.stats import ServerStats
+from weightstream_server.files import FileKind, FileListing, list_files, read_file
+from weightstream_server.health import Readiness
+from weightstream_server.plan import MAX_REQUESTED_TENSORS, ReadPlan, Requested, SliceRequest, plan_reads
+from weightstream_server.reader import PooledStreamer, StreamerPool
+from weightstream_server.settings import ServerSettings
+from weightstream_server.stats import ServerStats
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 

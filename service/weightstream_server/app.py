@@ -12,8 +12,8 @@ import os
 import signal
 import threading
 
-from weightstream.server.grpc_server import create_server
-from weightstream.server.settings import ServerSettings
+from weightstream_server.grpc_server import create_server
+from weightstream_server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def serve(settings: ServerSettings) -> None:
     received: list[str] = []
     rest = None
     if settings.http_port:
-        from weightstream.server.http import create_app, start_http
+        from weightstream_server.http import create_app, start_http
 
         rest = start_http(create_app(server), settings.host, settings.http_port)
         logger.info("REST endpoint on http://%s:%d (/healthz, /readyz, /status, /metrics)", settings.host, rest.port)

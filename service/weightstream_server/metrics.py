@@ -14,8 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from weightstream import __version__
-from weightstream.server.cache import CacheSnapshot, UnitCache
-from weightstream.server.stats import DURATION_BUCKETS_S, ServerStats
+from weightstream_server.cache import CacheSnapshot, UnitCache
+from weightstream_server.stats import DURATION_BUCKETS_S, ServerStats
 
 PREFIX = "weightstream_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weightstream.server.grpc_server import WeightStreamServer, create_server
-from weightstream.server.settings import ServerSettings
+from weightstream_server.grpc_server import WeightStreamServer, create_server
+from weightstream_server.settings import ServerSettings
 
 __all__ = ["ServerSettings", "WeightStreamServer", "create_server"]

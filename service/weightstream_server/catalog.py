@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from weightstream import wire
-from weightstream.server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, TensorNotFound
-from weightstream.server.header import read_header
-from weightstream.server.source import INDEX_FILE, S3_SCHEME, ModelFiles, Source, SourceFile, parse_s3_model_id
+from weightstream_server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, TensorNotFound
+from weightstream_server.header import read_header
+from weightstream_server.source import INDEX_FILE, S3_SCHEME, ModelFiles, Source, SourceFile, parse_s3_model_id
 
 
 @dataclass(frozen=True)

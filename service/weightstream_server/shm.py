@@ -56,11 +56,11 @@ from pathlib import Path
 import grpc
 
 from weightstream import wire
-from weightstream.server.chunks import ServedChunk, serve_chunks
-from weightstream.server.errors import InvalidRequest, ServerError, SharedMemoryUnavailable, status_code
-from weightstream.server.plan import ChunkPlace, plan_reads
-from weightstream.server.reader import DirectRead, DirectReader, page_cached, reads_directly
-from weightstream.server.servicer import (
+from weightstream_server.chunks import ServedChunk, serve_chunks
+from weightstream_server.errors import InvalidRequest, ServerError, SharedMemoryUnavailable, status_code
+from weightstream_server.plan import ChunkPlace, plan_reads
+from weightstream_server.reader import DirectRead, DirectReader, page_cached, reads_directly
+from weightstream_server.servicer import (
     Handlers,
     Tally,
     parsing,
@@ -89,7 +89,7 @@ ATTACH_TIMEOUT_S = 60.0
 # A nonce file is a few dozen bytes; anything much larger is not one.
 MAX_NONCE_BYTES = 1024
 _SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(\d+)-[0-9a-f]{16}")
-# Clients write nonce files under this prefix (client/shm.py) and remove them within a call.
+# Clients write nonce files under this prefix (weightstream.client.shm) and remove them within a call.
 _NONCE_NAME = re.compile(re.escape(wire.SHM_NONCE_PREFIX) + r"[0-9a-f]{16}")
 NONCE_MAX_AGE_S = 600.0
 
