@@ -23,10 +23,10 @@ from safetensors.torch import save_file
 from tests.reliability_report import record
 from tests.test_cli import LOOPBACK, free_ports, serve_process, wait_grpc_ready
 from weightstream.bench import peak_rss, reset_peak_rss, rss
-from weightstream_server.header import MAX_HEADER_BYTES, MAX_HEADER_ITEMS
-from weightstream_server.plan import MAX_RANGES_PER_REQUEST, MAX_RANGES_PER_TENSOR, MAX_REQUESTED_TENSORS
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server.header import MAX_HEADER_BYTES, MAX_HEADER_ITEMS
+from weightstream_server.plan import MAX_RANGES_PER_REQUEST, MAX_RANGES_PER_TENSOR, MAX_REQUESTED_TENSORS
 
 GOOD = "hostile-good"
 MANY = "hostile-many"

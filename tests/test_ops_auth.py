@@ -14,9 +14,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from tests.ops_helpers import Running, nbytes, running, write_model
 from weightstream.client import UnauthenticatedError, WeightStreamClient
-from weightstream_server.auth import TokenFile, bearer_token
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server.auth import TokenFile, bearer_token
 
 MODEL = "ops-auth-model"
 FIRST = "first-token-0123456789"

@@ -16,9 +16,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from tests.ops_helpers import Running, eventually, nbytes, running, write_model
 from weightstream import wire
 from weightstream.client import UnavailableError, WeightStreamClient
-from weightstream_server.plan import MAX_REQUESTED_TENSORS
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server.plan import MAX_REQUESTED_TENSORS
 
 MODEL = "ops-grpc-model"
 SERVICE = "weightstream.v1.WeightStreamService"

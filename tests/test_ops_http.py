@@ -18,9 +18,9 @@ import torch
 import weightstream
 from tests.ops_helpers import Running, eventually, nbytes, running, samples, write_model
 from weightstream.client import NotFoundError, ResourceExhaustedError, WeightStreamClient
-from weightstream_server import health
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server import health
 
 MODEL = "ops-http-model"
 TOKEN = "ops-http-token"

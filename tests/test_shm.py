@@ -40,6 +40,7 @@ from weightstream.client.retry import RetryPolicy
 from weightstream.client.sharding import ShardSpec
 from weightstream.client.shm import SharedMemoryTransport
 from weightstream.client.transport import StreamCancel
+from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server import ServerSettings, WeightStreamServer, create_server
 from weightstream_server import shm as server_shm
 from weightstream_server.catalog import Catalog, Manifest
@@ -47,7 +48,6 @@ from weightstream_server.errors import CorruptCheckpoint
 from weightstream_server.plan import plan_reads
 from weightstream_server.reader import DirectReader, page_cached, reads_directly
 from weightstream_server.source import LocalSource
-from weightstream.v1 import weightstream_pb2 as pb
 
 LOOPBACK = "127.0.0.1"
 # Small chunks give small slots (16 slots of 64 KiB), so that every load wraps the ring many times.

@@ -64,6 +64,19 @@ BY_WIRE: dict[int, DType] = {d.wire: d for d in _DTYPES}
 BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in _DTYPES}
 
 
+@dataclass(frozen=True)
+class TensorSlice:
+    """Elements [start, stop) of dimension dim of a tensor, every other dimension whole.
+
+    The one name for a slice on both sides: the client asks for one (weightstream.v1 TensorSlice on
+    the wire), the server plans its reads from it.
+    """
+
+    dim: int
+    start: int
+    stop: int
+
+
 def crc32c(data: bytes) -> int:
     """CRC32C (Castagnoli) of data, as TensorChunk.crc32c carries it."""
     return int(google_crc32c.value(data))

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from weightstream_server.source import Source
 from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server.source import Source
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,8 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from weightstream import framing, wire
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server.cache import UnitCache
 from weightstream_server.catalog import Catalog, Manifest
 from weightstream_server.chunks import serve_chunks
@@ -32,8 +34,6 @@ from weightstream_server.plan import MAX_REQUESTED_TENSORS, ReadPlan, Requested,
 from weightstream_server.reader import PooledStreamer, StreamerPool
 from weightstream_server.settings import ServerSettings
 from weightstream_server.stats import ServerStats
-from weightstream.v1 import weightstream_pb2 as pb
-from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 

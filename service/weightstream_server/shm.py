@@ -56,6 +56,7 @@ from pathlib import Path
 import grpc
 
 from weightstream import wire
+from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.chunks import ServedChunk, serve_chunks
 from weightstream_server.errors import InvalidRequest, ServerError, SharedMemoryUnavailable, status_code
 from weightstream_server.plan import ChunkPlace, plan_reads
@@ -69,7 +70,6 @@ from weightstream_server.servicer import (
     requested_tensors,
     start_stream,
 )
-from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

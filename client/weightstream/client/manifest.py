@@ -10,15 +10,7 @@ import torch
 from weightstream import wire
 from weightstream.client.errors import IntegrityError
 from weightstream.v1 import weightstream_pb2 as pb
-
-
-@dataclass(frozen=True)
-class TensorSlice:
-    """Elements [start, stop) of dimension dim, every other dimension whole."""
-
-    dim: int
-    start: int
-    stop: int
+from weightstream.wire import TensorSlice
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,82 @@
+"""The shared-memory protocol, as both sides see it: file names, ring sizes, and mapping a segment.
+
+A client on the server's host offers a directory both can see. It proves the server sees it with a
+nonce file (NONCE_PREFIX + 16 hex digits, written by the client, read back by the server). Each
+shared stream then gets one segment file (SEGMENT_PREFIX + pid + "-" + 16 hex digits) holding a ring
+of `slots` slots of `slot_bytes` each; chunks packed into a slot start on SLOT_ALIGN boundaries.
+
+Both the server (which creates and fills a segment) and the client (which reads it) import this
+module, so that a name, a default or the slot-size rule is written once, and both map a segment
+the same way (map_segment).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+from weightstream import wire
+
+SEGMENT_PREFIX = "weightstream-seg-"
+NONCE_PREFIX = "weightstream-nonce-"
+# The ring a stream gets when it asks for none: few large slots beat many small ones (fewer
+# messages each way, a smaller segment to allocate per stream); benchmarks/shm_load.py measures it.
+DEFAULT_SLOTS = 4
+CHUNKS_PER_SLOT = 4
+MIN_SLOTS = 2
+MAX_SLOTS = 4096
+# Chunks packed into one slot start on this boundary, so that every copy starts aligned.
+SLOT_ALIGN = 64
+
+
+def default_slot_bytes(chunk_bytes: int) -> int:
+    """The slot size for chunks of chunk_bytes when a stream asks for none: CHUNKS_PER_SLOT chunks, capped."""
+    return min(CHUNKS_PER_SLOT * chunk_bytes, wire.MAX_CHUNK_BYTES)
+
+
+def aligned(offset: int) -> int:
+    """offset rounded up to the next SLOT_ALIGN boundary."""
+    return -(-offset // SLOT_ALIGN) * SLOT_ALIGN
+
+
+class Mapping:
+    """size bytes of a segment file mapped into this process at address (libc mmap: no buffer object).
+
+    Ownership: whoever mapped it; close() unmaps it, after which addresses into it are invalid.
+    close() is idempotent. Not thread-safe: one owner closes it once its users are done.
+    """
+
+    def __init__(self, address: int, size: int, writable: bool) -> None:
+        self.address = address
+        self.size = size
+        self.writable = writable
+
+    def close(self) -> None:
+        if self.address:
+            _libc.munmap(self.address, self.size)
+            self.address = 0
+
+
+def map_segment(fd: int, size: int, *, writable: bool) -> Mapping:
+    """Map the first size bytes of the open segment file fd, shared, every page populated at once.
+
+    The descriptor may be closed afterwards; the mapping stays until Mapping.close(). Raises
+    OSError (with errno) when the kernel refuses.
+    """
+    protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    address = _libc.mmap(None, size, protection, mmap.MAP_SHARED | _MAP_POPULATE, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return Mapping(address, size, writable)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+# Map every page at once: one call instead of a fault per 4 KiB page on first touch.
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
