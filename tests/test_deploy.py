@@ -68,7 +68,7 @@ def tool(name: str) -> str:
 
 
 def client_env_names() -> set[str]:
-    """WEIGHTSTREAM_* names the client side reads: the *_ENV constants of client/weightstream/client/ (read, not imported: vLLM)."""
+    """WEIGHTSTREAM_* names the client reads: the *_ENV constants of weightstream.client (read, not imported)."""
     names = {CLIENT_SHM_ENV}
     for path in (ROOT / "client" / "weightstream" / "client").rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
