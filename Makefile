@@ -10,7 +10,7 @@ VLLM_TORCH_SPEC ?= torch==2.13.0
 # The S3-protocol server the tests start (npm); moto, the other one, comes with the dev extra.
 S3RVER := tests/s3/node_modules/s3rver/bin/s3rver.js
 
-.PHONY: demo test lint typecheck proto check-proto clean vllm-venv
+.PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ $(S3RVER): tests/s3/package.json
 
 test: $(STAMP) $(S3RVER) vllm-venv lint typecheck check-proto check-deploy
 	$(BIN)/python -m pytest
+
+# The one-minute loop: the tests not marked slow (no vLLM, no S3 server, no `weightstream serve`
+# processes, nothing over about a second), after the project's own install only. `make test` runs them all.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -39,7 +39,8 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.s3_servers import REGION, S3RVER_KEY, free_port, s3rver, upload_folder
+from tests.support.ports import free_ports
+from tests.support.s3_stores import REGION, S3RVER_KEY, s3rver, upload_folder
 from weightstream.bench import peak_rss, rss, serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
 from weightstream.demo import ParameterTree
@@ -126,7 +127,7 @@ def main() -> None:
             os.environ["WEIGHTSTREAM_S3_ENDPOINT"] = store.endpoint
             for _ in range(args.runs):
                 for key, clients, extra in (("baseline", 1, cache_on), ("4 on", 4, cache_on), ("4 off", 4, [])):
-                    http = free_port()
+                    (http,) = free_ports(1)
                     with serve_weightstream(None, 4 * MIB, [*extra, "--http-port", str(http)]) as (server, port):
                         runs = [(key, clients)] + ([("reload", 1), ("4 warm", 4)] if key == "baseline" else [])
                         for path, count in runs:
@@ -144,7 +145,7 @@ def main() -> None:
             small = int(total // 4)
             growth: dict[str, int] = {}
             for key, extra in (("no cache", []), ("cache", ["--cache-bytes", str(small)])):
-                http = free_port()
+                (http,) = free_ports(1)
                 with serve_weightstream(None, 4 * MIB, [*extra, "--http-port", str(http)]) as (proc, port):
                     idle = rss(proc.pid)
                     for _ in range(2):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.vllm_helpers import (
+from tests.support.vllm_runs import (
     EngineRun,
     ensure_vllm_venv,
     run_engine,

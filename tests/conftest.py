@@ -1,4 +1,7 @@
-"""Fixtures: a real weightstream server on a loopback port, serving checkpoints written to a temp folder."""
+"""Fixtures: a real weightstream server on a loopback port, serving checkpoints written to a temp folder.
+
+Everything they start comes from tests/support (servers, S3 stores, checkpoints).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +9,18 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
-from tests.helpers import write_many_dtypes, write_tiny_llama
-from tests.s3_servers import REGION, S3RVER_KEY, S3Process, s3rver
+from tests.support.checkpoints import write_many_dtypes, write_tiny_llama
+from tests.support.s3_stores import S3_BUCKET, S3_OTHER_BUCKET, S3RVER_KEY, S3Process, s3_settings, s3rver
+from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient
-from weightstream_server import ServerSettings, WeightStreamServer, create_server
+from weightstream_server import WeightStreamServer
 
 # Chaos, load and fuzz tests record figures there; they are printed at the end of the run.
-pytest_plugins = ["tests.reliability_report"]
+pytest_plugins = ["tests.support.reliability_report"]
 
 
 @pytest.fixture(scope="session")
@@ -26,11 +31,8 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(model_root: Path) -> Iterator[WeightStreamServer]:
-    settings = ServerSettings(model_root=model_root, host="127.0.0.1", grpc_port=0, http_port=0)
-    server = create_server(settings)
-    server.start()
-    yield server
-    server.stop(grace=1.0)
+    with serving(loopback_settings(model_root=model_root)) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -60,10 +62,6 @@ def many_dtypes(model_root: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-S3_BUCKET = "ws-models"
-S3_OTHER_BUCKET = "ws-not-allowed"
-
-
 @pytest.fixture(scope="session")
 def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Process]:
     """An s3rver process on 127.0.0.1, with the AWS credential chain of this process pointed at its keys."""
@@ -80,29 +78,30 @@ def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Process]:
         yield store
 
 
-def s3_settings(store: S3Process, **overrides: object) -> ServerSettings:
-    values: dict[str, object] = {
-        "host": "127.0.0.1",
-        "grpc_port": 0,
-        "http_port": 0,
-        "s3_buckets": (S3_BUCKET, "ws-missing-bucket"),
-        "s3_endpoint": store.endpoint,
-        "s3_region": REGION,
-        "s3_path_style": True,
-    }
-    values.update(overrides)
-    return ServerSettings(**values)  # type: ignore[arg-type]
-
-
 @pytest.fixture(scope="session")
 def s3_server(s3_store: S3Process) -> Iterator[WeightStreamServer]:
     """A weightstream server that serves only S3 (no model root), from the s3rver store."""
-    server = create_server(s3_settings(s3_store))
-    server.start()
-    yield server
-    server.stop(grace=1.0)
+    with serving(s3_settings(s3_store)) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def s3_target(s3_server: WeightStreamServer) -> str:
     return f"127.0.0.1:{s3_server.port}"
+
+
+@pytest.fixture
+def http() -> Iterator[httpx.Client]:
+    """An HTTP client for servers on loopback."""
+    # trust_env=False: never send loopback requests through a proxy from the environment.
+    with httpx.Client(trust_env=False) as client:
+        yield client
+
+
+@pytest.fixture
+def no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep this process's gRPC channels off any proxy from the environment."""
+    for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")

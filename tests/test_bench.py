@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from weightstream.bench import BASELINE, CEILING_GRPC, CEILING_TCP, ITER_TENSORS, LOAD_INTO, LOAD_STATE_DICT
+
+# `weightstream bench` runs as a process, each path several times.
+pytestmark = pytest.mark.slow
 
 
 def test_bench_prints_table_and_writes_json_and_plot(tmp_path: Path) -> None:

@@ -7,11 +7,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import assert_bytes_identical
-from tests.ops_helpers import eventually, nbytes, running, samples, write_model
+from tests.support.checkpoints import assert_bytes_identical, nbytes, write_model
+from tests.support.metrics import samples
+from tests.support.servers import eventually, running
 from weightstream.client import WeightStreamClient
 from weightstream.client.manifest import TensorSlice
 
@@ -23,6 +25,7 @@ def _load_all(target: str, model: str) -> dict[str, torch.Tensor]:
         return client.load_state_dict(model)
 
 
+@pytest.mark.slow
 def test_concurrent_cold_loads_read_storage_once(tmp_path: Path) -> None:
     """Four clients start together on a cold cache: storage is read once and all four are bit-identical."""
     state = write_model(tmp_path, "m", tensors=12, numel=2 * MIB)  # 96 MiB in 8 MiB tensors
@@ -60,6 +63,7 @@ def test_concurrent_cold_loads_read_storage_once(tmp_path: Path) -> None:
         assert metrics[("weightstream_cache_hits_total", ())] == cache["hits"]
 
 
+@pytest.mark.slow
 def test_second_load_hits_and_resident_bytes_stay_within_capacity(tmp_path: Path) -> None:
     state = write_model(tmp_path, "big", tensors=8, numel=4 * MIB)  # 128 MiB, more than the cache
     with running(tmp_path, cache_bytes=48 * MIB) as r:

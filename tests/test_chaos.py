@@ -15,13 +15,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.chaos import CuttingProxy, Supervisor, digests, file_digests
-from tests.ops_helpers import write_model
-from tests.reliability_report import record
+from tests.support.checkpoints import digests, file_digests, write_model
+from tests.support.faults import CuttingProxy
+from tests.support.reliability_report import record
+from tests.support.serve_processes import Supervisor
 from weightstream.bench import write_checkpoint
 from weightstream.client import FailedPreconditionError, RetryPolicy, WeightStreamClient
 from weightstream.demo import ParameterTree
 from weightstream_server import WeightStreamServer
+
+# Supervised `weightstream serve` processes killed with SIGKILL, on a 1 GB checkpoint.
+pytestmark = pytest.mark.slow
 
 MODEL = "chaos-llama"
 GB = 1.0

@@ -5,16 +5,12 @@ Every server here listens on 127.0.0.1 only, and every wait is bounded.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,157 +19,17 @@ import pytest
 import torch
 
 import weightstream
-from weightstream.client import UnavailableError, WeightStreamClient
+from tests.support.commands import COMMAND_TIMEOUT_S, clean_env, console_script, describe, run_cli
+from tests.support.ports import LOOPBACK, free_ports
+from tests.support.serve_processes import serve_process, wait_grpc_ready, wait_http_ready
 from weightstream.demo import llama_like_state_dict, save_sharded
+from weightstream_server.settings import ServerSettings, env_name, flag
 
 MODEL = "tiny"
-READY_TIMEOUT_S = 30.0
-POLL_S = 0.1
-STOP_TIMEOUT_S = 20.0
-COMMAND_TIMEOUT_S = 60.0
 DEMO_TIMEOUT_S = 120.0
-LOOPBACK = "127.0.0.1"
 
 
-# --- helpers -------------------------------------------------------------------------------------
-
-
-def console_script() -> str | None:
-    """The installed `weightstream` script: next to this interpreter first, then on PATH."""
-    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return shutil.which("weightstream", path=search)
-
-
-def weightstream_cmd(how: str = "script") -> list[str]:
-    """The command that runs the CLI: the console script, or `python -m weightstream`."""
-    if how == "module":
-        return [sys.executable, "-m", "weightstream"]
-    script = console_script()
-    return [script] if script else [sys.executable, "-m", "weightstream"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without WEIGHTSTREAM_* settings and proxies, plus extra."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("WEIGHTSTREAM_") and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
-    }
-    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
-    env.update(extra)
-    return env
-
-
-def run_cli(
-    *args: str,
-    how: str = "script",
-    env: dict[str, str] | None = None,
-    cwd: Path | None = None,
-    timeout: float = COMMAND_TIMEOUT_S,
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*weightstream_cmd(how), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env or clean_env(),
-        cwd=cwd,
-        check=False,
-    )
-
-
-def free_ports(count: int) -> list[int]:
-    """count distinct free TCP ports on 127.0.0.1 (bound to port 0 together, then released)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def describe(result: subprocess.CompletedProcess[str]) -> str:
-    return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-
-
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def assert_running(self) -> None:
-        code = self.proc.poll()
-        assert code is None, f"weightstream serve exited early with {code}:\n{self.output()}"
-
-    def terminate_and_wait(self) -> int:
-        """Send SIGTERM; the exit code, or a failure if it does not exit within STOP_TIMEOUT_S."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"weightstream serve still running {STOP_TIMEOUT_S} s after SIGTERM:\n{self.output()}")
-
-
-@contextlib.contextmanager
-def serve_process(args: list[str], workdir: Path, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
-    """Start `weightstream serve ARGS` with its output in a log file; always killed on the way out."""
-    log = workdir / "serve.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            [*weightstream_cmd(), "serve", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=env or clean_env(),
-            cwd=workdir,
-        )
-    server = ServerProcess(proc, log)
-    try:
-        yield server
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=STOP_TIMEOUT_S)
-
-
-def wait_http_ready(server: ServerProcess, http: httpx.Client, url: str) -> None:
-    """Poll url every POLL_S until it answers 200; fails after READY_TIMEOUT_S or if the server exits."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    last = "no answer"
-    while time.monotonic() < deadline:
-        server.assert_running()
-        try:
-            response = http.get(url, timeout=2.0)
-            if response.status_code == 200:
-                return
-            last = f"{response.status_code} {response.text}"
-        except httpx.HTTPError as exc:
-            last = repr(exc)
-        time.sleep(POLL_S)
-    pytest.fail(f"{url} not ready after {READY_TIMEOUT_S} s (last: {last}):\n{server.output()}")
-
-
-def wait_grpc_ready(server: ServerProcess, target: str, model: str) -> int:
-    """Poll a manifest call until the server answers; returns the manifest's tensor count."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    last = "no answer"
-    while time.monotonic() < deadline:
-        server.assert_running()
-        # A fresh channel per try, so that gRPC's reconnect backoff does not stretch the wait.
-        with WeightStreamClient(target, progress=False, timeout=2.0) as client:
-            try:
-                return len(client.manifest(model).tensors)
-            except UnavailableError as exc:
-                last = str(exc)
-        time.sleep(POLL_S)
-    pytest.fail(f"gRPC on {target} not answering after {READY_TIMEOUT_S} s (last: {last}):\n{server.output()}")
+# --- the checkpoint the servers serve ------------------------------------------------------------
 
 
 @dataclass
@@ -192,22 +48,6 @@ def tiny_checkpoint(tmp_path: Path) -> Checkpoint:
     state = llama_like_state_dict(layers=1, hidden=64, intermediate=128, vocab=256)
     save_sharded(state, tmp_path / MODEL, shards=2)
     return Checkpoint(tmp_path, state)
-
-
-@pytest.fixture
-def http() -> Iterator[httpx.Client]:
-    # trust_env=False: never send loopback requests through a proxy from the environment.
-    with httpx.Client(trust_env=False) as client:
-        yield client
-
-
-@pytest.fixture
-def no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep this process's gRPC channels off any proxy from the environment."""
-    for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
 
 
 # --- version, help, demo -------------------------------------------------------------------------
@@ -236,12 +76,82 @@ def test_help(tmp_path: Path) -> None:
 
 
 def test_serve_help(tmp_path: Path) -> None:
+    """Every ServerSettings field is an option whose help is its description, its default and its variable."""
     result = run_cli("serve", "--help", cwd=tmp_path)
     assert result.returncode == 0, describe(result)
-    for text in ("--model-root", "--grpc-port", "--http-port", "WEIGHTSTREAM_MODEL_ROOT"):
-        assert text in result.stdout, f"{text!r} missing from serve --help:\n{describe(result)}"
+    # argparse wraps lines (at hyphens too), so compare without any whitespace.
+    text = "".join(result.stdout.split())
+    for name, field in ServerSettings.model_fields.items():
+        assert field.description, f"{name} has no description, so no --help line"
+        for part in (flag(name), field.description, f"[env{env_name(name)}]"):
+            assert "".join(part.split()) in text, f"{part!r} missing from serve --help:\n{describe(result)}"
+    for default in ("(default:127.0.0.1)", "(default:50051)", "(default:256MiB)", "(default:4MiB)", "(default:off)"):
+        assert default in text, f"{default!r} missing from serve --help:\n{describe(result)}"
+    assert text.count("(default:") == len(ServerSettings.model_fields), describe(result)
 
 
+def test_serve_without_the_server_installed_says_what_to_install(tmp_path: Path) -> None:
+    """A client-only install, made here by blocking imports: it has no pydantic and no weightstream_server."""
+    code = """
+        import contextlib
+        import importlib.abc
+        import io
+        import sys
+
+        BLOCKED = ("pydantic", "pydantic_core", "pydantic_settings", "weightstream_server")
+
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ModuleNotFoundError(f"No module named {name!r} (blocked: client-only install)")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        for name in [m for m in sys.modules if m.split(".")[0] in BLOCKED]:
+            del sys.modules[name]
+
+        from weightstream.cli import build_parser, main
+
+        assert "serve" in build_parser().format_help()
+
+        def run(*argv):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                try:
+                    code = main(list(argv))
+                except SystemExit as exc:
+                    code = exc.code
+            return code, err.getvalue()
+
+        assert run("--help") == (0, ""), run("--help")
+        assert run("serve", "--help")[0] == 0
+        code, err = run("serve", "--model-root", "/models", "--cache-bytes", "16GiB")
+        print(code)
+        print(err.strip())
+        code, err = run("serve")
+        print(code)
+        print(err.strip())
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+        assert not loaded, loaded
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 0, describe(result)
+    lines = result.stdout.splitlines()
+    assert lines[0] == lines[2] == "2", describe(result)
+    for line in (lines[1], lines[3]):
+        assert line.startswith("weightstream serve needs the server's dependencies: "), describe(result)
+        assert "pip install 'weightstream[server]'" in line, describe(result)
+        assert "No module named" in line, describe(result)
+
+
+@pytest.mark.slow
 def test_demo(tmp_path: Path) -> None:
     result = run_cli("demo", cwd=tmp_path, timeout=DEMO_TIMEOUT_S)
     assert result.returncode == 0, describe(result)
@@ -252,6 +162,7 @@ def test_demo(tmp_path: Path) -> None:
 # --- serve ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_serve_manifest_load_and_sigterm(tiny_checkpoint: Checkpoint, tmp_path: Path, http: httpx.Client) -> None:
     grpc_port, http_port = free_ports(2)
     target = f"{LOOPBACK}:{grpc_port}"
@@ -325,6 +236,7 @@ def test_serve_manifest_load_and_sigterm(tiny_checkpoint: Checkpoint, tmp_path: 
         assert code == 0, server.output()
 
 
+@pytest.mark.slow
 def test_serve_configured_by_environment(tiny_checkpoint: Checkpoint, tmp_path: Path, no_proxy: None) -> None:
     (grpc_port,) = free_ports(1)
     env = clean_env(
@@ -343,12 +255,14 @@ def test_serve_configured_by_environment(tiny_checkpoint: Checkpoint, tmp_path: 
     assert "REST endpoint" not in server.output()
 
 
+@pytest.mark.slow
 def test_serve_without_model_root(tmp_path: Path) -> None:
     result = run_cli("serve", cwd=tmp_path)
     assert result.returncode == 2, describe(result)
     assert "--model-root" in result.stderr, describe(result)
 
 
+@pytest.mark.slow
 def test_serve_with_missing_model_root(tmp_path: Path) -> None:
     missing = "/nonexistent/dir"
     assert not Path(missing).exists()
@@ -358,6 +272,7 @@ def test_serve_with_missing_model_root(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("busy", ["grpc", "http"])
+@pytest.mark.slow
 def test_serve_on_a_busy_port_fails(tiny_checkpoint: Checkpoint, tmp_path: Path, busy: str) -> None:
     """A port already in use is an error at start-up, for gRPC and REST alike (no silent sharing)."""
     holder = socket.create_server((LOOPBACK, 0))

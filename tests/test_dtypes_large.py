@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tests.helpers import DTYPES, assert_bytes_identical
+from tests.support.checkpoints import DTYPES, assert_bytes_identical
 from weightstream.client import WeightStreamClient
+
+# The many_dtypes checkpoint: over 300 MB written, then streamed whole several times.
+pytestmark = pytest.mark.slow
 
 MODEL = "many-dtypes"
 

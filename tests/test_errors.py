@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import write_raw_safetensors
+from tests.support.checkpoints import write_raw_safetensors
 from weightstream.client import (
     FailedPreconditionError,
     IncompatibleModuleError,

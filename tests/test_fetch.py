@@ -15,9 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import S3_BUCKET
-from tests.helpers import llama_config
-from tests.s3_servers import S3Process, upload_folder
+from tests.support.checkpoints import llama_config
+from tests.support.s3_stores import S3_BUCKET, S3Process, upload_folder
 from weightstream.client import (
     FailedPreconditionError,
     IntegrityError,
@@ -90,6 +89,7 @@ def test_fetch_of_a_local_model_is_bit_identical(
     assert report.bytes == sum((model_folder / n).stat().st_size for n in expected)
 
 
+@pytest.mark.slow
 def test_fetch_of_an_s3_model_is_bit_identical(
     model_folder: Path, s3_store: S3Process, s3_target: str, tmp_path: Path
 ) -> None:
@@ -240,6 +240,7 @@ def test_offset_past_the_end_and_a_changed_revision_are_refused(client: WeightSt
         list(client.read_file(MODEL, "config.json", revision="not-the-revision"))
 
 
+@pytest.mark.slow
 def test_cli_fetch_end_to_end(model_folder: Path, target: str, tmp_path: Path) -> None:
     out = tmp_path / "cli"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSTREAM_")}

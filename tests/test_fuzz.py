@@ -31,8 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from tests.reliability_report import record
-from weightstream import wire
+from tests.support.reliability_report import record
+from weightstream import dtypes, wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server.errors import CorruptCheckpoint, UnsupportedCheckpoint
@@ -220,7 +220,7 @@ _JSON = st.recursive(
     max_leaves=8,
 )
 _INTS = st.one_of(st.integers(-3, 40), st.integers(-(2**70), 2**70), st.sampled_from([2**31, 2**32, 2**63, 2**64]))
-_DTYPE_CODES = [*sorted(wire.BY_SAFETENSORS), "C64", "F8_E8M0", "F4", "Q99", "", "f32", "F32 "]
+_DTYPE_CODES = [*sorted(dtypes.BY_SAFETENSORS), "C64", "F8_E8M0", "F4", "Q99", "", "f32", "F32 "]
 _NAMES = st.one_of(
     st.from_regex(r"[a-z0-9._]{1,10}", fullmatch=True),
     st.from_regex(r"[a-z0-9._]{1,10}", fullmatch=True),
@@ -237,7 +237,7 @@ def near_valid_header(draw: Any) -> tuple[bytes, int]:
     for _ in range(draw(st.integers(0, 6))):
         dtype = draw(st.sampled_from(_DTYPE_CODES))
         shape: Any = draw(st.lists(st.integers(0, 5), max_size=4))
-        itemsize = wire.BY_SAFETENSORS[dtype].itemsize if dtype in wire.BY_SAFETENSORS else 4
+        itemsize = dtypes.BY_SAFETENSORS[dtype].itemsize if dtype in dtypes.BY_SAFETENSORS else 4
         begin = cursor + draw(st.sampled_from([0] * 8 + [1, -4]))
         offsets: Any = [begin, begin + wire.numel(tuple(shape)) * itemsize]
         cursor = max(cursor, offsets[1])
@@ -344,6 +344,7 @@ def check_code(counts: Counter[str], code: Code, details: str, allowed: set[Code
 
 
 @pytest.mark.usefixtures("still_serving")
+@pytest.mark.slow
 def test_stream_requests(good: dict[str, torch.Tensor], stub: pb_grpc.WeightStreamServiceStub) -> None:
     revision = stub.GetManifest(pb.GetManifestRequest(model=MODEL), timeout=CALL_TIMEOUT_S).revision
     names = st.one_of(st.sampled_from(sorted(good)), st.sampled_from(sorted(good)), _TEXT)

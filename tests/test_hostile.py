@@ -20,8 +20,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.reliability_report import record
-from tests.test_cli import LOOPBACK, free_ports, serve_process, wait_grpc_ready
+from tests.support.ports import LOOPBACK, free_ports
+from tests.support.reliability_report import record
+from tests.support.serve_processes import serve_process, wait_grpc_ready
 from weightstream.bench import peak_rss, reset_peak_rss, rss
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
@@ -507,6 +508,7 @@ def _write_memory_cases(root: Path) -> dict[str, tuple[Code, int]]:
     return cases
 
 
+@pytest.mark.slow
 def test_server_memory_stays_bounded_on_huge_headers(tmp_path: Path) -> None:
     """A `weightstream serve` process: its peak RSS per hostile manifest, and its RSS once each is done."""
     root = tmp_path / "models"

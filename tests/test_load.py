@@ -16,13 +16,18 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.chaos import Supervisor, file_digests, rss_sampler, tensor_digest
-from tests.reliability_report import record
+from tests.support.checkpoints import file_digests, tensor_digest
+from tests.support.metrics import rss_sampler
+from tests.support.reliability_report import record
+from tests.support.serve_processes import Supervisor
 from weightstream import wire
 from weightstream.bench import peak_rss, read_shapes, rss, write_checkpoint
 from weightstream.client import WeightStreamClient
-from weightstream.client.transport import STREAM_TENSORS_METHOD
+from weightstream.client.transports.grpc_stream import STREAM_TENSORS_METHOD
 from weightstream.v1 import weightstream_pb2 as pb
+
+# A `weightstream serve` process under sixteen clients, on a 0.5 GB checkpoint.
+pytestmark = pytest.mark.slow
 
 MODEL = "load-llama"
 GB = 0.5

@@ -12,7 +12,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from tests.ops_helpers import Running, nbytes, running, write_model
+from tests.support.checkpoints import nbytes, write_model
+from tests.support.servers import Running, running
 from weightstream.client import UnauthenticatedError, WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc

@@ -9,7 +9,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -18,9 +17,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.ops_helpers import LOOPBACK, write_model
-from tests.test_cli import free_ports as _free_ports
-from tests.test_cli import no_proxy, serve_process, wait_http_ready  # noqa: F401  (no_proxy is a fixture)
+from tests.support.checkpoints import write_model
+from tests.support.ports import LOOPBACK, free_ports
+from tests.support.serve_processes import serve_process, wait_http_ready
 from weightstream.client import UnavailableError, WeightStreamClient, WeightStreamError
 
 MODEL = "drain-model"
@@ -31,7 +30,8 @@ CHUNK_BYTES = 64 * 1024
 WAIT_S = 15.0
 POLL_S = 0.05
 
-pytestmark = pytest.mark.usefixtures("no_proxy")
+# Each test runs a `weightstream serve` process and signals it.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_proxy")]
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +42,6 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def state(root: Path) -> dict[str, torch.Tensor]:
     return write_model(root, MODEL, tensors=TENSORS, numel=NUMEL, seed=2)
-
-
-@pytest.fixture
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(trust_env=False) as client:
-        yield client
 
 
 def _args(root: Path, grpc_port: int, http_port: int, drain_seconds: float) -> list[str]:
@@ -89,7 +83,7 @@ def _status(http: httpx.Client, base: str) -> dict[str, object]:
 def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(
     root: Path, state: dict[str, torch.Tensor], tmp_path: Path, http: httpx.Client
 ) -> None:
-    grpc_port, http_port = _free_ports(2)
+    grpc_port, http_port = free_ports(2)
     target, base = f"{LOOPBACK}:{grpc_port}", f"http://{LOOPBACK}:{http_port}"
     with serve_process(_args(root, grpc_port, http_port, drain_seconds=30), tmp_path) as server:
         wait_http_ready(server, http, f"{base}/readyz")
@@ -126,7 +120,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(
 def test_streams_past_the_drain_deadline_are_cancelled(
     root: Path, state: dict[str, torch.Tensor], tmp_path: Path, http: httpx.Client
 ) -> None:
-    grpc_port, http_port = _free_ports(2)
+    grpc_port, http_port = free_ports(2)
     target, base = f"{LOOPBACK}:{grpc_port}", f"http://{LOOPBACK}:{http_port}"
     with serve_process(_args(root, grpc_port, http_port, drain_seconds=0.5), tmp_path) as server:
         wait_http_ready(server, http, f"{base}/readyz")
@@ -149,7 +143,7 @@ def test_streams_past_the_drain_deadline_are_cancelled(
 def test_a_second_sigterm_exits_at_once(
     root: Path, state: dict[str, torch.Tensor], tmp_path: Path, http: httpx.Client
 ) -> None:
-    grpc_port, http_port = _free_ports(2)
+    grpc_port, http_port = free_ports(2)
     target, base = f"{LOOPBACK}:{grpc_port}", f"http://{LOOPBACK}:{http_port}"
     with serve_process(_args(root, grpc_port, http_port, drain_seconds=120), tmp_path) as server:
         wait_http_ready(server, http, f"{base}/readyz")

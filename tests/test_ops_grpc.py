@@ -13,7 +13,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from tests.ops_helpers import Running, eventually, nbytes, running, write_model
+from tests.support.checkpoints import nbytes, write_model
+from tests.support.servers import Running, eventually, running
 from weightstream import wire
 from weightstream.client import UnavailableError, WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
@@ -113,7 +114,7 @@ def test_too_many_names_is_invalid(channel: grpc.Channel, state: dict[str, torch
 def test_one_log_line_per_stream(
     served: Running, state: dict[str, torch.Tensor], channel: grpc.Channel, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="weightstream_server.servicer")
+    caplog.set_level(logging.INFO, logger="weightstream_server.stream_session")
     with WeightStreamClient(served.target, progress=False) as client:
         client.load_state_dict(MODEL)
     _stream_error(channel, pb.StreamTensorsRequest(model="no-such-model"))
@@ -130,6 +131,7 @@ def test_one_log_line_per_stream(
     assert missing["model"] == "no-such-model" and missing["code"] == "NOT_FOUND" and missing["bytes"] == "0"
 
 
+@pytest.mark.slow
 def test_draining_refuses_new_streams_but_serves_manifests(root: Path, state: dict[str, torch.Tensor]) -> None:
     with running(root) as r, grpc.insecure_channel(r.target) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
@@ -147,6 +149,7 @@ def test_draining_refuses_new_streams_but_serves_manifests(root: Path, state: di
                 client.load_state_dict(MODEL)
 
 
+@pytest.mark.slow
 def test_health_follows_source_reachability(tmp_path: Path) -> None:
     root = tmp_path / "root"
     write_model(root, "m", tensors=1, numel=16)

@@ -16,7 +16,9 @@ import schemathesis
 import torch
 
 import weightstream
-from tests.ops_helpers import Running, eventually, nbytes, running, samples, write_model
+from tests.support.checkpoints import nbytes, write_model
+from tests.support.metrics import samples
+from tests.support.servers import Running, eventually, running
 from weightstream.client import NotFoundError, ResourceExhaustedError, WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
@@ -165,6 +167,7 @@ def _moved(path: Path) -> Iterator[None]:
         aside.rename(path)
 
 
+@pytest.mark.slow
 def test_readyz_names_the_unreachable_source(tmp_path: Path) -> None:
     root = tmp_path / "root"
     write_model(root, "m", tensors=1, numel=16)
@@ -205,6 +208,7 @@ def served_with_token(root: Path, state: dict[str, torch.Tensor]) -> Iterator[Ru
         yield r
 
 
+@pytest.mark.slow
 def test_rest_api_conforms_to_its_openapi_schema(served_with_token: Running) -> None:
     """schemathesis, on the schema the server serves: every operation, with the token, a wrong one and none,
     answers as its schema says (documented status, content type, body shape) and never with a 5xx.

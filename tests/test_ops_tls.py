@@ -10,7 +10,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.ops_helpers import Pki, Running, make_pki, running, write_model
+from tests.support.certificates import Pki, make_pki
+from tests.support.checkpoints import write_model
+from tests.support.servers import Running, running
 from weightstream.client import UnauthenticatedError, UnavailableError, WeightStreamClient
 from weightstream_server import ServerSettings
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.helpers import llama_config, load_folder
+from tests.support.checkpoints import llama_config, load_folder
 from weightstream.client import WeightStreamClient
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_bytes_identical
-from tests.ops_helpers import running, write_model
+from tests.support.checkpoints import assert_bytes_identical, write_model
+from tests.support.servers import running
 from weightstream.client import WeightStreamClient
 from weightstream.client.replicas import channel_target
 

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import CuttingProxy, Supervisor, free_port
-from tests.ops_helpers import write_model
+from tests.support.checkpoints import write_model
+from tests.support.faults import CuttingProxy
+from tests.support.ports import free_ports
+from tests.support.serve_processes import Supervisor
 from weightstream.client import RetryPolicy, UnavailableError, WeightStreamClient
 from weightstream.client.retry import IDLE, IdleWatchdog, Outage
-from weightstream.client.transport import StreamCancel
+from weightstream.client.transports.base import StreamCancel
 from weightstream.demo import ParameterTree
 from weightstream_server import WeightStreamServer
 
@@ -44,9 +46,10 @@ def test_idle_watchdog_cancels_only_a_stream_waiting_too_long() -> None:
         watchdog.close()
 
 
+@pytest.mark.slow
 def test_manifest_waits_for_a_server_that_starts_late(model_root: Path, tmp_path: Path) -> None:
     write_model(model_root, "late-model", tensors=2, numel=1024)
-    port = free_port()
+    (port,) = free_ports(1)
     with WeightStreamClient(f"127.0.0.1:{port}", progress=False, retry=None, timeout=5) as client:
         with pytest.raises(UnavailableError):
             client.manifest("late-model")
@@ -74,6 +77,7 @@ def test_without_retry_a_cut_ends_the_load_and_says_it_was_partly_written(
     assert "partly written" in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_peer_that_goes_silent_is_noticed_in_seconds(model_root: Path, server: WeightStreamServer) -> None:
     """The proxy stops relaying (both ways) without closing: keepalive or the idle deadline must end the wait."""
     state = write_model(model_root, "frozen", tensors=8, numel=1 << 20)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers import llama_config, load_folder
+from tests.support.checkpoints import llama_config, load_folder
 from weightstream.client import WeightStreamClient
 from weightstream.demo import save_sharded
 

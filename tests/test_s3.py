@@ -13,9 +13,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from tests.conftest import S3_BUCKET, S3_OTHER_BUCKET
-from tests.helpers import assert_bytes_identical, llama_config, load_folder, write_raw_safetensors
-from tests.s3_servers import S3Process, upload_folder
+from tests.support.checkpoints import assert_bytes_identical, llama_config, load_folder, write_raw_safetensors
+from tests.support.s3_stores import S3_BUCKET, S3_OTHER_BUCKET, S3Process, upload_folder
 from weightstream.client import (
     IntegrityError,
     InvalidArgumentError,
@@ -24,6 +23,9 @@ from weightstream.client import (
     WeightStreamClient,
 )
 from weightstream_server import WeightStreamServer
+
+# Every test here needs the s3rver process (the s3_store fixture).
+pytestmark = pytest.mark.slow
 
 LLAMA = f"s3://{S3_BUCKET}/llama/tiny"
 MANY = f"s3://{S3_BUCKET}/many-dtypes"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,15 +14,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import s3_settings
-from tests.s3_servers import REGION, S3Process, free_port, moto, s3rver, upload_folder
+from tests.support.ports import free_ports
+from tests.support.s3_stores import REGION, S3Process, moto, s3_settings, s3rver, upload_folder
+from tests.support.serve_processes import start_serve
+from tests.support.servers import serving
 from weightstream.client import (
     PermissionDeniedError,
     UnauthenticatedError,
     UnavailableError,
     WeightStreamClient,
 )
-from weightstream_server import create_server
+
+# moto and s3rver processes, and `weightstream serve` processes.
+pytestmark = pytest.mark.slow
 
 BUCKET = "ws-guarded"
 SECRET_MARK = "do-not-leak"
@@ -60,18 +63,14 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Proces
 
 def _serve(store: S3Process, keys: dict[str, str], workdir: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
     """`weightstream serve` in its own process, whose AWS credential chain holds exactly keys."""
-    port = free_port()
+    (port,) = free_ports(1)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "WEIGHTSTREAM_"))}
     env.update(keys, AWS_EC2_METADATA_DISABLED="true", AWS_REGION=REGION)
     log = workdir / f"serve-{port}.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "weightstream", "serve", "--host", "127.0.0.1", "--grpc-port", str(port),
-             "--http-port", "0", "--s3-bucket", BUCKET, "--s3-endpoint", store.endpoint, "--s3-path-style",
-             "--s3-request-timeout-ms", "20000", "--log-level", "DEBUG"],
-            stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
-    return proc, f"127.0.0.1:{port}", log
+    args = ["--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "0", "--log-level", "DEBUG"]
+    args += ["--s3-bucket", BUCKET, "--s3-endpoint", store.endpoint, "--s3-path-style"]
+    args += ["--s3-request-timeout-ms", "20000"]
+    return start_serve(args, log, env), f"127.0.0.1:{port}", log
 
 
 def _manifest_when_up(target: str, model: str, proc: subprocess.Popen[bytes]) -> object:
@@ -131,10 +130,9 @@ def test_right_credentials_load(guarded: tuple[S3Process, dict[str, str], dict[s
 
 
 def test_unreachable_store_is_unavailable(s3_store: S3Process) -> None:
-    closed = S3Process(f"http://127.0.0.1:{free_port()}", 0, s3_store.proc, s3_store.log)
-    server = create_server(s3_settings(closed, s3_buckets=("ws-models",)))
-    server.start()
-    try:
+    (closed_port,) = free_ports(1)
+    closed = S3Process(f"http://127.0.0.1:{closed_port}", 0, s3_store.proc, s3_store.log)
+    with serving(s3_settings(closed, s3_buckets=("ws-models",))) as server:
         with WeightStreamClient(f"127.0.0.1:{server.port}", timeout=60, progress=False, retry=None) as client:
             with pytest.raises(UnavailableError, match=r"s3://ws-models/x/.*unreachable") as info:
                 client.manifest("s3://ws-models/x")
@@ -142,8 +140,6 @@ def test_unreachable_store_is_unavailable(s3_store: S3Process) -> None:
         started = time.monotonic()
         assert not any(source.reachable() for source in server.catalog.sources)
         assert time.monotonic() - started < 5, "a readiness probe of a dead store must answer within seconds"
-    finally:
-        server.stop(grace=1.0)
 
 
 def test_store_dying_mid_stream_is_unavailable(tmp_path: Path, model_root: Path) -> None:
@@ -156,11 +152,9 @@ def test_store_dying_mid_stream_is_unavailable(tmp_path: Path, model_root: Path)
     with s3rver(tmp_path) as store:
         s3 = store.client()
         upload_folder(s3, folder, "ws-dying", "m")
-        server = create_server(
+        with serving(
             s3_settings(store, s3_buckets=("ws-dying",), read_ahead_bytes=16 * 1024 * 1024, s3_request_timeout_ms=3000)
-        )
-        server.start()
-        try:
+        ) as server:
             with WeightStreamClient(
                 f"127.0.0.1:{server.port}", chunk_bytes=1 << 20, progress=False, retry=None
             ) as client:
@@ -173,5 +167,3 @@ def test_store_dying_mid_stream_is_unavailable(tmp_path: Path, model_root: Path)
                         time.sleep(0.05)
             assert received < len(state)
             assert info.value.code == grpc.StatusCode.UNAVAILABLE
-        finally:
-            server.stop(grace=1.0)

@@ -27,22 +27,22 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers import expected_piece, llama_config, load_folder, skeleton, write_tiny_llama
-from tests.ops_helpers import eventually, write_model
-from tests.reliability_report import record
-from tests.s3_servers import free_port
-from weightstream import wire
+from tests.support.checkpoints import expected_piece, llama_config, load_folder, skeleton, write_model, write_tiny_llama
+from tests.support.ports import free_ports
+from tests.support.reliability_report import record
+from tests.support.serve_processes import serve_process
+from tests.support.servers import eventually, serving
+from weightstream import shm_protocol, wire
 from weightstream.bench import evict_from_page_cache
 from weightstream.client import WeightStreamClient, cuda_host
 from weightstream.client.errors import FailedPreconditionError
 from weightstream.client.manifest import TensorSlice
 from weightstream.client.retry import RetryPolicy
 from weightstream.client.sharding import ShardSpec
-from weightstream.client.shm import SharedMemoryTransport
-from weightstream.client.transport import StreamCancel
+from weightstream.client.transports.base import StreamCancel
+from weightstream.client.transports.shared_memory import SharedMemoryTransport
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server import ServerSettings, WeightStreamServer, create_server
-from weightstream_server import shm as server_shm
+from weightstream_server import ServerSettings, WeightStreamServer, create_server, shm_segments, shm_servicer
 from weightstream_server.catalog import Catalog, Manifest
 from weightstream_server.errors import CorruptCheckpoint
 from weightstream_server.plan import plan_reads
@@ -78,19 +78,15 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def shm_server(root: Path, shm_dir: Path) -> Iterator[WeightStreamServer]:
-    server = create_server(ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir))
-    server.start()
-    yield server
-    server.stop(grace=1.0)
+    with serving(ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def plain_server(root: Path) -> Iterator[WeightStreamServer]:
     """The same models, served with no shared-memory directory."""
-    server = create_server(ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0))
-    server.start()
-    yield server
-    server.stop(grace=1.0)
+    with serving(ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0)) as server:
+        yield server
 
 
 def _target(server: WeightStreamServer) -> str:
@@ -230,7 +226,7 @@ def test_segment_mode_name_and_unlink_at_attach(shm_server: WeightStreamServer, 
         assert announcement.segment.startswith(f"weightstream-seg-{os.getpid()}-")
         path = shm_dir / announcement.segment
         info = path.stat()
-        assert stat.S_IMODE(info.st_mode) == server_shm.SEGMENT_MODE == 0o640
+        assert stat.S_IMODE(info.st_mode) == shm_segments.SEGMENT_MODE == 0o640
         assert info.st_uid == os.getuid() and info.st_size == 4 * CHUNK
         # Until the client says it has mapped the segment, the file stays; then it goes at once.
         assert _entries(shm_dir) == sorted([*before, announcement.segment])
@@ -298,20 +294,27 @@ def test_bad_rings_and_nonces_are_refused(shm_server: WeightStreamServer, shm_di
             request_serializer=pb.OpenSharedMemoryRequest.SerializeToString,
             response_deserializer=pb.OpenSharedMemoryResponse.FromString,
         )
-        (shm_dir / "weightstream-nonce-test").write_bytes(b"a" * 32)
+        nonce_name = "weightstream-nonce-0123456789abcdef"
+        (shm_dir / nonce_name).write_bytes(b"a" * 32)
+        # Another small file in the directory: its name is refused before it is opened, so a client
+        # cannot probe whether it exists or what it holds.
+        (shm_dir / "secret.txt").write_bytes(b"a" * 32)
         try:
             for name, nonce, code in (
                 ("../etc/passwd", b"x", grpc.StatusCode.INVALID_ARGUMENT),
-                ("weightstream-nonce-test", b"b" * 32, grpc.StatusCode.FAILED_PRECONDITION),
-                ("weightstream-nonce-missing", b"a" * 32, grpc.StatusCode.FAILED_PRECONDITION),
+                ("secret.txt", b"a" * 32, grpc.StatusCode.INVALID_ARGUMENT),
+                ("weightstream-nonce-test", b"a" * 32, grpc.StatusCode.INVALID_ARGUMENT),
+                (nonce_name, b"b" * 32, grpc.StatusCode.FAILED_PRECONDITION),
+                ("weightstream-nonce-fedcba9876543210", b"a" * 32, grpc.StatusCode.FAILED_PRECONDITION),
             ):
                 with pytest.raises(grpc.RpcError) as raised:
                     opener(pb.OpenSharedMemoryRequest(nonce_file=name, nonce=nonce), timeout=10)
                 assert raised.value.code() == code, name
-            granted = opener(pb.OpenSharedMemoryRequest(nonce_file="weightstream-nonce-test", nonce=b"a" * 32))
+            granted = opener(pb.OpenSharedMemoryRequest(nonce_file=nonce_name, nonce=b"a" * 32))
             assert granted.max_ring_bytes == shm_server.settings.read_ahead_bytes
         finally:
-            (shm_dir / "weightstream-nonce-test").unlink()
+            (shm_dir / nonce_name).unlink()
+            (shm_dir / "secret.txt").unlink()
     finally:
         channel.close()
 
@@ -345,6 +348,7 @@ def test_transport_directly_matches_the_file(shm_server: WeightStreamServer, roo
 # --- crashes -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_path: Path) -> None:
     directory = tmp_path / "shm"
     directory.mkdir()
@@ -353,7 +357,7 @@ def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_p
         f"""
         import os, sys, time
         from pathlib import Path
-        from weightstream_server.shm import Segment
+        from weightstream_server.shm_segments import Segment
         segment = Segment(Path({str(directory)!r}), 2, 4096)
         print(segment.name, flush=True)
         if sys.argv[1] == "die":
@@ -372,7 +376,7 @@ def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_p
         fresh_nonce = directory / "weightstream-nonce-00000000000000bb"
         old_nonce.write_bytes(b"x" * 32)
         fresh_nonce.write_bytes(b"y" * 32)
-        long_ago = time.time() - 2 * server_shm.NONCE_MAX_AGE_S
+        long_ago = time.time() - 2 * shm_segments.NONCE_MAX_AGE_S
         os.utime(old_nonce, (long_ago, long_ago))
         assert _entries(directory) == sorted([stale, held, old_nonce.name, fresh_nonce.name])
         server = create_server(
@@ -384,7 +388,7 @@ def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_p
     finally:
         holder.kill()
         holder.wait(timeout=30)
-    assert server_shm.remove_stale_segments(directory) == 1
+    assert shm_segments.remove_stale_segments(directory) == 1
     assert _entries(directory) == [fresh_nonce.name]
 
 
@@ -400,6 +404,7 @@ _SLOW_CLIENT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_killed_client_leaves_no_segment(shm_server: WeightStreamServer, shm_dir: Path) -> None:
     before = _entries(shm_dir)
     proc = subprocess.Popen(
@@ -422,29 +427,19 @@ def test_killed_client_leaves_no_segment(shm_server: WeightStreamServer, shm_dir
 
 @contextlib.contextmanager
 def _serve_process(root: Path, shm_dir: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`weightstream serve` with --shm-dir on a fixed port; waits until it listens; killed on the way out."""
-    command = [sys.executable, "-m", "weightstream", "serve", "--model-root", str(root), "--host", LOOPBACK]
-    command += ["--grpc-port", str(port), "--http-port", "0", "--shm-dir", str(shm_dir), "--chunk-bytes", str(CHUNK)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSTREAM_")}
-    with log.open("ab") as sink:
-        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "grpc_port=" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text(errors="replace")
-            assert time.monotonic() < deadline, f"server did not start:\n{log.read_text(errors='replace')}"
-            time.sleep(0.05)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
+    """`weightstream serve` with --shm-dir on a fixed port, its output appended to log; waits until it listens."""
+    args = ["--model-root", str(root), "--host", LOOPBACK, "--grpc-port", str(port), "--http-port", "0"]
+    args += ["--shm-dir", str(shm_dir), "--chunk-bytes", str(CHUNK)]
+    with serve_process(args, log.parent, log=log) as server:
+        server.wait_listening(port, START_TIMEOUT_S)
+        yield server.proc
 
 
+@pytest.mark.slow
 def test_server_killed_mid_stream_client_resumes_bit_exact(root: Path, shm_dir: Path, tmp_path: Path) -> None:
     expected = load_folder(root / "blocks")
     before = _entries(shm_dir)
-    port = free_port()
+    (port,) = free_ports(1)
     log = tmp_path / "serve.log"
     got: dict[str, torch.Tensor] = {}
     retry = RetryPolicy(attempts=50, initial_backoff=0.05, max_backoff=0.5, total_deadline=60.0, idle_timeout=30.0)
@@ -465,7 +460,7 @@ def test_server_killed_mid_stream_client_resumes_bit_exact(root: Path, shm_dir: 
         with _serve_process(root, shm_dir, port, log):
             for name, tensor in tensors:
                 got[name] = tensor
-            assert client._transport_for(0).name == "shm"
+            assert client._channels.transport(0).name == "shm"
     _assert_same(expected, got)
     assert _entries(shm_dir) == before
     # The rest of the load came over shared memory from the second server.
@@ -478,9 +473,7 @@ def test_shm_streams_from_the_cache_are_bit_exact(root: Path, shm_dir: Path) -> 
     settings = ServerSettings(
         model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir, cache_bytes=64 << 20
     )
-    server = create_server(settings)
-    server.start()
-    try:
+    with serving(settings) as server:
         expected = load_folder(root / "blocks")
         with WeightStreamClient(
             _target(server), progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK
@@ -489,8 +482,6 @@ def test_shm_streams_from_the_cache_are_bit_exact(root: Path, shm_dir: Path) -> 
             read_once = server.stats.snapshot().storage_bytes_read_total
             _assert_same(expected, client.load_state_dict("blocks"))
             assert server.stats.snapshot().storage_bytes_read_total == read_once, "the second load read storage"
-    finally:
-        server.stop(grace=1.0)
 
 
 READ_INTO_SLOTS = "read into the slots"
@@ -499,7 +490,7 @@ COPIED_INTO_SLOTS = "copied into the slots from the streamer or the cache"
 
 def _fill_paths(caplog: pytest.LogCaptureFixture) -> list[str]:
     """How each shared stream logged since the test began filled its slots."""
-    messages = [r.getMessage() for r in caplog.records if r.name == server_shm.logger.name]
+    messages = [r.getMessage() for r in caplog.records if r.name == shm_servicer.logger.name]
     return [m.rsplit(", ", 1)[1] for m in messages if m.startswith("shared stream ") and " ring " in m]
 
 
@@ -508,7 +499,7 @@ def test_tensor_parallel_ranks_over_shm_are_bit_exact(
 ) -> None:
     """Row-parallel slices are gathered from the streamer's reads and copied into the slots; plain byte
     ranges (whole tensors, slices of dimension 0) are read by the kernel straight into the slots."""
-    caplog.set_level(logging.DEBUG, logger=server_shm.logger.name)
+    caplog.set_level(logging.DEBUG, logger=shm_servicer.logger.name)
     reference = load_folder(root / "tiny-llama")
     blocks = load_folder(root / "blocks")
     first = sorted(blocks)[0]
@@ -578,7 +569,7 @@ def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path:
 def _segment_mappings() -> list[str]:
     """The permissions of this process's mappings of shared-memory segments (/proc/self/maps)."""
     lines = Path("/proc/self/maps").read_text().splitlines()
-    return [line.split()[1] for line in lines if server_shm.SEGMENT_PREFIX in line]
+    return [line.split()[1] for line in lines if shm_protocol.SEGMENT_PREFIX in line]
 
 
 @pytest.mark.parametrize("cuda_in_use", [False, True])
@@ -621,10 +612,8 @@ def test_cold_files_are_read_by_the_streamer_and_copied_into_slots(
     """From a cold page cache the streamer's parallel reads serve the slots; once cached, the kernel reads into them."""
     state = write_model(tmp_path, "cold", tensors=8, numel=100_000, seed=11)
     settings = ServerSettings(model_root=tmp_path, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir)
-    server = create_server(settings)
-    server.start()
-    caplog.set_level(logging.DEBUG, logger=server_shm.logger.name)
-    try:
+    with serving(settings) as server:
+        caplog.set_level(logging.DEBUG, logger=shm_servicer.logger.name)
         with WeightStreamClient(
             _target(server), progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK
         ) as client:
@@ -632,8 +621,6 @@ def test_cold_files_are_read_by_the_streamer_and_copied_into_slots(
             _assert_same(state, client.load_state_dict("cold"))
             (tmp_path / "cold" / "model.safetensors").read_bytes()  # into the page cache
             _assert_same(state, client.load_state_dict("cold"))
-    finally:
-        server.stop(grace=1.0)
     assert _fill_paths(caplog) == [COPIED_INTO_SLOTS, READ_INTO_SLOTS]
 
 
@@ -643,17 +630,15 @@ def test_shm_needs_the_token_like_every_rpc(root: Path, shm_dir: Path, tmp_path:
 
     tokens = tmp_path / "tokens"
     tokens.write_text("shm-secret\n")
-    server = create_server(
+    with serving(
         ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir, token_file=tokens)
-    )
-    server.start()
-    try:
+    ) as server:
         expected = load_folder(root / "blocks")
         with WeightStreamClient(
             _target(server), progress=False, transport="auto", shm_dir=shm_dir, token="shm-secret"
         ) as client:
             _assert_same(expected, client.load_state_dict("blocks"))
-            assert client._transport_for(0).name == "shm"
+            assert client._channels.transport(0).name == "shm"
         channel = grpc.insecure_channel(_target(server))
         try:
             with pytest.raises(grpc.RpcError) as raised:
@@ -666,6 +651,4 @@ def test_shm_needs_the_token_like_every_rpc(root: Path, shm_dir: Path, tmp_path:
             pytest.raises(UnauthenticatedError),
         ):
             bad.load_state_dict("blocks")
-    finally:
-        server.stop(grace=1.0)
     assert not [name for name in _entries(shm_dir) if name.startswith("weightstream-")]

@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from tests.helpers import expected_piece, llama_config, load_folder, skeleton
+from tests.support.checkpoints import expected_piece, llama_config, load_folder, skeleton
 from weightstream import framing
 from weightstream.client import WeightStreamClient
 from weightstream.client.manifest import TensorSlice

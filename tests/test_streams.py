@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.support.servers import serving
 from weightstream.client import ResourceExhaustedError, WeightStreamClient
 from weightstream.demo import ParameterTree
-from weightstream_server import ServerSettings, WeightStreamServer, create_server
+from weightstream_server import ServerSettings, WeightStreamServer
 
 MODEL = "stream-model"
 
@@ -61,11 +62,9 @@ def test_concurrent_loads_are_each_complete(checkpoint: dict[str, torch.Tensor],
 
 
 def test_streams_beyond_the_limit_are_resource_exhausted(checkpoint: dict[str, torch.Tensor], model_root: Path) -> None:
-    server = create_server(
+    with serving(
         ServerSettings(model_root=model_root, host="127.0.0.1", grpc_port=0, http_port=0, max_streams=1)
-    )
-    server.start()
-    try:
+    ) as server:
         target = f"127.0.0.1:{server.port}"
         with WeightStreamClient(target, chunk_bytes=16 * 1024, progress=False) as first:
             stream = first.iter_tensors(MODEL)
@@ -75,8 +74,6 @@ def test_streams_beyond_the_limit_are_resource_exhausted(checkpoint: dict[str, t
                     second.load_state_dict(MODEL)
             rest = dict(stream)
         assert len(rest) == len(checkpoint) - 1
-    finally:
-        server.stop(grace=1.0)
 
 
 @pytest.mark.parametrize("streams", [2, 3, 20])
@@ -98,11 +95,9 @@ def test_parallel_streams_relay_the_first_error_and_stop_the_others(
     checkpoint: dict[str, torch.Tensor], model_root: Path
 ) -> None:
     """With room for only one stream on the server, the second stream's refusal ends the whole load."""
-    server = create_server(
+    with serving(
         ServerSettings(model_root=model_root, host="127.0.0.1", grpc_port=0, http_port=0, max_streams=1)
-    )
-    server.start()
-    try:
+    ) as server:
         module = ParameterTree({n: (tuple(t.shape), t.dtype) for n, t in checkpoint.items()})
         with WeightStreamClient(
             f"127.0.0.1:{server.port}", chunk_bytes=16 * 1024, progress=False, streams=4, retry=None
@@ -111,8 +106,6 @@ def test_parallel_streams_relay_the_first_error_and_stop_the_others(
                 c.load_into(module, MODEL)
         assert info.value.partially_written is not None
         _wait_idle(server)
-    finally:
-        server.stop(grace=1.0)
 
 
 @pytest.mark.parametrize("streams", [1, 2])

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_helpers import (
+from tests.support.vllm_runs import (
     ENGINE_TIMEOUT_S,
+    LOADER_CHECKS_SCRIPT,
     ROOT,
     VLLM_PYTHON,
     ensure_vllm_venv,
@@ -25,6 +26,9 @@ from tests.vllm_helpers import (
     write_vllm_llama,
 )
 from weightstream.client import WeightStreamClient
+
+# vLLM in its own environment: builds .venv-vllm when missing, then runs engines for minutes.
+pytestmark = pytest.mark.slow
 
 MODEL = "vllm-llama"
 
@@ -66,7 +70,7 @@ def test_vllm_loader_registers_resolves_settings_and_refuses_unloaded_parameters
     vllm_llama: tuple[Path, int], target: str
 ) -> None:
     result = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_loader_checks.py"), target, MODEL],
+        [str(VLLM_PYTHON), str(LOADER_CHECKS_SCRIPT), target, MODEL],
         capture_output=True,
         text=True,
         timeout=ENGINE_TIMEOUT_S,

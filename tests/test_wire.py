@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import _TYPES as SAFETENSORS_TYPES  # the dtype spellings safetensors writes
 
-from weightstream import framing, wire
+from weightstream import dtypes, framing, wire
 from weightstream.client.ranges import RangeSet
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -65,12 +65,12 @@ def test_native_crc_matches_google_crc32c() -> None:
 
 def test_dtype_table_covers_safetensors_spellings_torch_holds() -> None:
     for code, dtype in SAFETENSORS_TYPES.items():
-        if code in wire.BY_SAFETENSORS:
-            assert wire.BY_SAFETENSORS[code].torch == dtype, code
-    for entry in wire.BY_SAFETENSORS.values():
+        if code in dtypes.BY_SAFETENSORS:
+            assert dtypes.BY_SAFETENSORS[code].torch == dtype, code
+    for entry in dtypes.BY_SAFETENSORS.values():
         assert torch.empty((), dtype=entry.torch).element_size() == entry.itemsize
-        assert wire.BY_WIRE[entry.wire] is entry and wire.BY_TORCH[entry.torch] is entry
-    assert len(wire.BY_WIRE) == len(pb.DataType.values()) - 1  # every enum value but UNSPECIFIED
+        assert dtypes.BY_WIRE[entry.wire] is entry and dtypes.BY_TORCH[entry.torch] is entry
+    assert len(dtypes.BY_WIRE) == len(pb.DataType.values()) - 1  # every enum value but UNSPECIFIED
 
 
 def test_split_range_and_clamp() -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from weightstream import wire
+from weightstream import dtypes, wire
 from weightstream.demo import ParameterTree, llama_like_state_dict, save_sharded
 
 MODEL = "bench-llama"
@@ -93,7 +93,7 @@ def read_shapes(folder: Path) -> tuple[int, Shapes]:
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            dtype = wire.BY_SAFETENSORS[entry["dtype"]]
+            dtype = dtypes.BY_SAFETENSORS[entry["dtype"]]
             shape = tuple(entry["shape"])
             shapes[name] = (shape, dtype.torch)
             total += wire.numel(shape) * dtype.itemsize
@@ -289,7 +289,9 @@ def run_bare_grpc(port: int, buffer: torch.Tensor) -> float:
     with grpc.insecure_channel(
         f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES)]
     ) as channel:
-        call = channel.unary_stream(BARE_METHOD, request_serializer=None, response_deserializer=None)
+        call: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
+            BARE_METHOD, request_serializer=None, response_deserializer=None
+        )
         started = time.perf_counter()
         offset = 0
         for message in call(b""):

@@ -16,38 +16,7 @@ from weightstream import __version__
 if TYPE_CHECKING:
     from weightstream.client import WeightStreamClient
 
-SERVE_OPTIONS = (
-    # (flag, settings field, type, help)
-    ("--model-root", "model_root", str, "folder whose subfolders are models (<root>/<model>/*.safetensors)"),
-    ("--host", "host", str, "address to listen on (default 127.0.0.1; 0.0.0.0 for all interfaces)"),
-    ("--grpc-port", "grpc_port", int, "gRPC port (default 50051; 0 picks a free port)"),
-    ("--http-port", "http_port", int, "REST port for /healthz, /readyz, /status (default 8080; 0 turns it off)"),
-    ("--max-streams", "max_streams", int, "concurrent streams before RESOURCE_EXHAUSTED (default 16)"),
-    ("--read-ahead-bytes", "read_ahead_bytes", int, "bytes each stream reads ahead of what it sent (default 256 MiB)"),
-    ("--chunk-bytes", "chunk_bytes", int, "default payload bytes per chunk (default 4 MiB)"),
-    ("--streamer-concurrency", "streamer_concurrency", int, "Run:ai streamer reader threads per stream"),
-    ("--log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
-    ("--s3-bucket", "s3_buckets", "append", "serve s3://NAME/... models (repeatable; env: comma-separated)"),
-    ("--s3-endpoint", "s3_endpoint", str, "S3-compatible endpoint URL (default: AWS_ENDPOINT_URL or AWS)"),
-    ("--s3-region", "s3_region", str, "S3 region (default: AWS_REGION or the profile's)"),
-    ("--s3-path-style", "s3_path_style", "flag", "path-style S3 addressing, for MinIO and other S3-compatible stores"),
-    ("--s3-ca-bundle", "s3_ca_bundle", str, "CA bundle file for the S3 endpoint's certificate"),
-    ("--s3-request-timeout-ms", "s3_request_timeout_ms", int, "S3 request timeout of the streamer (default 30000)"),
-    ("--streamer-chunk-bytes", "streamer_chunk_bytes", int, "bytes per storage request of the Run:ai streamer"),
-    ("--token-file", "token_file", str, "file of bearer tokens clients must send, one per line (default: no auth)"),
-    ("--tls-cert", "tls_cert", str, "PEM certificate chain: serve gRPC over TLS (needs --tls-key)"),
-    ("--tls-key", "tls_key", str, "PEM private key of --tls-cert"),
-    ("--tls-client-ca", "tls_client_ca", str, "PEM CA bundle; clients must show a certificate it signed (mutual TLS)"),
-    ("--drain-seconds", "drain_seconds", float, "seconds streams in flight get to finish after SIGTERM (default 30)"),
-    (
-        "--cache-bytes",
-        "cache_bytes",
-        int,
-        "RAM cache of served bytes, shared by concurrent loads (default 0: off)",
-    ),
-    ("--preload", "preload", "append", "read MODEL into the cache at start-up; /readyz waits (repeatable)"),
-    ("--shm-dir", "shm_dir", str, "directory shared with same-host clients: turns the shared-memory transport on"),
-)
+SERVER_INSTALL = "pip install 'weightstream[server]'"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,18 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve",
-        help="serve the models under a folder",
-        description="Serve the safetensors models under --model-root over gRPC. "
-        "Every option can also be set as WEIGHTSTREAM_<OPTION>, for example WEIGHTSTREAM_MODEL_ROOT.",
+        help="serve the models under a folder or in S3 buckets",
+        description="Serve the safetensors models under --model-root (or in --s3-bucket buckets) over gRPC. "
+        "Every option can also be set by the environment variable its help names, for example "
+        "WEIGHTSTREAM_MODEL_ROOT; a flag beats its variable, and an empty variable counts as not set. Byte sizes "
+        "take units (16GiB, 512MiB, 16GB) or a plain number of bytes; in the environment, lists are "
+        "comma-separated and switches are 1/0, true/false, yes/no or on/off.",
     )
-    for flag, field, kind, text in SERVE_OPTIONS:
-        env = "WEIGHTSTREAM_" + field.upper()
-        if kind == "append":
-            serve.add_argument(flag, dest=field, action="append", default=None, help=f"{text} [env {env}]")
-        elif kind == "flag":
-            serve.add_argument(flag, dest=field, action="store_true", default=None, help=f"{text} [env {env}=1]")
-        else:
-            serve.add_argument(flag, dest=field, type=kind, default=None, help=f"{text} [env {env}]")
+    _add_serve_options(serve)
 
     commands.add_parser(
         "demo",
@@ -127,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_serve_options(serve: argparse.ArgumentParser) -> None:
+    """The serve options, made from the server's settings; without the server installed, serve says what to install."""
+    try:
+        from weightstream_server.settings import ServerSettings
+    except ImportError as exc:
+        serve.set_defaults(server_missing=str(exc))
+        serve.epilog = f"Needs the server's dependencies: {SERVER_INSTALL}."
+        return
+    serve.set_defaults(server_missing=None)
+    ServerSettings.add_arguments(serve)
+
+
 def _add_connection_options(parser: argparse.ArgumentParser) -> None:
     """TLS options of the client commands; the token comes from WEIGHTSTREAM_TOKEN."""
     parser.add_argument("--tls", action="store_true", help="connect over TLS")
@@ -136,7 +113,19 @@ def _add_connection_options(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Unknown arguments are refused below, as parse_args would, except by a serve without the server
+    # installed: it has no options, and what to install is the message that helps.
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "serve" and args.server_missing:
+        print(
+            f"weightstream serve needs the server's dependencies: {SERVER_INSTALL} "
+            f"(importing the server failed: {args.server_missing})",
+            file=sys.stderr,
+        )
+        return 2
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":
         return _serve(args)
     if args.command == "bench":
@@ -176,9 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from weightstream_server.settings import ServerSettings
 
-    given = {field: getattr(args, field) for _flag, field, _k, _t in SERVE_OPTIONS}
     try:
-        settings = ServerSettings.load(given)
+        settings = ServerSettings.load(vars(args))
     except ValueError as exc:
         print(f"weightstream serve: {exc}", file=sys.stderr)
         return 2

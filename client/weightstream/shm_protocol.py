@@ -15,11 +15,15 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
+import secrets
 
 from weightstream import wire
 
 SEGMENT_PREFIX = "weightstream-seg-"
 NONCE_PREFIX = "weightstream-nonce-"
+_SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"\d+-[0-9a-f]{16}")
+_NONCE_NAME = re.compile(re.escape(NONCE_PREFIX) + r"[0-9a-f]{16}")
 # The ring a stream gets when it asks for none: few large slots beat many small ones (fewer
 # messages each way, a smaller segment to allocate per stream); benchmarks/shm_load.py measures it.
 DEFAULT_SLOTS = 4
@@ -28,6 +32,26 @@ MIN_SLOTS = 2
 MAX_SLOTS = 4096
 # Chunks packed into one slot start on this boundary, so that every copy starts aligned.
 SLOT_ALIGN = 64
+
+
+def new_segment_name() -> str:
+    """A fresh segment file name for this process."""
+    return f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def new_nonce_name() -> str:
+    """A fresh nonce file name."""
+    return f"{NONCE_PREFIX}{secrets.token_hex(8)}"
+
+
+def is_segment_name(name: str) -> bool:
+    """True for a name new_segment_name() could have made (and so a plain file name)."""
+    return _SEGMENT_NAME.fullmatch(name) is not None
+
+
+def is_nonce_name(name: str) -> bool:
+    """True for a name new_nonce_name() could have made (and so a plain file name)."""
+    return _NONCE_NAME.fullmatch(name) is not None
 
 
 def default_slot_bytes(chunk_bytes: int) -> int:

@@ -1,8 +1,7 @@
-"""Wire-format helpers shared by the server and the client: dtypes, checksums, chunk sizes.
+"""Wire-format helpers shared by the server and the client: checksums, chunk sizes, file names, slices.
 
-How data messages are framed lives in framing.py.
-
-Both sides import this module, so that a dtype, a checksum or a chunk boundary is defined once.
+Element types live in dtypes.py, how data messages are framed in framing.py. Both sides import
+these modules, so that a dtype, a checksum or a chunk boundary is defined once.
 """
 
 from __future__ import annotations
@@ -14,11 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import google_crc32c
-import torch
 
-from weightstream.v1 import weightstream_pb2 as pb
-
-# Payload bytes per chunk. 1 to 4 MiB messages move fastest over gRPC here; 16 MiB and more are
+# Payload bytes per chunk. Messages of a few MiB move fastest over gRPC; much larger ones are
 # slower because each message is buffered whole on both sides.
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 MIN_CHUNK_BYTES = 4 * 1024
@@ -30,38 +26,6 @@ MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MESSAGE_OVERHEAD_BYTES
 # A file name in a model folder, as ListModelFiles lists it: one path component, not hidden, so
 # that neither side can be talked into a path outside the folder ("..", "/", "\\", ".partial").
 _PLAIN_FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}")
-
-
-@dataclass(frozen=True)
-class DType:
-    """One element type as each layer spells it."""
-
-    safetensors: str
-    wire: int
-    torch: torch.dtype
-    itemsize: int
-
-
-_DTYPES: tuple[DType, ...] = (
-    DType("BOOL", pb.DATA_TYPE_BOOL, torch.bool, 1),
-    DType("U8", pb.DATA_TYPE_UINT8, torch.uint8, 1),
-    DType("I8", pb.DATA_TYPE_INT8, torch.int8, 1),
-    DType("I16", pb.DATA_TYPE_INT16, torch.int16, 2),
-    DType("U16", pb.DATA_TYPE_UINT16, torch.uint16, 2),
-    DType("I32", pb.DATA_TYPE_INT32, torch.int32, 4),
-    DType("U32", pb.DATA_TYPE_UINT32, torch.uint32, 4),
-    DType("I64", pb.DATA_TYPE_INT64, torch.int64, 8),
-    DType("U64", pb.DATA_TYPE_UINT64, torch.uint64, 8),
-    DType("F16", pb.DATA_TYPE_FLOAT16, torch.float16, 2),
-    DType("BF16", pb.DATA_TYPE_BFLOAT16, torch.bfloat16, 2),
-    DType("F32", pb.DATA_TYPE_FLOAT32, torch.float32, 4),
-    DType("F64", pb.DATA_TYPE_FLOAT64, torch.float64, 8),
-    DType("F8_E4M3", pb.DATA_TYPE_FLOAT8_E4M3FN, torch.float8_e4m3fn, 1),
-    DType("F8_E5M2", pb.DATA_TYPE_FLOAT8_E5M2, torch.float8_e5m2, 1),
-)
-BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _DTYPES}
-BY_WIRE: dict[int, DType] = {d.wire: d for d in _DTYPES}
-BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in _DTYPES}
 
 
 @dataclass(frozen=True)
@@ -146,8 +110,3 @@ def numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         count *= dim
     return count
-
-
-# Shared-memory transport: names of the files client and server make in the shared directory.
-SHM_SEGMENT_PREFIX = "weightstream-seg-"
-SHM_NONCE_PREFIX = "weightstream-nonce-"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weightstream_server.plan import ChunkPlace
+from weightstream_server.read_plan import ChunkPlace
 
 UnitKey = tuple[str, int, str, int, int]  # path, file size, file version, offset, length
 
@@ -50,7 +50,7 @@ class CachedUnit:
 
         Cached units outlive the streams and threads that read them; out of malloc's heaps, freed
         units would stay resident in whichever thread's arena held them, and the process would grow
-        well past the cache's bound (measured: 1.7 GB for a 0.25 GB cache).
+        well past the cache's bound, several times over.
         """
         buffer = np.frombuffer(mmap.mmap(-1, max(1, data.size)), dtype=np.uint8, count=data.size)
         buffer[:] = data

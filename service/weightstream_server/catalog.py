@@ -6,15 +6,22 @@ time, so a request costs one stat per file, not a header parse.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from weightstream import wire
+from weightstream import dtypes
 from weightstream_server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, TensorNotFound
 from weightstream_server.header import read_header
-from weightstream_server.source import INDEX_FILE, S3_SCHEME, ModelFiles, Source, SourceFile, parse_s3_model_id
+from weightstream_server.source import (
+    INDEX_FILE,
+    S3_SCHEME,
+    ModelFiles,
+    Source,
+    SourceFile,
+    parse_s3_model_id,
+    revision,
+)
 
 
 @dataclass(frozen=True)
@@ -22,7 +29,7 @@ class TensorEntry:
     """One tensor of a model; file_offset is the absolute position of its first byte in its file."""
 
     name: str
-    dtype: wire.DType
+    dtype: dtypes.DType
     shape: tuple[int, ...]
     nbytes: int
     file_index: int
@@ -70,12 +77,12 @@ class Catalog:
     def manifest(self, model: str) -> Manifest:
         source = self.source_for(model)
         located = source.resolve(model)
-        revision = _revision(located)
+        current = revision(located.files)
         with self._lock:
             cached = self._cache.get(model)
-        if cached is not None and cached.revision == revision:
+        if cached is not None and cached.revision == current:
             return cached
-        manifest = build_manifest(source, located, revision)
+        manifest = build_manifest(source, located, current)
         with self._lock:
             self._cache[model] = manifest
         return manifest
@@ -115,10 +122,3 @@ def build_manifest(source: Source, located: ModelFiles, revision: str) -> Manife
 
 def _reader(source: Source, file: SourceFile) -> Callable[[int, int], bytes]:
     return lambda start, length: source.read_range(file, start, length)
-
-
-def _revision(located: ModelFiles) -> str:
-    digest = hashlib.sha256()
-    for f in located.files:
-        digest.update(f"{f.name}\0{f.size}\0{f.version}\n".encode())
-    return digest.hexdigest()[:24]

@@ -22,7 +22,7 @@ import numpy as np
 from weightstream import wire
 from weightstream_server.cache import CachedUnit, Claim, UnitCache, UnitKey
 from weightstream_server.catalog import Manifest
-from weightstream_server.plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
+from weightstream_server.read_plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 from weightstream_server.reader import PooledStreamer, read_units
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,12 @@ ServerError
 ├── SharedMemoryUnavailable FAILED_PRECONDITION no --shm-dir, or not the client's directory
 ├── TooManyStreams        RESOURCE_EXHAUSTED the concurrent stream limit is reached
 ├── StorageUnauthenticated UNAUTHENTICATED   storage rejected the server's credentials
-└── StorageUnavailable    UNAVAILABLE        storage failed in a way worth retrying
+├── StorageUnavailable    UNAVAILABLE        storage failed in a way worth retrying
+├── Draining              UNAVAILABLE        the server is shutting down and takes no new streams
+└── Unauthenticated       UNAUTHENTICATED    the call carries no valid bearer token
+
+ClientGone (not a ServerError): the client cancelled or went away while its stream waited for it;
+the stream ends CANCELLED and nothing is sent.
 """
 
 from __future__ import annotations
@@ -94,6 +99,10 @@ class Draining(ServerError):
 
 class Unauthenticated(ServerError):
     pass
+
+
+class ClientGone(Exception):
+    """The client cancelled or went away while its stream waited for it (a free slot, an attach)."""
 
 
 _CODES: dict[type[ServerError], grpc.StatusCode] = {

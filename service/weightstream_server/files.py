@@ -9,7 +9,6 @@ with the source's plain ranged reads (not the Run:ai streamer): fetch is not the
 from __future__ import annotations
 
 import enum
-import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from weightstream_server.errors import (
     RangeOutOfBounds,
     RevisionMismatch,
 )
-from weightstream_server.source import COMPANION_FILES, Source, SourceFile
+from weightstream_server.source import COMPANION_FILES, Source, SourceFile, revision
 
 # Companion files are configs and tokenizers (a few MB at most); a larger one is refused rather
 # than sent, so that an allowed name cannot be used to pull a large private file.
@@ -95,7 +94,7 @@ def list_files(catalog: Catalog, model: str) -> FileListing:
     files = tuple(ListedFile(f, FileKind.WEIGHTS) for f in source.resolve(model).files) + tuple(
         ListedFile(f, FileKind.COMPANION) for f in source.companion_files(model)
     )
-    return FileListing(model, _revision(files), source, files)
+    return FileListing(model, revision([f.file for f in files], [f.kind.value for f in files]), source, files)
 
 
 def read_file(
@@ -138,11 +137,3 @@ def _read(source: Source, file: SourceFile, start: int, length: int, display: st
             "the file is shorter than listed (did it change?)"
         )
     return data
-
-
-def _revision(files: tuple[ListedFile, ...]) -> str:
-    digest = hashlib.sha256()
-    for listed in files:
-        f = listed.file
-        digest.update(f"{listed.kind.value}\0{f.name}\0{f.size}\0{f.version}\n".encode())
-    return digest.hexdigest()[:24]

@@ -15,17 +15,18 @@ from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
 from weightstream import wire
 from weightstream.allocator import tune_malloc
-from weightstream_server import shm
+from weightstream_server import servicer, shm_servicer
 from weightstream_server.auth import AuthInterceptor, TokenFile
 from weightstream_server.cache import UnitCache
 from weightstream_server.catalog import Catalog
 from weightstream_server.health import HEALTH_SERVICE_NAME, SERVICE_NAME, Readiness, ReadinessHealthServicer
 from weightstream_server.preload import start_preload
 from weightstream_server.reader import StreamerPool
-from weightstream_server.servicer import WeightStreamServicer, add_to_server
 from weightstream_server.settings import ServerSettings
+from weightstream_server.shm_segments import remove_stale_segments
 from weightstream_server.source import LocalSource, Source
 from weightstream_server.stats import ServerStats
+from weightstream_server.stream_session import Streams
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class WeightStreamServer:
 
     def start(self) -> None:
         if self.settings.shm_dir is not None:
-            shm.remove_stale_segments(self.settings.shm_dir)
+            remove_stale_segments(self.settings.shm_dir)
         self.grpc_server.start()
         self.readiness.mark_serving()
         if self.cache is not None and self.settings.preload:
@@ -98,9 +99,9 @@ def configure_process(settings: ServerSettings) -> None:
     if _streamer_configured:
         return
     tune_malloc()
-    # The streamer's default local strategy is O_DIRECT, which bypasses the page cache (about 2 GB/s
-    # here, warm or cold); buffered reads serve a warm checkpoint from memory. An operator's own
-    # setting wins.
+    # The streamer's default local strategy is O_DIRECT, which bypasses the page cache: every read
+    # waits for storage, warm or cold. Buffered reads serve a warm checkpoint from memory. An
+    # operator's own setting wins.
     os.environ.setdefault("RUNAI_STREAMER_FS_STRATEGY", "sync_buffered")
     if settings.streamer_concurrency is not None:
         os.environ["RUNAI_STREAMER_CONCURRENCY"] = str(settings.streamer_concurrency)
@@ -140,7 +141,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             # A message holds up to MAX_CHUNK_BYTES of payload plus its chunk descriptors.
             ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-            # Clients ping after 10 s without reads to notice a dead server (client.py _CHANNEL_OPTIONS).
+            # Clients ping after 10 s without reads to notice a dead server (weightstream.client.channels).
             # gRPC's default accepts one ping per 5 min without data and answers more with GOAWAY
             # "too_many_pings", which would cut every stream in flight; accept one per 5 s, also on
             # connections with no call (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS).
@@ -158,8 +159,9 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    add_to_server(WeightStreamServicer(settings, catalog, pool, stats, readiness, cache), server)
-    shm.add_to_server(shm.SharedMemoryServicer(settings, catalog, pool, stats, readiness, cache), server)
+    streams = Streams(settings, catalog, pool, stats, readiness, cache)
+    servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
+    shm_servicer.add_to_server(shm_servicer.SharedMemoryServicer(streams), server)
     health_servicer = ReadinessHealthServicer(readiness)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection lets grpcurl and similar tools call the server without the .proto files.

@@ -11,7 +11,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from weightstream import wire
+from weightstream import dtypes, wire
 from weightstream_server.errors import CorruptCheckpoint, UnsupportedCheckpoint
 
 # Real headers are kilobytes to a few MiB (hundreds of thousands of tensors); a larger one is
@@ -24,7 +24,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_HEADER_ITEMS = 2_000_000
 MAX_NAME_CHARS = 1024
 MAX_DIMS = 16
-# Every dtype the safetensors format defines; those torch cannot hold (not in wire.BY_SAFETENSORS)
+# Every dtype the safetensors format defines; those torch cannot hold (not in dtypes.BY_SAFETENSORS)
 # make a checkpoint unsupported, any other string makes it corrupt.
 SAFETENSORS_DTYPES = frozenset(
     {"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F16", "BF16", "F32", "F64"}
@@ -39,7 +39,7 @@ class HeaderTensor:
     """One tensor of one file; start and end are absolute byte offsets in the file."""
 
     name: str
-    dtype: wire.DType
+    dtype: dtypes.DType
     shape: tuple[int, ...]
     start: int
     end: int
@@ -144,7 +144,7 @@ def _parse_entry(display_name: str, name: object, entry: object, data_start: int
     offsets = entry.get("data_offsets")
     if not isinstance(dtype_code, str):
         raise CorruptCheckpoint(f"{display_name}: tensor {name!r}: missing dtype")
-    dtype = wire.BY_SAFETENSORS.get(dtype_code)
+    dtype = dtypes.BY_SAFETENSORS.get(dtype_code)
     if dtype is None and dtype_code not in SAFETENSORS_DTYPES:
         raise CorruptCheckpoint(
             f"{display_name}: tensor {name!r}: unknown dtype {dtype_code[:_QUOTED_CHARS]!r}, not a safetensors dtype"

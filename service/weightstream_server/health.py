@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server.rpc import SERVICE
 from weightstream_server.source import Source
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["WeightStreamService"].full_name
+SERVICE_NAME: str = SERVICE.full_name
 HEALTH_SERVICE_NAME: str = health.SERVICE_NAME
 # A health service name that is SERVING while the process answers at all, for gRPC liveness probes
 # (Kubernetes `grpc: {port: 50051, service: liveness}`); "" and SERVICE_NAME report readiness.

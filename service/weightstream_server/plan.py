@@ -1,4 +1,4 @@
-"""Turning a stream request into the byte ranges to read, file by file.
+"""Turning a stream request into the byte ranges to read, file by file (a read_plan.ReadPlan).
 
 Reads are cut into units of READ_UNIT_BYTES (a whole number of chunks), larger than the chunks that
 are sent: fewer, larger reads cost the storage less per byte (one S3 GET per unit), while the
@@ -12,16 +12,20 @@ read, in units of whole rows, and the slice is gathered out of them in memory, s
 few large reads and the client receives only the slice's bytes. Unit boundaries depend only on the
 tensor, never on the request, so that every rank of a tensor-parallel load reads the same units and
 a server cache can share them.
+
+The limits bound what one request can make the plan hold; plan_reads enforces them for every
+caller, and validation.check_stream_request checks the tensor count before a request is converted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from weightstream import wire
+from weightstream.wire import TensorSlice
 from weightstream_server.catalog import Manifest, TensorEntry
 from weightstream_server.errors import InvalidRequest, RangeOutOfBounds
+from weightstream_server.read_plan import ChunkPlace, FilePlan, Gather, ReadPlan, UnitPlace
 
 MAX_REQUESTED_TENSORS = 1_000_000
 MAX_RANGES_PER_TENSOR = 4096
@@ -31,63 +35,8 @@ READ_UNIT_BYTES = 16 * 1024 * 1024
 # Slice segments smaller than this are gathered out of whole rows rather than read one by one.
 GATHER_BELOW_BYTES = 1024 * 1024
 
-
-@dataclass(frozen=True)
-class SliceRequest:
-    """Elements [start, stop) of dimension dim."""
-
-    dim: int
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True)
-class Gather:
-    """How a unit of whole rows becomes slice bytes: of each row_bytes, keep [first, first + width)."""
-
-    row_bytes: int
-    first: int
-    width: int
-
-
-@dataclass(frozen=True)
-class ChunkPlace:
-    """Where bytes belong: their tensor and the byte offset within it (within the slice, for a slice)."""
-
-    tensor: str
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True)
-class UnitPlace:
-    """Where one read unit's bytes go: to place (whose length is the bytes sent), through gather if set."""
-
-    place: ChunkPlace
-    gather: Gather | None = None
-
-
-@dataclass
-class FilePlan:
-    """The read units of one file (offsets and sizes in the file), with a UnitPlace for each, in order."""
-
-    file_index: int
-    offsets: list[int] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    places: list[UnitPlace] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class ReadPlan:
-    files: tuple[FilePlan, ...]
-    # Bytes to send (slices count their own bytes only).
-    total_bytes: int
-    num_reads: int
-    # Largest payload of one sent chunk; every read unit is a whole number of these but its last.
-    chunk_bytes: int
-
-
-Requested = tuple[str, Sequence[tuple[int, int]], SliceRequest | None]
+# (tensor name, byte ranges, slice or None); an empty list of ranges means the whole tensor or slice.
+Requested = tuple[str, Sequence[tuple[int, int]], TensorSlice | None]
 
 
 def plan_reads(manifest: Manifest, requested: Sequence[Requested], chunk_bytes: int) -> ReadPlan:
@@ -96,8 +45,7 @@ def plan_reads(manifest: Manifest, requested: Sequence[Requested], chunk_bytes: 
     An empty list of ranges means the whole tensor (or slice). Ranges are [start, end) within the
     tensor's bytes, or within the slice's bytes laid out contiguously.
     """
-    if len(requested) > MAX_REQUESTED_TENSORS:
-        raise InvalidRequest(f"request names {len(requested)} tensors, more than {MAX_REQUESTED_TENSORS}")
+    check_tensor_count(len(requested))
     ranges_total = sum(len(ranges) for _, ranges, _ in requested)
     if ranges_total > MAX_RANGES_PER_REQUEST:
         raise InvalidRequest(f"request has {ranges_total} byte ranges in all, more than {MAX_RANGES_PER_REQUEST}")
@@ -123,7 +71,13 @@ def plan_reads(manifest: Manifest, requested: Sequence[Requested], chunk_bytes: 
     return ReadPlan(files, total, sum(len(p.sizes) for p in files), chunk_bytes)
 
 
-def slice_layout(entry: TensorEntry, slice_: SliceRequest) -> tuple[int, int, int, int]:
+def check_tensor_count(count: int) -> None:
+    """Refuse a request that names more than MAX_REQUESTED_TENSORS tensors."""
+    if count > MAX_REQUESTED_TENSORS:
+        raise InvalidRequest(f"request names {count} tensors, more than {MAX_REQUESTED_TENSORS}")
+
+
+def slice_layout(entry: TensorEntry, slice_: TensorSlice) -> tuple[int, int, int, int]:
     """(outer rows, bytes per row, first byte of the slice in a row, slice bytes per row), checked."""
     shape = entry.shape
     what = f"tensor {entry.name!r} of shape {list(shape)}"
@@ -154,7 +108,7 @@ def _plan_range(per_file: dict[int, FilePlan], entry: TensorEntry, start: int, e
 def _plan_slice(
     per_file: dict[int, FilePlan],
     entry: TensorEntry,
-    slice_: SliceRequest,
+    slice_: TensorSlice,
     ranges: Sequence[tuple[int, int]],
     unit_bytes: int,
 ) -> int:

@@ -33,7 +33,7 @@ from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 from weightstream import wire
 from weightstream_server.catalog import Manifest
 from weightstream_server.errors import CorruptCheckpoint, StorageUnavailable, TooManyStreams
-from weightstream_server.plan import ChunkPlace, ReadPlan
+from weightstream_server.read_plan import ChunkPlace, ReadPlan
 from weightstream_server.source import SourceFile
 
 logger = logging.getLogger(__name__)
@@ -216,11 +216,11 @@ class DirectReader:
     streamer's ring -> the slot), and the second, on the stream's one thread, was what bounded it.
     What the page cache holds is copied on the caller's thread (preadv2 with RWF_NOWAIT); the rest
     is read on a pool of threads (preadv and the CRC32C release the GIL), so that a cold file is read
-    with several requests in flight. Measured here, a warm load ran about 1.3x slower when every
-    read went through the threads, and a cold one about 1.5x slower with no threads; asking the
-    kernel to read ahead (posix_fadvise WILLNEED) made cold loads slower, not faster. From a warm
-    page cache this path is about 1.3x faster than the streamer's; from a cold one the streamer's
-    is about 1.2x faster, which is why callers check page_cached() first. A short read, or a file
+    with several requests in flight: a thread handoff costs more than copying cached bytes, and
+    one thread waiting for storage at a time is too few. Asking the kernel to read ahead
+    (posix_fadvise WILLNEED) makes cold loads slower, not faster. From a warm page cache this path is faster
+    than the streamer's; from a cold one the streamer's parallel reads are, which is why callers
+    check page_cached() first (benchmarks/shm_load.py compares both). A short read, or a file
     whose size changed since its header was read, is a CorruptCheckpoint, as on the streamer's path.
 
     Ownership: the files it opens and its threads, until close(), which waits for every read

@@ -1,66 +1,178 @@
-"""The server's settings: the one place that reads WEIGHTSTREAM_* environment variables."""
+"""The server's settings: the one place that reads WEIGHTSTREAM_* environment variables.
+
+ServerSettings is the single description of every option of `weightstream serve`: each field's type,
+default and description give its flag (--model-root), its variable (WEIGHTSTREAM_MODEL_ROOT) and its
+--help line. `add_arguments` puts the flags on a parser; `load` builds the settings from parsed flags
+and an environment, a flag beating its variable and the variable beating the default.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_origin
+
+from pydantic import BeforeValidator, ByteSize, Field, TypeAdapter, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from weightstream import wire
 
 ENV_PREFIX = "WEIGHTSTREAM_"
 
+# What a value that failed to parse should have been, by pydantic error type.
+_EXPECTED = {
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_parsing": "a number",
+    "bool_parsing": "a boolean (1/0, true/false, yes/no, on/off)",
+    "byte_size": "a byte size (for example 16GiB, 512MiB or 1073741824)",
+}
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
-@dataclass(frozen=True, kw_only=True)
-class ServerSettings:
-    """Everything `weightstream serve` can be told; each field is also WEIGHTSTREAM_<FIELD>."""
 
-    model_root: Path | None = None
-    host: str = "127.0.0.1"
-    grpc_port: int = 50051
-    # 0 turns the REST endpoint off.
-    http_port: int = 8080
-    max_streams: int = 16
-    # Bytes each stream may read ahead of what it has sent; bounds server memory per stream.
-    read_ahead_bytes: int = 256 * 1024 * 1024
-    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
-    # Run:ai streamer reader threads per stream; None keeps the streamer's default.
-    streamer_concurrency: int | None = None
-    # Bytes per storage request of the Run:ai streamer; None keeps the streamer's default.
-    streamer_chunk_bytes: int | None = None
-    log_level: str = "INFO"
-    # S3: only these buckets are served (s3://bucket/prefix model ids); empty turns S3 off.
-    s3_buckets: tuple[str, ...] = ()
-    # Endpoint of an S3-compatible store (MinIO and friends); None uses AWS_ENDPOINT_URL or AWS.
-    s3_endpoint: str | None = None
-    s3_region: str | None = None
-    # Path-style addressing (http://host/bucket/key), which most S3-compatible stores need.
-    s3_path_style: bool = False
-    # CA bundle for an S3 endpoint with a private certificate authority.
-    s3_ca_bundle: str | None = None
-    # Per-request S3 timeout of the streamer; its own default (1 s) is too short for slow stores.
-    s3_request_timeout_ms: int = 30_000
-    # Bearer tokens clients must send, one per line; None serves every caller (see auth.py).
-    token_file: Path | None = None
-    # PEM files for gRPC over TLS; with tls_client_ca, clients must show a certificate it signed.
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None
-    # Seconds that streams in flight get to finish after SIGTERM before they are cancelled.
-    drain_seconds: float = 30.0
-    # Bytes of recently served tensor data kept in RAM and shared by concurrent streams; 0 turns the
-    # cache (and single-flight reads) off.
-    cache_bytes: int = 0
-    # Models read into the cache at start-up; /readyz waits for them.
-    preload: tuple[str, ...] = ()
-    # A directory shared with clients on the same host (a pod's emptyDir): turns the shared-memory
-    # transport on. None serves gRPC only.
-    shm_dir: Path | None = None
+def _byte_count(value: object) -> object:
+    """A size as people write it (16GiB, 16GB, 512MiB, 1073741824) as a plain int; other types pass on."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return int(_BYTE_SIZE.validate_python(value))
+    except ValidationError:
+        raise PydanticCustomError("byte_size", f"Input should be {_EXPECTED['byte_size']}") from None
 
-    def __post_init__(self) -> None:
+
+def _names(value: object) -> object:
+    """A comma-separated string (the environment) or a list (a repeated flag) as a tuple, blanks and repeats dropped."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, list | tuple):
+        return value
+    stripped = (item.strip() if isinstance(item, str) else item for item in value)
+    return tuple(dict.fromkeys(item for item in stripped if item != ""))
+
+
+# An int that also takes units; the field stays a plain int for the code that reads it.
+_BYTE_COUNT = BeforeValidator(_byte_count)
+ByteCount = Annotated[int, _BYTE_COUNT]
+Names = Annotated[tuple[str, ...], BeforeValidator(_names)]
+
+
+def _bytes_text(n: int) -> str:
+    """n in the largest binary unit that divides it (256MiB), as --help shows defaults."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The command-line flag of a field whose flag is not --<field-name>."""
+
+    name: str
+
+
+class ServerSettings(BaseSettings):
+    """Everything `weightstream serve` can be told; each field is also WEIGHTSTREAM_<FIELD>.
+
+    Built with keyword arguments (tests, the demo), it holds those values and the defaults and reads no
+    environment; `load` is the one reader of flags and WEIGHTSTREAM_* variables. A bad value or
+    combination is a ValueError that names each problem.
+    """
+
+    # hide_input_in_errors: a report names the problem, not every value given.
+    model_config = SettingsConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
+    model_root: Path | None = Field(
+        default=None, description="folder whose subfolders are models (<root>/<model>/*.safetensors)"
+    )
+    host: str = Field(default="127.0.0.1", description="address to listen on (0.0.0.0 for all interfaces)")
+    grpc_port: int = Field(default=50051, description="gRPC port; 0 picks a free port")
+    http_port: int = Field(
+        default=8080, description="REST port for /healthz, /readyz, /status and /metrics; 0 turns it off"
+    )
+    max_streams: int = Field(default=16, description="concurrent streams before RESOURCE_EXHAUSTED")
+    read_ahead_bytes: ByteCount = Field(
+        default=256 * 1024 * 1024,
+        description="bytes each stream reads ahead of what it sent; bounds server memory per stream",
+    )
+    chunk_bytes: ByteCount = Field(
+        default=wire.DEFAULT_CHUNK_BYTES,
+        description=f"default payload bytes per chunk ({_bytes_text(wire.MIN_CHUNK_BYTES)} to "
+        f"{_bytes_text(wire.MAX_CHUNK_BYTES)})",
+    )
+    streamer_concurrency: int | None = Field(
+        default=None, description="Run:ai streamer reader threads per stream; none keeps the streamer's default"
+    )
+    streamer_chunk_bytes: ByteCount | None = Field(
+        default=None, description="bytes per storage request of the Run:ai streamer; none keeps the streamer's default"
+    )
+    log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR")
+    s3_buckets: Annotated[Names, Flag("--s3-bucket")] = Field(
+        default=(),
+        description="serve s3://NAME/... models from this bucket (repeatable; env comma-separated); none: no S3",
+    )
+    s3_endpoint: str | None = Field(
+        default=None,
+        description="endpoint URL of an S3-compatible store (MinIO and friends); none: AWS_ENDPOINT_URL or AWS",
+    )
+    s3_region: str | None = Field(default=None, description="S3 region; none: AWS_REGION or the profile's")
+    s3_path_style: bool = Field(
+        default=False,
+        description="path-style S3 addressing (http://host/bucket/key), which most S3-compatible stores need",
+    )
+    s3_ca_bundle: str | None = Field(
+        default=None, description="CA bundle file for an S3 endpoint with a private authority"
+    )
+    s3_request_timeout_ms: int = Field(
+        default=30_000,
+        description="per-request S3 timeout of the streamer (its own default, 1 s, is too short for slow stores)",
+    )
+    token_file: Path | None = Field(
+        default=None, description="file of bearer tokens clients must send, one per line; none serves every caller"
+    )
+    tls_cert: Path | None = Field(
+        default=None, description="PEM certificate chain: serve gRPC over TLS (needs --tls-key)"
+    )
+    tls_key: Path | None = Field(default=None, description="PEM private key of --tls-cert")
+    tls_client_ca: Path | None = Field(
+        default=None, description="PEM CA bundle; clients must show a certificate it signed (mutual TLS)"
+    )
+    drain_seconds: float = Field(
+        default=30.0, description="seconds that streams in flight get to finish after SIGTERM before they are cancelled"
+    )
+    cache_bytes: ByteCount = Field(
+        default=0,
+        description="RAM cache of served tensor bytes, shared by concurrent streams (single-flight reads); 0: off",
+    )
+    preload: Names = Field(
+        default=(), description="read MODEL into the cache at start-up; /readyz waits (repeatable; env comma-separated)"
+    )
+    shm_dir: Path | None = Field(
+        default=None,
+        description="directory shared with clients on the same host (a pod's emptyDir): turns the shared-memory "
+        "transport on; none serves gRPC only",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Keyword arguments only: a server built in code must not pick up its caller's WEIGHTSTREAM_*
+        # variables (a token file would break the demo), and load() takes the environment as an argument.
+        return (init_settings,)
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerSettings:
         problems = []
         if not 0 <= self.grpc_port <= 65535:
             problems.append(f"grpc_port {self.grpc_port} is not a port number")
@@ -94,55 +206,84 @@ class ServerSettings:
         if self.cache_bytes < 0:
             problems.append(f"cache_bytes must be at least 0, not {self.cache_bytes}")
         if self.preload and not self.cache_bytes:
-            problems.append("--preload needs a cache: pass --cache-bytes N (WEIGHTSTREAM_CACHE_BYTES)")
+            problems.append("--preload needs a cache: pass --cache-bytes SIZE (WEIGHTSTREAM_CACHE_BYTES)")
         if problems:
-            raise ValueError("invalid server settings: " + "; ".join(problems))
+            raise PydanticCustomError(
+                "invalid_settings", "invalid server settings: {problems}", {"problems": "; ".join(problems)}
+            )
+        return self
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One option per field on parser; each parses to its field's name, None when not given."""
+        for name, field in cls.model_fields.items():
+            text = f"{field.description} (default: {_default_text(field)}) [env {env_name(name)}]"
+            # argparse expands %-formats in help.
+            text = text.replace("%", "%%")
+            if field.annotation is bool:
+                parser.add_argument(flag(name), dest=name, action="store_true", default=None, help=text)
+            elif get_origin(field.annotation) is tuple:
+                parser.add_argument(flag(name), dest=name, action="append", default=None, help=text)
+            else:
+                parser.add_argument(flag(name), dest=name, default=None, help=text)
 
     @classmethod
     def load(cls, given: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ServerSettings:
-        """Settings from given values (None means not given), then WEIGHTSTREAM_* variables, then defaults."""
+        """Settings from given values (parsed flags; None means not given), then WEIGHTSTREAM_* variables
+        (empty means not set), then defaults. A ValueError names each bad value by its flag or variable."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            value = given.get(f.name)
-            if value is None:
-                raw = environ.get(ENV_PREFIX + f.name.upper())
-                if raw is None or raw == "":
-                    continue
-                value = _convert(f.name, str(f.type), raw)
-            values[f.name] = value
-        if values.get("model_root") is not None:
-            values["model_root"] = Path(values["model_root"])
-        for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca", "shm_dir"):
-            if values.get(name) is not None:
-                values[name] = Path(values[name])
-        for name in ("s3_buckets", "preload"):
-            if name in values:
-                values[name] = tuple(dict.fromkeys(b.strip() for b in values[name] if b.strip()))
-        return cls(**values)
+        origins: dict[str, str] = {}
+        for name in cls.model_fields:
+            if given.get(name) is not None:
+                values[name], origins[name] = given[name], flag(name)
+            elif environ.get(env_name(name)):
+                values[name], origins[name] = environ[env_name(name)], env_name(name)
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise ValueError(_describe(exc, origins)) from None
 
 
 def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
-def _convert(name: str, type_name: str, raw: str) -> Any:
-    if type_name.startswith("tuple"):
-        return tuple(part for part in raw.split(",") if part.strip())
-    if type_name == "bool":
-        if raw.strip().lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.strip().lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{env_name(name)}={raw!r} is not a boolean (use 1/0, true/false)")
-    if "int" in type_name:
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"{env_name(name)}={raw!r} is not an integer") from None
-    if type_name == "float":
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"{env_name(name)}={raw!r} is not a number") from None
-    return raw
+def flag(field_name: str) -> str:
+    """The command-line flag of a ServerSettings field: --<field-name>, unless the field names another."""
+    field = ServerSettings.model_fields[field_name]
+    named = [m.name for m in field.metadata if isinstance(m, Flag)]
+    return named[0] if named else "--" + field_name.replace("_", "-")
+
+
+def _default_text(field: FieldInfo) -> str:
+    """A field's default as its --help line says it."""
+    default = field.default
+    if default is None or default == ():
+        return "none"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if _BYTE_COUNT in field.metadata and isinstance(default, int):
+        return _bytes_text(default)
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
+
+
+def _describe(exc: ValidationError, origins: Mapping[str, str]) -> str:
+    """Each problem in one line, a value named by where it came from (origins) or else by its field."""
+    problems = []
+    for error in exc.errors(include_url=False):
+        if not error["loc"]:
+            # The checks across fields, already one message.
+            problems.append(error["msg"])
+            continue
+        name = str(error["loc"][0])
+        where = origins.get(name, name)
+        if error["type"] == "extra_forbidden":
+            problems.append(f"{where} is not a setting")
+        elif error["type"] in _EXPECTED:
+            problems.append(f"{where}: {error['input']!r} is not {_EXPECTED[error['type']]}")
+        else:
+            problems.append(f"{where}: {error['msg']}")
+    return "; ".join(problems)

@@ -10,9 +10,11 @@ the root, are refused before any file is opened.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -69,6 +71,19 @@ class ModelFiles:
     model: str
     files: tuple[SourceFile, ...]
     weight_map: dict[str, str] | None
+
+
+def revision(files: Sequence[SourceFile], kinds: Sequence[str] = ()) -> str:
+    """A digest of each file's name, size and version (after its kind, where kinds gives one per file), in order.
+
+    Clients keep revisions and compare them with later ones: the same files must always give the
+    same string.
+    """
+    digest = hashlib.sha256()
+    for index, f in enumerate(files):
+        kind = f"{kinds[index]}\0" if kinds else ""
+        digest.update(f"{kind}{f.name}\0{f.size}\0{f.version}\n".encode())
+    return digest.hexdigest()[:24]
 
 
 class Source(Protocol):

@@ -17,6 +17,9 @@ False when no byte reached the module, True when some did, None where it does no
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import grpc
 
 
@@ -95,3 +98,12 @@ def from_rpc_error(error: grpc.RpcError, target: str) -> WeightStreamError:
     details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
     cls = _BY_CODE.get(code, WeightStreamError)
     return cls(f"{code.name} from {target}: {details}", code=code)
+
+
+@contextlib.contextmanager
+def translated(target: str) -> Iterator[None]:
+    """Turn gRPC errors raised inside into the client's exceptions (the one boundary that does)."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc, target) from exc

@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tqdm import tqdm
 
@@ -26,14 +27,21 @@ from weightstream.client.errors import IntegrityError
 from weightstream.client.manifest import ModelFile, ModelFileList
 from weightstream.client.progress import byte_bar
 
-if TYPE_CHECKING:
-    from weightstream.client.client import WeightStreamClient
-
 logger = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".partial"
 # Block size for re-reading a .partial file's bytes to checksum them.
 _READ_BLOCK_BYTES = 4 * 1024 * 1024
+
+
+class FileSource(Protocol):
+    """Where fetch reads a model's files from (files.RemoteFiles: the server)."""
+
+    def list_files(self, model: str) -> ModelFileList: ...
+
+    def read_file(
+        self, model: str, name: str, *, offset: int = 0, revision: str = ""
+    ) -> Iterator[tuple[bytes, int | None]]: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ def partial_path(directory: Path, name: str) -> Path:
 
 
 def fetch(
-    client: WeightStreamClient,
+    source: FileSource,
     model: str,
     directory: str | Path,
     *,
@@ -70,13 +78,14 @@ def fetch(
 ) -> FetchReport:
     """Write model's weight and companion files (only the companions with metadata_only) into directory.
 
-    Raises the client's WeightStreamError subclasses; whatever was received before an error stays
-    in .partial files for the next fetch to continue.
+    progress draws a bar (the caller has asked progress.is_rank_zero). Raises the client's
+    WeightStreamError subclasses; whatever was received before an error stays in .partial files
+    for the next fetch to continue.
     """
     started = time.perf_counter()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    listing = client.list_files(model)
+    listing = source.list_files(model)
     wanted = [f for f in listing.files if not metadata_only or f.kind == "companion"]
     skipped = [f.name for f in wanted if _is_complete(directory / f.name, f)]
     offsets = {f.name: _resume_offset(directory, f) for f in wanted if f.name not in skipped}
@@ -89,7 +98,7 @@ def fetch(
             if f.name not in offsets:
                 continue
             offset = offsets[f.name]
-            received += _fetch_file(client, listing, f, directory, offset, bar)
+            received += _fetch_file(source, listing, f, directory, offset, bar)
             (resumed if offset else downloaded).append(f.name)
     report = FetchReport(
         listing.model,
@@ -132,7 +141,7 @@ def _resume_offset(directory: Path, file: ModelFile) -> int:
 
 
 def _fetch_file(
-    client: WeightStreamClient, listing: ModelFileList, file: ModelFile, directory: Path, offset: int, bar: tqdm
+    source: FileSource, listing: ModelFileList, file: ModelFile, directory: Path, offset: int, bar: tqdm
 ) -> int:
     """Receive file from offset into its .partial file, check it whole, rename it; the bytes received."""
     partial = partial_path(directory, file.name)
@@ -141,7 +150,7 @@ def _fetch_file(
     server_crc: int | None = None
     received = 0
     with partial.open("ab" if offset else "wb") as out:
-        pieces = client.read_file(listing.model, file.name, offset=offset, revision=listing.revision)
+        pieces = source.read_file(listing.model, file.name, offset=offset, revision=listing.revision)
         for data, file_crc in pieces:
             out.write(data)
             crc = wire.crc32c_extend(crc, data)

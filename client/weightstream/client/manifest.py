@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from weightstream import wire
+from weightstream import dtypes, wire
 from weightstream.client.errors import IntegrityError
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.wire import TensorSlice
@@ -49,7 +49,7 @@ def manifest_from_proto(response: pb.GetManifestResponse) -> Manifest:
     files = tuple(f.name for f in response.files)
     tensors = []
     for t in response.tensors:
-        dtype = wire.BY_WIRE.get(t.dtype)
+        dtype = dtypes.BY_WIRE.get(t.dtype)
         if dtype is None:
             raise IntegrityError(f"model {response.model!r}: tensor {t.name!r} has unknown wire dtype {t.dtype}")
         shape = tuple(int(d) for d in t.shape)

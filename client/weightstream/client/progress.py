@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-import os
-
 from tqdm import tqdm
+
+from weightstream.client.options import ClientOptions
 
 # Plain enough to survive log prefixes, the way vLLM's loaders draw theirs.
 BAR_FORMAT = "{desc}: {percentage:3.0f}% | {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
 
 
-def is_rank_zero() -> bool:
-    """True unless this process is a non-zero rank of a distributed job (RANK, LOCAL_RANK, torch.distributed)."""
-    for variable in ("RANK", "LOCAL_RANK"):
-        value = os.environ.get(variable)
-        if value not in (None, "") and value != "0":
-            return False
+def is_rank_zero(options: ClientOptions | None = None) -> bool:
+    """True unless this process is a non-zero rank of a distributed job (RANK, LOCAL_RANK, torch.distributed).
+
+    options: what the environment says (default: read it now).
+    """
+    if options is None:
+        options = ClientOptions.from_environ()
+    if not options.rank_zero:
+        return False
     try:
         import torch.distributed as dist
 
@@ -27,7 +30,7 @@ def is_rank_zero() -> bool:
 
 
 def byte_bar(total: int, description: str, enabled: bool) -> tqdm:
-    """A bar counting bytes towards total; disabled unless enabled and on rank 0."""
+    """A bar counting bytes towards total; drawn only when enabled (the caller asks is_rank_zero)."""
     return tqdm(
         total=total,
         desc=description,
@@ -36,6 +39,6 @@ def byte_bar(total: int, description: str, enabled: bool) -> tqdm:
         unit_divisor=1024,
         mininterval=0.5,
         bar_format=BAR_FORMAT,
-        disable=not (enabled and is_rank_zero()),
+        disable=not enabled,
         leave=True,
     )

@@ -5,7 +5,7 @@ A client target may be one address ("host:port"), a gRPC name that resolves to m
 ("10.0.0.1:50051,10.0.0.2:50051" or a list of them). Every channel gets the service config below:
 round_robin spreads calls (each stream is one call) over every address the name resolves to, and
 gRPC retries a call that failed with UNAVAILABLE before any response arrived, on another address.
-A stream that breaks after data arrived is resumed by the client itself (client.py), which asks
+A stream that breaks after data arrived is resumed by the client itself (session.py), which asks
 for the missing bytes only.
 """
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from weightstream.client.transport import StreamCancel
+from weightstream.client.transports.base import StreamCancel
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
 # The reason a StreamCancel carries when the watchdog stopped an idle stream.

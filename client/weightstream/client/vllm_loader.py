@@ -20,14 +20,15 @@ Configuration is `model_loader_extra_config` (`--model-loader-extra-config` on `
 
 vLLM's `model` folder then holds only config.json and the tokenizer: no weights are downloaded
 or staged on disk. Every tensor is streamed whole and handed to `model.load_weights(...)`, which
-narrows it to this rank's slice under tensor parallelism (so each rank receives full tensors;
-per-rank slices are not in the protocol yet).
+narrows it to this rank's slice under tensor parallelism, so each rank receives full tensors. The
+protocol can send one rank's slices alone (TensorSlice; WeightStreamClient.iter_tensors(slices=...)
+and load_into(shard=ShardSpec(...))), but this loader does not ask for them: vLLM's load_weights
+expects the checkpoint's whole tensors and does the narrowing itself.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -42,15 +43,13 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from weightstream.client.client import WeightStreamClient
+from weightstream.client.options import MODEL_ENV, TARGET_ENV, ClientOptions
 
 # A child of vLLM's logger, so that these lines reach vLLM's handler and format (vLLM configures
 # only the "vllm" logger; a weightstream.* logger would be dropped at the root's WARNING level).
 logger = logging.getLogger("vllm.weightstream")
 
 LOAD_FORMAT = "weightstream"
-TARGET_ENV = "WEIGHTSTREAM_TARGET"
-MODEL_ENV = "WEIGHTSTREAM_MODEL"
-TOKEN_ENV = "WEIGHTSTREAM_TOKEN"
 _KEYS = frozenset({"target", "model", "token", "tls", "ca_file"})
 # Parameters built from a quantization config, never read from a checkpoint (as in vLLM's own check).
 _CONFIG_BUILT_PARAMS = ("input_scale_ub",)
@@ -71,23 +70,23 @@ class LoaderSettings:
         cls, extra: Mapping[str, object], model_path: str, environ: Mapping[str, str] | None = None
     ) -> LoaderSettings:
         """Settings from model_loader_extra_config, falling back to WEIGHTSTREAM_* variables and vLLM's model path."""
-        env = os.environ if environ is None else environ
+        options = ClientOptions.from_environ(environ)
         unknown = sorted(set(extra) - _KEYS)
         if unknown:
             raise ValueError(
                 f"model_loader_extra_config for load_format={LOAD_FORMAT!r} has unknown keys {unknown}; "
                 f"known: {sorted(_KEYS)}"
             )
-        target = _text(extra, "target") or env.get(TARGET_ENV, "").strip()
+        target = _text(extra, "target") or options.target
         if not target:
             raise ValueError(
                 f"load_format={LOAD_FORMAT!r} needs the server's address: model_loader_extra_config "
                 f'{{"target": "HOST:PORT"}} or the environment variable {TARGET_ENV}'
             )
-        model = _text(extra, "model") or env.get(MODEL_ENV, "").strip() or Path(model_path).name
+        model = _text(extra, "model") or options.model or Path(model_path).name
         if not model:
             raise ValueError(f"no weightstream model id: set model_loader_extra_config['model'] or {MODEL_ENV}")
-        token = _text(extra, "token") or env.get(TOKEN_ENV, "").strip() or None
+        token = _text(extra, "token") or options.token
         return cls(target=target, model=model, token=token, tls=_flag(extra, "tls"), ca_file=_text(extra, "ca_file"))
 
 

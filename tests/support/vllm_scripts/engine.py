@@ -1,6 +1,6 @@
 """Run in the vLLM environment (.venv-vllm), not under pytest: build a vLLM engine, greedy-generate, print JSON.
 
-Usage: python tests/vllm_engine.py MODEL_DIR LOAD_FORMAT [EXTRA_CONFIG_JSON]
+Usage: python tests/support/vllm_scripts/engine.py MODEL_DIR LOAD_FORMAT [EXTRA_CONFIG_JSON]
 
 Prints one line `RESULT {"token_ids": [[...], ...], "init_seconds": S}` on stdout: the generated
 token ids for each of PROMPTS, and how long building the LLM took. vLLM's own log lines (on

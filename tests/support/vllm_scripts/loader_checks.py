@@ -1,6 +1,6 @@
 """Run in the vLLM environment (.venv-vllm), not under pytest: checks of the loader that need no engine.
 
-Usage: python tests/vllm_loader_checks.py TARGET MODEL
+Usage: python tests/support/vllm_scripts/loader_checks.py TARGET MODEL
 
 Each check raises on failure; the script prints `ok` when all pass. The model handed to the loader
 in the last check is a small torch module with a vLLM-style load_weights, and its model config is a

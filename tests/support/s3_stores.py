@@ -1,14 +1,16 @@
-"""Real S3-protocol server processes on 127.0.0.1 for tests: s3rver (fast) and moto (checks credentials)."""
+"""Real S3-protocol servers on 127.0.0.1 for tests: s3rver (fast) and moto (checks credentials).
+
+Both run as processes (s3rver from npm, moto from the dev extra); s3_settings points a weightstream
+server at one of them.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +19,16 @@ from typing import Any
 import boto3
 from botocore.config import Config
 
-S3RVER_JS = Path(__file__).parent / "s3" / "node_modules" / "s3rver" / "bin" / "s3rver.js"
+from tests.support.ports import LOOPBACK, free_ports, wait_port
+from weightstream_server import ServerSettings
+
+S3RVER_JS = Path(__file__).resolve().parent.parent / "s3" / "node_modules" / "s3rver" / "bin" / "s3rver.js"
 S3RVER_KEY = "S3RVER"  # s3rver accepts any keys; these are its documented defaults
 REGION = "us-east-1"
 START_TIMEOUT_S = 30.0
+# The buckets of the session's s3rver store (the s3_store fixture): one served, one not allowed.
+S3_BUCKET = "ws-models"
+S3_OTHER_BUCKET = "ws-not-allowed"
 
 
 @dataclass
@@ -48,22 +56,13 @@ class S3Process:
         self.proc.wait(timeout=10)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_listening(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"S3 test server exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"S3 test server did not listen on 127.0.0.1:{port} within {START_TIMEOUT_S} s")
+    try:
+        wait_port(port, START_TIMEOUT_S, alive=lambda: proc.poll() is None)
+    except RuntimeError:
+        raise RuntimeError(
+            f"S3 test server exited with {proc.returncode}:\n{log.read_text(errors='replace')}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -74,18 +73,18 @@ def s3rver(workdir: Path, port: int | None = None) -> Iterator[S3Process]:
         raise RuntimeError(
             f"s3rver is not installed ({S3RVER_JS}): run `make test`, or `npm install --prefix tests/s3`"
         )
-    port = port or free_port()
+    port = port or free_ports(1)[0]
     data = workdir / "s3rver-data"
     data.mkdir(parents=True, exist_ok=True)
     log = workdir / f"s3rver-{port}.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            [node, str(S3RVER_JS), "--directory", str(data), "--address", "127.0.0.1", "--port", str(port), "--silent"],
+            [node, str(S3RVER_JS), "--directory", str(data), "--address", LOOPBACK, "--port", str(port), "--silent"],
             stdout=sink,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-    server = S3Process(f"http://127.0.0.1:{port}", port, proc, log)
+    server = S3Process(f"http://{LOOPBACK}:{port}", port, proc, log)
     try:
         _wait_listening(proc, port, log)
         yield server
@@ -96,18 +95,18 @@ def s3rver(workdir: Path, port: int | None = None) -> Iterator[S3Process]:
 @contextlib.contextmanager
 def moto(workdir: Path, unauthenticated_actions: int) -> Iterator[S3Process]:
     """moto in server mode, enforcing IAM credentials after the first `unauthenticated_actions` requests."""
-    port = free_port()
+    (port,) = free_ports(1)
     log = workdir / f"moto-{port}.log"
     env = dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT=str(unauthenticated_actions))
     with log.open("wb") as sink:
         proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+            [str(Path(sys.executable).parent / "moto_server"), "-H", LOOPBACK, "-p", str(port)],
             stdout=sink,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
         )
-    server = S3Process(f"http://127.0.0.1:{port}", port, proc, log)
+    server = S3Process(f"http://{LOOPBACK}:{port}", port, proc, log)
     try:
         _wait_listening(proc, port, log)
         yield server
@@ -122,3 +121,18 @@ def upload_folder(client: Any, folder: Path, bucket: str, prefix: str) -> None:
     for path in sorted(folder.iterdir()):
         if path.is_file():
             client.upload_file(str(path), bucket, f"{prefix}/{path.name}")
+
+
+def s3_settings(store: S3Process, **overrides: object) -> ServerSettings:
+    """Settings of a server on loopback port 0 that serves only S3, from store's S3_BUCKET."""
+    values: dict[str, object] = {
+        "host": LOOPBACK,
+        "grpc_port": 0,
+        "http_port": 0,
+        "s3_buckets": (S3_BUCKET, "ws-missing-bucket"),
+        "s3_endpoint": store.endpoint,
+        "s3_region": REGION,
+        "s3_path_style": True,
+    }
+    values.update(overrides)
+    return ServerSettings(**values)  # type: ignore[arg-type]

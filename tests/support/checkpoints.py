@@ -1,14 +1,21 @@
-"""Test helpers: the checkpoints the tests share, and safetensors files written by hand (broken ones too)."""
+"""Checkpoints the tests write (shared ones, small ones, broken ones) and the checks of what was read back.
+
+Files are real safetensors files, written with safetensors or, for broken ones, byte by byte;
+comparisons are of bytes (or SHA-256 digests of them), never of values.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import struct
+from concurrent import futures
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from weightstream.client.sharding import ShardSpec
@@ -137,3 +144,38 @@ def skeleton(shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> torch.nn.Modu
             module = getattr(module, part)
         module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
     return root
+
+
+def write_model(root: Path, name: str, tensors: int, numel: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A one-file float32 model of tensors tensors of numel elements each, under root/name."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {f"layer.{i}.weight": torch.randn(numel, generator=generator) for i in range(tensors)}
+    (root / name).mkdir(parents=True, exist_ok=True)
+    save_file(state, str(root / name / "model.safetensors"))
+    return state
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (a CPU tensor; made contiguous first)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(memoryview(flat.numpy())).hexdigest()
+
+
+def digests(tensors: dict[str, torch.Tensor], threads: int = 2) -> dict[str, str]:
+    """tensor_digest of every tensor, on a few threads (hashlib lets go of the GIL on large buffers)."""
+    with futures.ThreadPoolExecutor(max_workers=threads) as pool:
+        return dict(zip(tensors, pool.map(tensor_digest, tensors.values()), strict=True))
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """tensor_digest of every tensor in folder's safetensors files, read from disk."""
+    found: dict[str, str] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                found[name] = tensor_digest(f.get_tensor(name))
+    return found

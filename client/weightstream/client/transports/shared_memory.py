@@ -2,25 +2,24 @@
 
 negotiate() proves that the server sees the client's directory (a nonce file written here, read
 back there) and returns a SharedMemoryTransport, or None when the server cannot use it; the client
-then streams over gRPC. Each stream() maps the segment the server announces, yields the chunks of
-each filled slot as one batch, with their addresses inside the mapping, and returns the slot (a
-credit) once the caller asks for the next batch.
+then streams over gRPC. Each stream() maps the segment the server announces (names, sizes and the
+mapping itself are weightstream.shm_protocol's, shared with the server), yields the chunks of each
+filled slot as one batch, with their addresses inside the mapping, and returns the slot (a credit)
+once the caller asks for the next batch.
 
-Copies per byte on this side: slot -> parameter (one memmove). On CUDA, when the device allows it,
-the first copy registers the ring with CUDA (cuda_host.HostRegion) and each chunk is one DMA copy
-from its slot to the device; otherwise slot -> pinned staging -> device. Memory: the
-mapping of one ring per stream (slots * slot_bytes), shared with the server.
+Each chunk is placed straight from its slot. On CUDA, when the device allows it, the first copy
+registers the ring with CUDA (cuda_host.HostRegion) and each chunk is one DMA copy from its slot to
+the device; otherwise it goes through pinned staging (placement.py). Memory: the mapping of one
+ring per stream (slots * slot_bytes), shared with the server, unmapped when the stream ends.
 
-Concurrency: as for every transport, one stream per thread, each iterator used by one thread.
+Concurrency: as for every transport, one stream per thread, each generator used by one thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import logging
-import mmap
 import os
 import queue
 import secrets
@@ -29,34 +28,28 @@ from pathlib import Path
 
 import grpc
 
-from weightstream import wire
+from weightstream import shm_protocol, wire
 from weightstream.client import cuda_host
 from weightstream.client.errors import FailedPreconditionError, IntegrityError
-from weightstream.client.transport import ChunkRef, StreamCancel
+from weightstream.client.transports.base import Batches, ChunkRef, StreamCancel, method_path
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-OPEN_SHARED_MEMORY_METHOD = "/weightstream.v1.WeightStreamService/OpenSharedMemory"
-STREAM_TENSORS_SHARED_METHOD = "/weightstream.v1.WeightStreamService/StreamTensorsShared"
-NONCE_PREFIX = wire.SHM_NONCE_PREFIX
+OPEN_SHARED_MEMORY_METHOD = method_path("OpenSharedMemory")
+STREAM_TENSORS_SHARED_METHOD = method_path("StreamTensorsShared")
 # Owner read-write, group read: a server in another container of the pod, running as another user
 # of the pod's fsGroup, can still read it.
 NONCE_MODE = 0o640
 NONCE_BYTES = 32
-# The ring asked for: 4 slots of 4 chunks (64 MiB at 4 MiB chunks). Measured here, few large slots
-# beat many small ones: fewer messages each way, and a smaller segment to allocate per stream.
-DEFAULT_SLOTS = 4
-CHUNKS_PER_SLOT = 4
-SEGMENT_PREFIX = wire.SHM_SEGMENT_PREFIX
 NEGOTIATE_TIMEOUT_S = 10.0
 
 
 class SharedMemoryTransport:
     """StreamTensorsShared on one channel, its segments mapped from shm_dir.
 
-    slots and slot_bytes are the ring asked for (slot_bytes 0: CHUNKS_PER_SLOT of the request's chunks);
-    max_ring_bytes is what the server grants (OpenSharedMemoryResponse), and caps the ring.
+    slots and slot_bytes are the ring asked for (slot_bytes 0: shm_protocol.default_slot_bytes of the
+    request's chunks); max_ring_bytes is what the server grants (OpenSharedMemoryResponse), and caps the ring.
     """
 
     name = "shm"
@@ -67,13 +60,14 @@ class SharedMemoryTransport:
         shm_dir: str | Path,
         *,
         max_ring_bytes: int,
-        slots: int = DEFAULT_SLOTS,
+        slots: int = shm_protocol.DEFAULT_SLOTS,
         slot_bytes: int = 0,
     ) -> None:
         self.shm_dir = Path(shm_dir)
         self.max_ring_bytes = max_ring_bytes
         self.slots = slots
         self.slot_bytes = slot_bytes
+        self._method: grpc.StreamStreamMultiCallable[pb.StreamTensorsSharedRequest, pb.StreamTensorsSharedResponse]
         self._method = channel.stream_stream(
             STREAM_TENSORS_SHARED_METHOD,
             request_serializer=pb.StreamTensorsSharedRequest.SerializeToString,
@@ -98,7 +92,7 @@ class SharedMemoryTransport:
         """
         directory = Path(shm_dir)
         nonce = secrets.token_bytes(NONCE_BYTES)
-        name = f"{NONCE_PREFIX}{secrets.token_hex(8)}"
+        name = shm_protocol.new_nonce_name()
         path = directory / name
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -134,7 +128,7 @@ class SharedMemoryTransport:
 
     def stream(
         self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
-    ) -> Iterator[Sequence[ChunkRef]]:
+    ) -> Batches:
         """Chunks of request, one batch per filled slot; the slot is returned when the next batch is asked for."""
         slots, slot_bytes = self._ring(request)
         # Messages to the server: the request, then an "attached" message, then credits.
@@ -161,12 +155,11 @@ class SharedMemoryTransport:
                 ring.close()
 
     def _ring(self, request: pb.StreamTensorsRequest) -> tuple[int, int]:
-        """The ring to ask for: self.slots of CHUNKS_PER_SLOT chunks (or slot_bytes), capped by the grant."""
-        chunk_bytes = wire.clamp_chunk_bytes(request.max_chunk_bytes)
-        slot_bytes = self.slot_bytes or min(CHUNKS_PER_SLOT * chunk_bytes, wire.MAX_CHUNK_BYTES)
+        """The ring to ask for: self.slots of the default slot size (or slot_bytes), capped by the grant."""
+        slot_bytes = self.slot_bytes or shm_protocol.default_slot_bytes(wire.clamp_chunk_bytes(request.max_chunk_bytes))
         slots = self.slots
         if self.max_ring_bytes:
-            slots = max(2, min(slots, self.max_ring_bytes // slot_bytes))
+            slots = max(shm_protocol.MIN_SLOTS, min(slots, self.max_ring_bytes // slot_bytes))
         return slots, slot_bytes
 
 
@@ -184,26 +177,25 @@ def _drain(
 
 
 class _Ring:
-    """The server's segment, mapped (libc mmap: no buffer object, so no copy and no numpy).
+    """The server's segment, mapped (shm_protocol.map_segment); chunk addresses point into it until close().
 
     Mapped read-only, unless the process uses CUDA: then read-write where the file allows it (the
     same user as the server), because registering read-only memory with CUDA needs a device that
-    supports it; read-only otherwise. This side never writes to it. Chunk addresses point into it until close().
+    supports it; read-only otherwise. This side never writes to it.
     """
 
-    def __init__(self, address: int, size: int, slots: int, slot_bytes: int, model: str, writable: bool) -> None:
-        self.address = address
-        self.size = size
+    def __init__(self, mapping: shm_protocol.Mapping, slots: int, slot_bytes: int, model: str) -> None:
+        self.mapping = mapping
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.model = model
         # The mapping as CUDA copies see it: registered by the first one (cuda_host.HostRegion).
-        self.region = cuda_host.HostRegion(address, size, writable=writable)
+        self.region = cuda_host.HostRegion(mapping.address, mapping.size, writable=mapping.writable)
 
     @classmethod
     def open(cls, directory: Path, announcement: pb.StreamTensorsSharedResponse, model: str) -> _Ring:
         name, slots, slot_bytes = announcement.segment, announcement.slots, announcement.slot_bytes
-        if not name.startswith(SEGMENT_PREFIX) or not wire.is_plain_file_name(name) or not slots or not slot_bytes:
+        if not shm_protocol.is_segment_name(name) or not slots or not slot_bytes:
             raise IntegrityError(
                 f"model {model!r}: the server announced segment {name[:200]!r} of {slots} x {slot_bytes} bytes, "
                 "not a shared-memory ring"
@@ -225,14 +217,13 @@ class _Ring:
         try:
             if os.fstat(fd).st_size < size:
                 raise IntegrityError(f"model {model!r}: segment {name!r} is smaller than its {size} bytes")
-            protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            address = _libc.mmap(None, size, protection, mmap.MAP_SHARED | _MAP_POPULATE, fd, 0)
+            try:
+                mapping = shm_protocol.map_segment(fd, size, writable=writable)
+            except OSError as exc:
+                raise IntegrityError(f"model {model!r}: cannot map segment {name!r}: {exc.strerror}") from exc
         finally:
             os.close(fd)
-        if address is None or address == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise IntegrityError(f"model {model!r}: cannot map segment {name!r}: {os.strerror(err)}")
-        return cls(address, size, slots, slot_bytes, model, writable)
+        return cls(mapping, slots, slot_bytes, model)
 
     def ref(self, chunk: pb.TensorChunk) -> ChunkRef:
         """Where chunk's bytes lie in the mapping; a chunk outside its slot is an IntegrityError."""
@@ -242,22 +233,11 @@ class _Ring:
                 f"ring (slot {chunk.slot if chunk.HasField('slot') else None}, slot offset {chunk.slot_offset}, "
                 f"{chunk.length} bytes; {self.slots} slots of {self.slot_bytes} bytes)"
             )
-        address = self.address + chunk.slot * self.slot_bytes + chunk.slot_offset
+        address = self.mapping.address + chunk.slot * self.slot_bytes + chunk.slot_offset
         return ChunkRef(chunk.tensor, chunk.offset, chunk.crc32c, chunk.length, address, chunk.length, self.region)
 
     def close(self) -> None:
         """Unregister and unmap; the caller has waited for copies from the ring (Placers.settle)."""
-        if self.address:
+        if self.mapping.address:
             self.region.release()
-            _libc.munmap(self.address, self.size)
-            self.address = 0
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-# Map every page at once: one call instead of a fault per 4 KiB page on first read.
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+            self.mapping.close()

@@ -1,4 +1,8 @@
-"""The vLLM test's pieces: a tiny Llama vLLM can run on CPU, its tokenizer, and engine runs in .venv-vllm."""
+"""The vLLM test's pieces: a tiny Llama vLLM can run on CPU, its tokenizer, and engine runs in .venv-vllm.
+
+The engine runs and the loader checks are scripts in vllm_scripts/, run by path with .venv-vllm's
+interpreter (vLLM is not installed where pytest runs).
+"""
 
 from __future__ import annotations
 
@@ -16,11 +20,13 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from weightstream.demo import save_sharded
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 BUILD_SCRIPT = ROOT / "scripts" / "vllm_venv.sh"
-ENGINE_SCRIPT = ROOT / "tests" / "vllm_engine.py"
+SCRIPTS = Path(__file__).resolve().parent / "vllm_scripts"
+ENGINE_SCRIPT = SCRIPTS / "engine.py"
+LOADER_CHECKS_SCRIPT = SCRIPTS / "loader_checks.py"
 VOCAB = 512
 ENGINE_TIMEOUT_S = 300
 

@@ -1,37 +1,38 @@
-"""How chunk bytes reach the client: the data transports behind one small protocol.
+"""How chunk bytes reach the client: the small protocol every data transport implements.
 
 A transport runs one StreamTensors request and yields batches of ChunkRef: each chunk's fields and
 the address where its bytes lie in this process's memory (inside a received gRPC message, or
 inside a shared-memory slot). The client checks and places every chunk of a batch before it asks
-for the next one; a batch's addresses stay valid until then, and no longer. Closing the iterator
+for the next one; a batch's addresses stay valid until then, and no longer. Closing the generator
 cancels the stream and frees what the transport holds. gRPC errors propagate as grpc.RpcError; the
-client translates them (client.py) and decides whether to resume.
+load session (session.py) decides whether to resume, and errors.translated turns them into the
+client's exceptions.
 
 Cancelling from another thread: a transport registers how to stop its stream (for gRPC,
 call.cancel) with the StreamCancel it is given; the client's idle watchdog and the thread that
-collects parallel streams call StreamCancel.cancel from their own threads. The stream's iterator
+collects parallel streams call StreamCancel.cancel from their own threads. The stream's generator
 then raises grpc.RpcError (CANCELLED) on the thread reading it.
 
 Concurrency: one transport object may run several streams at once, one per thread; each stream's
-iterator is used by one thread.
+generator is used by one thread.
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import grpc
-
-from weightstream import framing
 from weightstream.client.cuda_host import HostRegion
-from weightstream.client.errors import IntegrityError
 from weightstream.v1 import weightstream_pb2 as pb
 
-STREAM_TENSORS_METHOD = "/weightstream.v1.WeightStreamService/StreamTensors"
+_SERVICE = pb.DESCRIPTOR.services_by_name["WeightStreamService"]
+
+
+def method_path(name: str) -> str:
+    """The gRPC path of WeightStreamService's method name, as the generated code describes it."""
+    return f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name[name].name}"
 
 
 @dataclass(frozen=True)
@@ -81,45 +82,15 @@ class StreamCancel:
             action()
 
 
+Batches = Generator[Sequence[ChunkRef], None, None]
+
+
 class Transport(Protocol):
+    """One data path: runs a StreamTensors request and yields its chunks in batches (see the module docstring)."""
+
     # Reported in LoadReport.transport: "grpc" or "shm".
     name: str
 
     def stream(
         self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
-    ) -> Iterator[Sequence[ChunkRef]]: ...
-
-
-class GrpcTransport:
-    """Chunk bytes inside StreamTensors messages, read raw and decoded by framing (no protobuf objects)."""
-
-    name = "grpc"
-
-    def __init__(self, channel: grpc.Channel) -> None:
-        # The data stream is read as raw message bytes, so that payloads are checksummed and placed
-        # straight from the received message.
-        self._method = channel.unary_stream(
-            STREAM_TENSORS_METHOD,
-            request_serializer=pb.StreamTensorsRequest.SerializeToString,
-            response_deserializer=None,
-        )
-
-    def stream(
-        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
-    ) -> Iterator[Sequence[ChunkRef]]:
-        call = self._method(request, metadata=tuple(metadata))
-        cancel.on_cancel(call.cancel)
-        try:
-            for message in call:
-                try:
-                    chunks = framing.decode_response(message)
-                except framing.FramingError as exc:
-                    raise IntegrityError(f"model {request.model!r}: malformed stream message: {exc}") from exc
-                # The message's own memory: payloads are read from here, never sliced out. The
-                # message object stays referenced (by `message`) until the next batch is asked for.
-                base = ctypes.cast(ctypes.c_char_p(message), ctypes.c_void_p).value or 0
-                yield [
-                    ChunkRef(c.tensor, c.offset, c.crc32c, c.length, base + c.data_start, c.data_length) for c in chunks
-                ]
-        finally:
-            call.cancel()
+    ) -> Batches: ...

@@ -1,0 +1,378 @@
+"""One load in flight: its streams, the checks on every chunk they place, and how a broken one resumes.
+
+WeightStreamClient makes a LoadSession for each iter_tensors or load_into call and runs it once
+(receive). The session cuts the load's tensors into one group per stream, runs each group as a
+_Stream, checks every chunk before it is placed, and resumes a broken stream by asking for only
+what has not landed.
+
+Threading: with one stream, everything runs on the caller's thread. With several, each _Stream
+(its pending and partly landed tensors, its placers) runs on a worker thread of its own and is
+touched by no other; destination() is called from those threads; completed destinations are
+handed to the caller's thread, which yields them; the tally (retries, re-sent bytes) is locked.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from tqdm import tqdm
+
+from weightstream import wire
+from weightstream.client.channels import Channels
+from weightstream.client.errors import (
+    FailedPreconditionError,
+    IntegrityError,
+    UnavailableError,
+    WeightStreamError,
+    from_rpc_error,
+    translated,
+)
+from weightstream.client.manifest import Manifest, TensorInfo
+from weightstream.client.placement import Destination, Placers
+from weightstream.client.progress import byte_bar
+from weightstream.client.retry import IDLE, RETRYABLE_CODES, IdleWatchdog, Outage, RetryPolicy
+from weightstream.client.transports.base import ChunkRef, StreamCancel, Transport
+from weightstream.v1 import weightstream_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+# The reason a StreamCancel carries when the load itself stopped a stream (another stream failed,
+# or the caller stopped iterating).
+STOPPED = "stopped"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionConfig:
+    """What a client's configuration says about every load it runs; one per client, shared by its sessions."""
+
+    channels: Channels
+    # The client's target as it was given, named in errors and log lines.
+    target: str
+    chunk_bytes: int
+    streams: int
+    # None: fail at the first error, no idle deadline (watchdog None too).
+    retry: RetryPolicy | None
+    watchdog: IdleWatchdog | None
+    # The model's manifest as the server has it now, asked when a stream fails FAILED_PRECONDITION.
+    current_manifest: Callable[[str], Manifest]
+
+
+class LoadSession:
+    """One load of infos' tensors (all of manifest's, or some) into destination(name).
+
+    destination(name) returns the Destination that tensor's chunks are written into. Used once:
+    receive() yields each destination as it completes; retries and resent_bytes count what the
+    load's streams cost, complete once receive() is done.
+    """
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        manifest: Manifest,
+        infos: dict[str, TensorInfo],
+        destination: Callable[[str], Destination],
+    ) -> None:
+        self.config = config
+        self.manifest = manifest
+        self.infos = infos
+        self.destination = destination
+        # Streams resumed after a failure, and bytes received again that had already landed.
+        self.retries = 0
+        self.resent_bytes = 0
+        self._tally_lock = threading.Lock()
+
+    def receive(self, *, description: str, progress: bool) -> Iterator[Destination]:
+        """Stream infos' bytes into their destinations; yield each destination once it is complete.
+
+        Every chunk is checked (known tensor, CRC32C, bounds) before it is placed, and the streams
+        are checked to have delivered every byte of every tensor. With config.streams > 1 the
+        tensors are split into that many groups of about equal bytes, each received on its own
+        channel and thread; destinations are yielded here, on the caller's thread, as they
+        complete. A broken stream is resumed (see _Stream.run). progress draws a bar named
+        description. Errors are the client's exceptions.
+        """
+        total = sum(info.nbytes for info in self.infos.values())
+        groups = split(self.infos, self.config.streams)
+        with translated(self.config.target), byte_bar(total, description, progress) as bar:
+            if len(groups) == 1:
+                yield from _Stream(self, 0, groups[0], bar).run()
+                return
+            yield from self._receive_parallel(groups, bar)
+
+    def _receive_parallel(self, groups: list[dict[str, TensorInfo]], bar: tqdm) -> Iterator[Destination]:
+        """Run one stream per group on worker threads; relay their destinations and their first error."""
+        done: queue.Queue[Destination | BaseException | None] = queue.Queue()
+        streams = [_Stream(self, index, group, bar) for index, group in enumerate(groups)]
+
+        def work(stream: _Stream) -> None:
+            try:
+                for dest in stream.run():
+                    done.put(dest)
+                    if stream.stop.reason is not None:
+                        return
+            except BaseException as exc:  # relayed to the caller's thread
+                done.put(exc)
+            finally:
+                done.put(None)
+
+        workers = [
+            threading.Thread(target=work, args=(stream,), name=f"weightstream-stream-{stream.index}", daemon=True)
+            for stream in streams
+        ]
+        for worker in workers:
+            worker.start()
+        running = len(workers)
+        try:
+            while running:
+                item = done.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for stream in streams:
+                stream.stop.cancel(STOPPED)
+            for worker in workers:
+                worker.join(timeout=30)
+
+    def count(self, *, retries: int = 0, resent_bytes: int = 0) -> None:
+        """Add to the tally; called by every stream's thread."""
+        with self._tally_lock:
+            self.retries += retries
+            self.resent_bytes += resent_bytes
+
+    def precondition_failed(self, exc: grpc.RpcError) -> WeightStreamError:
+        """FAILED_PRECONDITION on a stream: say so plainly when the checkpoint changed since the manifest."""
+        error = from_rpc_error(exc, self.config.target)
+        try:
+            now = self.config.current_manifest(self.manifest.model)
+        except WeightStreamError:
+            return error
+        if now.revision == self.manifest.revision:
+            return error
+        return FailedPreconditionError(
+            f"model {self.manifest.model!r}: the checkpoint changed on the server during the load (revision "
+            f"{self.manifest.revision} when the load began, {now.revision} now); the load stopped rather than mix "
+            f"two versions ({error.message})"
+        )
+
+
+class _Stream:
+    """One stream of a load: the tensors it still owes, those partly landed, its placers and its outage.
+
+    Used by the one thread that runs it; stop.cancel, from any thread, ends it and its retries.
+    """
+
+    def __init__(self, session: LoadSession, index: int, infos: dict[str, TensorInfo], bar: tqdm) -> None:
+        self.session = session
+        self.index = index
+        self.infos = infos
+        self.bar = bar
+        self.stop = StreamCancel()
+        self.model = session.manifest.model
+        self.pending = {name: info for name, info in infos.items() if info.nbytes}
+        # Partly landed tensors, whose missing ranges a resume asks for; a complete one is the
+        # caller's (iter_tensors must not hold every tensor it yielded).
+        self.touched: dict[str, Destination] = {}
+        retry = session.config.retry
+        self.outage = Outage(retry) if retry is not None else None
+        self.placers = Placers(session.config.chunk_bytes)
+
+    def run(self) -> Iterator[Destination]:
+        """Place every chunk of the stream's tensors, yield each destination once complete.
+
+        On a retryable failure (retry.RETRYABLE_CODES, or no message for idle_timeout seconds) the
+        stream is asked again, after a backoff, for only what has not landed: whole tensors not
+        begun, the missing ranges of those begun. Every request carries the manifest's revision,
+        so a checkpoint that changed meanwhile ends the load (FailedPreconditionError) instead of
+        mixing two versions.
+        """
+        if not self.pending:
+            return
+        transport = self.session.config.channels.transport(self.index)
+        stopped = threading.Event()
+        self.stop.on_cancel(stopped.set)
+        try:
+            while True:
+                cancel = StreamCancel()
+                self.stop.on_cancel(functools.partial(cancel.cancel, STOPPED))
+                try:
+                    yield from self._attempt(transport, cancel)
+                except grpc.RpcError as exc:
+                    delay = self._retry_delay(exc, cancel)
+                    self.session.count(retries=1)
+                    if stopped.wait(delay):
+                        raise WeightStreamError(f"model {self.model!r}: the load was stopped") from exc
+                    continue
+                break
+        finally:
+            self.placers.close()
+        if self.pending:
+            raise IntegrityError(
+                f"model {self.model!r}: the stream ended with {len(self.pending)} tensors incomplete "
+                f"({self._missing_bytes()} bytes missing), for example {sorted(self.pending)[0]!r}"
+            )
+
+    def _attempt(self, transport: Transport, cancel: StreamCancel) -> Iterator[Destination]:
+        """One request, for what has not landed: place its chunks, yield each tensor that completes."""
+        config = self.session.config
+        watchdog = config.watchdog
+        watch = watchdog.watch(cancel) if watchdog is not None else None
+        batches = transport.stream(self._request(), config.channels.metadata, cancel)
+        try:
+            while True:
+                # The transport may give the last batch's memory back now (a slot to the server).
+                self.placers.settle()
+                if watch is not None:
+                    watch.arm()
+                batch = next(batches, None)
+                if watch is not None:
+                    watch.disarm()
+                if batch is None:
+                    return
+                yield from self._place_batch(batch)
+        finally:
+            try:
+                self.placers.settle()  # before the transport unmaps what the copies read from
+            finally:
+                batches.close()
+                if watch is not None and watchdog is not None:
+                    watchdog.unwatch(watch)
+
+    def _place_batch(self, batch: Sequence[ChunkRef]) -> Iterator[Destination]:
+        """Place every chunk of batch; yield each tensor it completes."""
+        landed = 0
+        for chunk in batch:
+            placed = self._place(chunk)
+            if placed is None:
+                continue
+            dest, new = placed
+            landed += new
+            self.touched[dest.name] = dest
+            if dest.complete and dest.name in self.pending:
+                self.placers.for_tensor(dest.buffer).finish(dest)
+                del self.pending[dest.name]
+                del self.touched[dest.name]
+                yield dest
+        self.bar.update(landed)
+        resent = sum(c.length for c in batch) - landed
+        if resent:
+            self.session.count(resent_bytes=resent)
+        if landed and self.outage is not None:
+            self.outage.progressed()
+
+    def _place(self, chunk: ChunkRef) -> tuple[Destination, int] | None:
+        """Check one chunk (known tensor, bounds, CRC32C), write it into its tensor; (destination, new bytes).
+
+        A chunk that lands again after a resume is written again, which is harmless; only its new
+        bytes count.
+        """
+        info = self.infos.get(chunk.tensor)
+        if info is None:
+            raise IntegrityError(f"model {self.model!r}: received a chunk of unrequested tensor {chunk.tensor!r}")
+        size = chunk.received
+        end = chunk.offset + size
+        if size != chunk.length or end > info.nbytes:
+            raise IntegrityError(
+                f"model {self.model!r}: tensor {chunk.tensor!r}: chunk at offset {chunk.offset} with "
+                f"{size} bytes (stated {chunk.length}) does not fit its {info.nbytes} bytes"
+            )
+        if wire.crc32c_at(chunk.address, size) != chunk.crc32c:
+            raise IntegrityError(
+                f"model {self.model!r}: tensor {chunk.tensor!r}: CRC32C mismatch in the chunk at offset "
+                f"{chunk.offset} ({size} bytes); the data was corrupted in transit"
+            )
+        if not size:
+            return None
+        dest = self.session.destination(chunk.tensor)
+        self.placers.for_tensor(dest.buffer).place(dest, chunk.offset, chunk.address, size, chunk.region)
+        dest.written = True
+        return dest, dest.landed.add(chunk.offset, end)
+
+    def _request(self) -> pb.StreamTensorsRequest:
+        """The request for what has not landed: whole pending tensors, or their missing ranges once begun."""
+        manifest = self.session.manifest
+        sliced = any(info.slice is not None for info in self.infos.values())
+        begun = bool(self.touched) or len(self.pending) < sum(1 for info in self.infos.values() if info.nbytes)
+        everything = not begun and not sliced and len(self.infos) == len(manifest.tensors)
+        tensors = []
+        if not everything:
+            for name, info in self.pending.items():
+                dest = self.touched.get(name)
+                ranges = [pb.ByteRange(start=s, end=e) for s, e in dest.landed.missing()] if dest is not None else []
+                if info.slice is None:
+                    tensors.append(pb.TensorRequest(name=name, ranges=ranges))
+                else:
+                    s = info.slice
+                    piece = pb.TensorSlice(dim=s.dim, start=s.start, stop=s.stop)
+                    tensors.append(pb.TensorRequest(name=name, ranges=ranges, slice=piece))
+        return pb.StreamTensorsRequest(
+            model=manifest.model,
+            tensors=tensors,
+            max_chunk_bytes=self.session.config.chunk_bytes,
+            revision=manifest.revision,
+        )
+
+    def _retry_delay(self, exc: grpc.RpcError, cancel: StreamCancel) -> float:
+        """Seconds to wait before resuming after exc ended the try cancel stops; raises the load's error instead."""
+        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+        idle = cancel.reason == IDLE
+        if self.stop.reason is not None:
+            raise WeightStreamError(f"model {self.model!r}: the load was stopped") from exc
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            raise self.session.precondition_failed(exc) from exc
+        if self.outage is None or not (idle or code in RETRYABLE_CODES):
+            raise exc
+        delay = self.outage.next_delay()
+        retry, target = self.session.config.retry, self.session.config.target
+        assert retry is not None
+        what = f"no message for {retry.idle_timeout:g} s" if idle else code.name
+        missing = self._missing_bytes()
+        if delay is None:
+            error = UnavailableError(f"from {target}: {what}", code=code) if idle else from_rpc_error(exc, target)
+            raise type(error)(
+                f"model {self.model!r}: {error.message}; gave up after {self.outage.failures} tries in "
+                f"{self.outage.elapsed:.1f} s with {missing} bytes missing",
+                code=error.code,
+            ) from exc
+        logger.warning(
+            "model %r: stream from %s failed (%s), try %d of %d in %.2f s for the %d bytes missing",
+            self.model,
+            target,
+            what,
+            self.outage.failures + 1,
+            retry.attempts,
+            delay,
+            missing,
+        )
+        return delay
+
+    def _missing_bytes(self) -> int:
+        return sum(
+            self.touched[name].nbytes - self.touched[name].landed.covered if name in self.touched else info.nbytes
+            for name, info in self.pending.items()
+        )
+
+
+def split(infos: dict[str, TensorInfo], streams: int) -> list[dict[str, TensorInfo]]:
+    """infos cut into at most `streams` groups of about equal bytes (largest tensors first)."""
+    sized = sorted((info for info in infos.values() if info.nbytes), key=lambda i: -i.nbytes)
+    count = max(1, min(streams, len(sized)))
+    groups: list[dict[str, TensorInfo]] = [{} for _ in range(count)]
+    loads = [0] * count
+    for info in sized:
+        smallest = loads.index(min(loads))
+        groups[smallest][info.name] = info
+        loads[smallest] += info.nbytes
+    for info in infos.values():
+        if not info.nbytes:
+            groups[0][info.name] = info
+    return groups

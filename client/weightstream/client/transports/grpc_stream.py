@@ -1,0 +1,57 @@
+"""The gRPC transport: chunk bytes inside StreamTensors messages, on any network.
+
+Each message is read as raw bytes and decoded by weightstream.framing, never as protobuf objects,
+so payloads are checksummed and placed straight from the received message: gRPC's copy into the
+message and the placer's copy out of it into the tensor are the only ones on this side (on CUDA
+the placer goes through pinned staging, see placement.py).
+
+Concurrency: as for every transport, one stream per thread, each generator used by one thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import grpc
+
+from weightstream import framing
+from weightstream.client.errors import IntegrityError
+from weightstream.client.transports.base import Batches, ChunkRef, StreamCancel, method_path
+from weightstream.v1 import weightstream_pb2 as pb
+
+STREAM_TENSORS_METHOD = method_path("StreamTensors")
+
+
+class GrpcTransport:
+    """StreamTensors on one channel, its messages read raw."""
+
+    name = "grpc"
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._method: grpc.UnaryStreamMultiCallable[pb.StreamTensorsRequest, bytes] = channel.unary_stream(
+            STREAM_TENSORS_METHOD,
+            request_serializer=pb.StreamTensorsRequest.SerializeToString,
+            response_deserializer=None,
+        )
+
+    def stream(
+        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
+    ) -> Batches:
+        """Chunks of request, one batch per message; a batch's addresses lie inside that message."""
+        call = self._method(request, metadata=tuple(metadata))
+        cancel.on_cancel(call.cancel)
+        try:
+            for message in call:
+                try:
+                    chunks = framing.decode_response(message)
+                except framing.FramingError as exc:
+                    raise IntegrityError(f"model {request.model!r}: malformed stream message: {exc}") from exc
+                # The message's own memory: payloads are read from here, never sliced out. The
+                # message object stays referenced (by `message`) until the next batch is asked for.
+                base = ctypes.cast(ctypes.c_char_p(message), ctypes.c_void_p).value or 0
+                yield [
+                    ChunkRef(c.tensor, c.offset, c.crc32c, c.length, base + c.data_start, c.data_length) for c in chunks
+                ]
+        finally:
+            call.cancel()
