@@ -47,6 +47,8 @@ def start_serve(
 
 @dataclass
 class ServerProcess:
+    """A `weightstream serve` process and the log file its output goes to."""
+
     proc: subprocess.Popen[bytes]
     log: Path
 

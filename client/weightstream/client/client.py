@@ -182,12 +182,7 @@ class WeightStreamClient:
     def read_file(
         self, model: str, name: str, *, offset: int = 0, revision: str = ""
     ) -> Iterator[tuple[bytes, int | None]]:
-        """Yield (data, file_crc32c) pieces of model's file name from offset, in order, each CRC32C-checked.
-
-        file_crc32c is None except on the last piece, where it is the server's CRC32C of the whole
-        file from byte 0; a stream that ends without it raises IntegrityError. With revision, the
-        server refuses (FailedPreconditionError) if the model's files changed since that listing.
-        """
+        """(data, file_crc32c) pieces of model's file name from offset, each checked; see RemoteFiles.read_file."""
         return self._files.read_file(model, name, offset=offset, revision=revision)
 
     def fetch(self, model: str, directory: str | Path, *, metadata_only: bool = False) -> FetchReport:
