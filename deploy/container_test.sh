@@ -26,7 +26,8 @@ LIMITS=(--ulimit nofile=4096:4096 --ulimit nproc=4096:4096)
 work=$(mktemp -d)
 container=""
 cleanup() {
-    if [ -n "$container" ]; then "${PODMAN[@]}" rm -f "$container" >/dev/null 2>&1 || true; fi
+    # -v: the image's anonymous volumes (/cache) go with the container.
+    if [ -n "$container" ]; then "${PODMAN[@]}" rm -f -v "$container" >/dev/null 2>&1 || true; fi
     rm -rf "$work"
 }
 trap cleanup EXIT
@@ -61,9 +62,11 @@ ports=$("$PYTHON" -c "import socket; s=[socket.socket() for _ in range(2)]; [x.b
 print(' '.join(str(x.getsockname()[1]) for x in s))")
 read -r grpc_port http_port <<<"$ports"
 # As Kubernetes runs it: read-only root, no capabilities, the image's non-root user. Without systemd,
-# podman logs that it cannot schedule the HEALTHCHECK's timer; the check is run by hand below.
+# podman logs that it cannot schedule the HEALTHCHECK's timer; the check is run by hand below. With
+# host networking the image's 0.0.0.0 would be every interface of this machine, for a plaintext,
+# token-less server: it listens on loopback only.
 container=$("${PODMAN[@]}" run -d --network host "${LIMITS[@]}" --read-only --cap-drop ALL \
-    --security-opt no-new-privileges -v "$work/models:/models:ro" \
+    --security-opt no-new-privileges -v "$work/models:/models:ro" -e WEIGHTSTREAM_HOST=127.0.0.1 \
     -e "WEIGHTSTREAM_GRPC_PORT=$grpc_port" -e "WEIGHTSTREAM_HTTP_PORT=$http_port" -e WEIGHTSTREAM_DRAIN_SECONDS=5 \
     "$IMAGE")
 ready=""

@@ -57,7 +57,22 @@ def test_readyz_when_ready(served: Running) -> None:
     assert body["ready"] is True and body["grpc_serving"] is True and body["draining"] is False
     assert body["reasons"] == []
     assert [s["reachable"] for s in body["sources"]] == [True]
-    assert str(served.server.catalog.sources[0].describe()) == body["sources"][0]["source"]
+    # /readyz needs no token: it names the source's kind, never the server's path (/status does).
+    assert body["sources"][0]["source"] == "model root"
+
+
+def test_token_free_endpoints_reveal_no_server_path(served: Running, root: Path) -> None:
+    for path in ("/healthz", "/readyz", "/openapi.json"):
+        response = served.get(path)
+        assert str(root) not in response.text, path
+        assert str(root.parent) not in response.text, path
+
+
+def test_no_interactive_docs_are_served(served: Running) -> None:
+    """FastAPI's /docs and /redoc pages are off; the schema itself stays at /openapi.json."""
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        assert served.get(path).status_code == 404, path
+    assert served.get("/openapi.json").status_code == 200
 
 
 def test_status_fields(served: Running, state: dict[str, torch.Tensor]) -> None:
@@ -180,7 +195,8 @@ def test_readyz_names_the_unreachable_source(tmp_path: Path) -> None:
             body = response.json()
             assert body["ready"] is False
             assert body["sources"][0]["reachable"] is False
-            assert any(str(root) in reason and "not reachable" in reason for reason in body["reasons"]), body
+            assert "model root is not reachable" in body["reasons"], body
+            assert str(root) not in response.text
             assert r.get("/status").json()["sources"][0]["reachable"] is False
             assert r.get("/healthz").status_code == 200  # liveness does not depend on storage
         eventually(lambda: r.get("/readyz").status_code == 200, "/readyz 200 again")

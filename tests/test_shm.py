@@ -44,7 +44,7 @@ from weightstream.client.transports.shared_memory import SharedMemoryTransport
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server import ServerSettings, WeightStreamServer, create_server, shm_segments, shm_servicer
 from weightstream_server.catalog import Catalog, Manifest
-from weightstream_server.errors import CorruptCheckpoint
+from weightstream_server.errors import CheckpointChanged, CorruptCheckpoint
 from weightstream_server.plan import plan_reads
 from weightstream_server.reader import DirectReader, page_cached, reads_directly
 from weightstream_server.source import LocalSource
@@ -522,8 +522,8 @@ def test_tensor_parallel_ranks_over_shm_are_bit_exact(
 
 def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path: Path) -> None:
     """Cached bytes are read on the caller's thread, the rest on the reader's threads; either way the
-    bytes and CRC32Cs are the file's. The checks are the streamer path's: a file of another size, a
-    read that comes up short."""
+    bytes and CRC32Cs are the file's. The checks are the streamer path's: a file changed since its
+    listing (FAILED_PRECONDITION), a read that comes up short (DATA_LOSS)."""
     state = write_model(tmp_path, "changing", tensors=4, numel=50_000, seed=3)
     catalog = Catalog([LocalSource(tmp_path)])
     manifest = catalog.manifest("changing")
@@ -558,10 +558,11 @@ def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path:
     with path.open("r+b") as f:
         f.truncate(source.size - 1000)
     changed = r"model 'changing': model.safetensors is \d+ bytes, not the \d+ bytes .* changed on disk"
-    with pytest.raises(CorruptCheckpoint, match=changed):
+    with pytest.raises(CheckpointChanged, match=changed):
         read_all(manifest)
-    # The same short file, with the size it has now: the last read ends early.
-    shorter = dataclasses.replace(manifest, files=(dataclasses.replace(source, size=source.size - 1000),))
+    # The short file as it is listed now, read with the plan of its old size: the last read ends early.
+    shorter = dataclasses.replace(manifest, files=LocalSource(tmp_path).resolve("changing").files)
+    assert shorter.files[0].size == source.size - 1000
     with pytest.raises(CorruptCheckpoint, match=r"read \d+ bytes at file offset \d+ of .*the file ended early"):
         read_all(shorter)
 

@@ -1,7 +1,8 @@
 """The server's cache of read units, shared by every stream, with single-flight reads.
 
-Keys name a read unit by what was read: the file (path, size and version: modification time or
-ETag, so a changed file never hits), and the byte range. Values are CachedUnit: the unit's bytes,
+Keys name a read unit by what was read: the file (path, size and fingerprint: modification time
+or ETag, and a local file's device, inode and change time, so a changed or replaced file never
+hits), and the byte range. Values are CachedUnit: the unit's bytes,
 with the CRC32C of each chunk as first sent, so a later stream sending the same chunks computes no
 checksum.
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from weightstream_server.read_plan import ChunkPlace
 
-UnitKey = tuple[str, int, str, int, int]  # path, file size, file version, offset, length
+UnitKey = tuple[str, int, str, int, int]  # path, file size, file fingerprint, offset, length
 
 
 @dataclass(frozen=True)

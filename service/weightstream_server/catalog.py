@@ -1,13 +1,16 @@
 """Manifests: a model's tensors, dtypes, shapes and byte positions, built from its headers.
 
-A manifest is cached per model and rebuilt when any of its files changes size or modification
-time, so a request costs one stat per file, not a header parse.
+A manifest is cached per model and rebuilt when any of its files changes (its size, its
+modification time, or, for local files, its identity: another inode, a new change time), so a
+request costs a walk to each file and one stat, not a header parse. Headers are read through
+descriptors opened beneath the model root (source.OpenFiles), checked again once read.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from weightstream import dtypes
@@ -17,6 +20,7 @@ from weightstream_server.source import (
     INDEX_FILE,
     S3_SCHEME,
     ModelFiles,
+    OpenFiles,
     Source,
     SourceFile,
     parse_s3_model_id,
@@ -38,11 +42,14 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Manifest:
+    """A model's tensors, the files they lie in, and the source those files are read from."""
+
     model: str
     revision: str
     files: tuple[SourceFile, ...]
     tensors: tuple[TensorEntry, ...]
     by_name: dict[str, TensorEntry] = field(repr=False)
+    source: Source = field(repr=False, compare=False)
 
     @property
     def total_bytes(self) -> int:
@@ -80,7 +87,9 @@ class Catalog:
         current = revision(located.files)
         with self._lock:
             cached = self._cache.get(model)
-        if cached is not None and cached.revision == current:
+        # The files compared too: a local file may be another one under the same revision (same name,
+        # size and modification time), and reads check the identities the manifest holds.
+        if cached is not None and cached.revision == current and cached.files == located.files:
             return cached
         manifest = build_manifest(source, located, current)
         with self._lock:
@@ -94,8 +103,11 @@ def build_manifest(source: Source, located: ModelFiles, revision: str) -> Manife
     by_name: dict[str, TensorEntry] = {}
     for file_index, source_file in enumerate(located.files):
         display = f"model {located.model!r}, file {source_file.name!r}"
-        read = _reader(source, source_file)
-        for header_tensor in read_header(read, source_file.size, display):
+        with OpenFiles(source, located.model, {file_index: source_file}) as opened:
+            read = functools.partial(opened.read_range, file_index)
+            header = read_header(read, source_file.size, display)
+            opened.check_unchanged(file_index)
+        for header_tensor in header:
             if header_tensor.name in by_name:
                 other = located.files[by_name[header_tensor.name].file_index].name
                 raise CorruptCheckpoint(f"{display}: tensor {header_tensor.name!r} is also in file {other!r}")
@@ -117,8 +129,4 @@ def build_manifest(source: Source, located: ModelFiles, revision: str) -> Manife
                     f"model {located.model!r}: {INDEX_FILE} puts tensor {name!r} in {file_name!r}, "
                     "but that file has no such tensor"
                 )
-    return Manifest(located.model, revision, located.files, tuple(tensors), by_name)
-
-
-def _reader(source: Source, file: SourceFile) -> Callable[[int, int], bytes]:
-    return lambda start, length: source.read_range(file, start, length)
+    return Manifest(located.model, revision, located.files, tuple(tensors), by_name, source)

@@ -6,6 +6,11 @@ cache (weightstream_server.cache) it first takes the units other streams have re
 only the rest, and waits for the units in flight elsewhere once its own reads are done (reading
 its own first means two streams that wait on each other always progress).
 
+The plan's local files are opened (beneath the model root, checked against the manifest) when
+the chunks start and closed when they end; every read of the stream goes through those
+descriptors, and once every chunk is out the files are checked once more: a stream served from
+the cache whose files changed meanwhile ends with CheckpointChanged, like one that read them.
+
 Memory ownership: a ServedChunk's data is valid until the next chunk is taken (it may lie in the
 streamer's ring).
 """
@@ -23,7 +28,8 @@ from weightstream import wire
 from weightstream_server.cache import CachedUnit, Claim, UnitCache, UnitKey
 from weightstream_server.catalog import Manifest
 from weightstream_server.read_plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
-from weightstream_server.reader import PooledStreamer, read_units
+from weightstream_server.reader import PooledStreamer, open_plan, read_units
+from weightstream_server.source import OpenFiles
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +56,27 @@ def serve_chunks(
     on_read: Callable[[int], None],
 ) -> Iterator[ServedChunk]:
     """Every chunk of plan, in an order of the reads' choosing; on_read(n) is told of each n bytes read from storage."""
-    if cache is None:
-        for file_id, index, data in read_units(streamer, manifest, plan, read_ahead_bytes):
-            on_read(data.numel())
-            yield from _chunks(plan.files[file_id].places[index], data.numpy(), plan.chunk_bytes)
+    if not plan.files:
         return
+    with open_plan(manifest, plan) as files:
+        if cache is None:
+            for file_id, index, data in read_units(streamer, manifest, plan, read_ahead_bytes, files):
+                on_read(data.numel())
+                yield from _chunks(plan.files[file_id].places[index], data.numpy(), plan.chunk_bytes)
+        else:
+            yield from _through_cache(manifest, plan, streamer, read_ahead_bytes, cache, on_read, files)
+        files.check_all_unchanged()
+
+
+def _through_cache(
+    manifest: Manifest,
+    plan: ReadPlan,
+    streamer: PooledStreamer,
+    read_ahead_bytes: int,
+    cache: UnitCache,
+    on_read: Callable[[int], None],
+    files: OpenFiles,
+) -> Iterator[ServedChunk]:
     claims: list[tuple[UnitPlace, Claim]] = []
     for file_plan in plan.files:
         for index, unit in enumerate(file_plan.places):
@@ -69,7 +91,7 @@ def serve_chunks(
                 claim.unit = None
         if leading:
             sub = _subplan(plan, {id(claim) for _, claim in leading}, claims)
-            for file_id, index, data in read_units(streamer, manifest, sub.plan, read_ahead_bytes):
+            for file_id, index, data in read_units(streamer, manifest, sub.plan, read_ahead_bytes, files):
                 on_read(data.numel())
                 unit, claim = sub.claims[file_id][index]
                 cached = _to_cached(unit, data.numpy(), plan.chunk_bytes)
@@ -78,7 +100,7 @@ def serve_chunks(
                 yield from _from_cached(unit, cached, plan.chunk_bytes)
         for unit, claim in claims:
             if claim.future is not None and not claim.leader:
-                cached = _wait_or_read(manifest, plan, streamer, read_ahead_bytes, cache, unit, claim, on_read)
+                cached = _wait_or_read(manifest, plan, streamer, read_ahead_bytes, cache, unit, claim, on_read, files)
                 claim.future = None
                 yield from _from_cached(unit, cached, plan.chunk_bytes)
     finally:
@@ -89,7 +111,7 @@ def serve_chunks(
 
 def _key(manifest: Manifest, file_plan: FilePlan, index: int) -> UnitKey:
     f = manifest.files[file_plan.file_index]
-    return (f.path, f.size, f.version, file_plan.offsets[index], file_plan.sizes[index])
+    return (f.path, f.size, f.fingerprint, file_plan.offsets[index], file_plan.sizes[index])
 
 
 @dataclass
@@ -132,6 +154,7 @@ def _wait_or_read(
     unit: UnitPlace,
     claim: Claim,
     on_read: Callable[[int], None],
+    files: OpenFiles,
 ) -> CachedUnit:
     """The unit another stream is reading; read here instead if that read fails or takes too long."""
     assert claim.future is not None
@@ -149,7 +172,7 @@ def _wait_or_read(
     single = FilePlan(file_index, [offset], [length], [unit])
     one = ReadPlan((single,), unit.place.length, 1, plan.chunk_bytes)
     try:
-        for _, _, data in read_units(streamer, manifest, one, read_ahead_bytes):
+        for _, _, data in read_units(streamer, manifest, one, read_ahead_bytes, files):
             on_read(data.numel())
             cached = _to_cached(unit, data.numpy(), plan.chunk_bytes)
             if again.leader:

@@ -7,14 +7,19 @@ ServerError
 ├── ModelNotFound         NOT_FOUND          no such model, or it holds no safetensors file
 ├── TensorNotFound        NOT_FOUND          the model has no tensor of that name
 ├── FileNotFound          NOT_FOUND          an allowed companion file the model does not have
-├── AccessDenied          PERMISSION_DENIED  the id or a file resolves outside the model root,
-│                                            or a file name is neither weights nor an allowed companion
-├── CorruptCheckpoint     DATA_LOSS          a bad header, a truncated file, a short read
+├── AccessDenied          PERMISSION_DENIED  the id or a file resolves outside the model root (whenever
+│                                            it is opened), the server may not read it, or a file name
+│                                            is neither weights nor an allowed companion
+├── CorruptCheckpoint     DATA_LOSS          a bad header or index, a truncated file, a short read, a
+│                                            FIFO or folder where a checkpoint file should be
 ├── UnsupportedCheckpoint FAILED_PRECONDITION a dtype torch cannot hold, and the like
 ├── RevisionMismatch      FAILED_PRECONDITION the checkpoint changed since the client's manifest
+├── CheckpointChanged     FAILED_PRECONDITION a file changed on disk (another file, rewritten, gone)
+│                                            between its listing and the end of its reads
 ├── FileTooLarge          FAILED_PRECONDITION a companion file is larger than the server serves
 ├── SharedMemoryUnavailable FAILED_PRECONDITION no --shm-dir, or not the client's directory
 ├── TooManyStreams        RESOURCE_EXHAUSTED the concurrent stream limit is reached
+├── RequestTimeout        DEADLINE_EXCEEDED  the client did not send what the call waits for in time
 ├── StorageUnauthenticated UNAUTHENTICATED   storage rejected the server's credentials
 ├── StorageUnavailable    UNAVAILABLE        storage failed in a way worth retrying
 ├── Draining              UNAVAILABLE        the server is shutting down and takes no new streams
@@ -73,6 +78,10 @@ class RevisionMismatch(ServerError):
     pass
 
 
+class CheckpointChanged(ServerError):
+    pass
+
+
 class FileTooLarge(ServerError):
     pass
 
@@ -82,6 +91,10 @@ class SharedMemoryUnavailable(ServerError):
 
 
 class TooManyStreams(ServerError):
+    pass
+
+
+class RequestTimeout(ServerError):
     pass
 
 
@@ -116,9 +129,11 @@ _CODES: dict[type[ServerError], grpc.StatusCode] = {
     CorruptCheckpoint: grpc.StatusCode.DATA_LOSS,
     UnsupportedCheckpoint: grpc.StatusCode.FAILED_PRECONDITION,
     RevisionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    CheckpointChanged: grpc.StatusCode.FAILED_PRECONDITION,
     FileTooLarge: grpc.StatusCode.FAILED_PRECONDITION,
     SharedMemoryUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
     TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RequestTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     StorageUnauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     StorageUnavailable: grpc.StatusCode.UNAVAILABLE,
     Draining: grpc.StatusCode.UNAVAILABLE,

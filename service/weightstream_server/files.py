@@ -3,12 +3,20 @@
 A client may read a model's weight files (the *.safetensors files of its manifest) and the
 companion files of source.COMPANION_FILES that are present, each of the latter up to
 MAX_COMPANION_BYTES. Every other name is refused before storage is asked for it. Bytes are read
-with the source's plain ranged reads (not the Run:ai streamer): fetch is not the hot path.
+with plain ranged reads (not the Run:ai streamer; fetch is not the hot path), of a local file
+through one descriptor opened beneath the model root for the whole call (source.OpenFiles), which
+is checked against the listing before the last piece goes out.
+
+The whole-file CRC32C that ends a read is computed once per version of a file (its fingerprint)
+and kept (at most CHECKSUMS_KEPT files, for the life of the process): a read from an offset then
+reads only the bytes it sends.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,11 +31,13 @@ from weightstream_server.errors import (
     RangeOutOfBounds,
     RevisionMismatch,
 )
-from weightstream_server.source import COMPANION_FILES, Source, SourceFile, revision
+from weightstream_server.source import COMPANION_FILES, OpenFiles, Source, SourceFile, revision
 
 # Companion files are configs and tokenizers (a few MB at most); a larger one is refused rather
 # than sent, so that an allowed name cannot be used to pull a large private file.
 MAX_COMPANION_BYTES = 64 * 1024 * 1024
+# Whole-file CRC32Cs kept (about 150 bytes each); the least recently used go first.
+CHECKSUMS_KEPT = 65_536
 
 
 class FileKind(enum.Enum):
@@ -70,12 +80,43 @@ class FileListing:
 
 @dataclass(frozen=True)
 class FilePiece:
-    """data read from offset; file_crc32c (CRC32C of the whole file) is set on the last piece only."""
+    """data read from offset; file_crc32c (CRC32C of the whole file) is set on the last piece only.
+
+    read_before: bytes read from storage before this piece only for file_crc32c, never sent (the
+    bytes before the offset, on the first piece of a read whose checksum was not yet known).
+    """
 
     offset: int
     data: bytes
     crc32c: int
     file_crc32c: int | None
+    read_before: int = 0
+
+
+class _Checksums:
+    """Whole-file CRC32Cs by file version (path, size, fingerprint). Every method may be called from any thread."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._lock = threading.Lock()
+        self._crcs: OrderedDict[tuple[str, int, str], int] = OrderedDict()
+
+    def get(self, file: SourceFile) -> int | None:
+        key = (file.path, file.size, file.fingerprint)
+        with self._lock:
+            crc = self._crcs.get(key)
+            if crc is not None:
+                self._crcs.move_to_end(key)
+            return crc
+
+    def put(self, file: SourceFile, crc: int) -> None:
+        with self._lock:
+            self._crcs[(file.path, file.size, file.fingerprint)] = crc
+            while len(self._crcs) > self._kept:
+                self._crcs.popitem(last=False)
+
+
+_checksums = _Checksums(CHECKSUMS_KEPT)
 
 
 def check_file_name(model: str, name: str) -> None:
@@ -102,8 +143,9 @@ def read_file(
 ) -> Iterator[FilePiece]:
     """The bytes of model's file name from offset, in pieces of at most chunk_bytes, in order.
 
-    The whole-file CRC32C on the last piece covers bytes 0..offset as well, which are read here
-    (not sent) when offset > 0, so that a client resuming from a stale partial file notices.
+    The whole-file CRC32C on the last piece covers bytes 0..offset as well, so that a client
+    resuming from a stale partial file notices: kept from an earlier read of the same version of
+    the file, or else computed here, reading (not sending) the bytes before offset.
     """
     check_file_name(model, name)
     listing = list_files(catalog, model)
@@ -115,25 +157,36 @@ def read_file(
     if offset > file.size:
         raise RangeOutOfBounds(f"model {model!r}: offset {offset} is past the end of {name!r} ({file.size} bytes)")
     display = f"model {model!r}, file {name!r}"
-    crc = 0
-    for start, length in wire.split_range(0, offset, chunk_bytes):
-        crc = wire.crc32c_extend(crc, _read(listing.source, file, start, length, display))
-    pieces = list(wire.split_range(offset, file.size, chunk_bytes))
-    if not pieces:
-        yield FilePiece(offset, b"", 0, crc)
-        return
-    for index, (start, length) in enumerate(pieces):
-        data = _read(listing.source, file, start, length, display)
-        crc = wire.crc32c_extend(crc, data)
-        last = index == len(pieces) - 1
-        yield FilePiece(start, data, wire.crc32c(data), crc if last else None)
+    with OpenFiles(listing.source, model, {0: file}) as opened:
+        known = _checksums.get(file)
+        crc = 0
+        read_before = 0
+        if known is None:
+            for start, length in wire.split_range(0, offset, chunk_bytes):
+                crc = wire.crc32c_extend(crc, _read(opened, start, length, display))
+            read_before = offset
+        pieces = list(wire.split_range(offset, file.size, chunk_bytes)) or [(offset, 0)]
+        for index, (start, length) in enumerate(pieces):
+            data = _read(opened, start, length, display) if length else b""
+            last = index == len(pieces) - 1
+            if known is None:
+                crc = wire.crc32c_extend(crc, data)
+            whole: int | None = None
+            if last:
+                # Before the last piece goes out: a file changed while it was read never ends a read OK.
+                opened.check_unchanged(0)
+                if known is None:
+                    _checksums.put(file, crc)
+                whole = crc if known is None else known
+            yield FilePiece(start, data, wire.crc32c(data), whole, read_before if index == 0 else 0)
 
 
-def _read(source: Source, file: SourceFile, start: int, length: int, display: str) -> bytes:
-    data = source.read_range(file, start, length)
+def _read(opened: OpenFiles, start: int, length: int, display: str) -> bytes:
+    data = opened.read_range(0, start, length)
     if len(data) != length:
+        opened.check_unchanged(0)
         raise CorruptCheckpoint(
             f"{display}: read {len(data)} bytes at offset {start} where {length} were listed; "
-            "the file is shorter than listed (did it change?)"
+            "the file is shorter than listed"
         )
     return data

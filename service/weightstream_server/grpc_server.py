@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +20,30 @@ from weightstream_server import servicer, shm_servicer
 from weightstream_server.auth import AuthInterceptor, TokenFile
 from weightstream_server.cache import UnitCache
 from weightstream_server.catalog import Catalog
-from weightstream_server.health import HEALTH_SERVICE_NAME, SERVICE_NAME, Readiness, ReadinessHealthServicer
+from weightstream_server.health import (
+    HEALTH_SERVICE_NAME,
+    SERVICE_NAME,
+    Liveness,
+    Readiness,
+    ReadinessHealthServicer,
+)
 from weightstream_server.preload import start_preload
 from weightstream_server.reader import StreamerPool
+from weightstream_server.rpc import HeldCallLimit
 from weightstream_server.settings import ServerSettings
 from weightstream_server.shm_segments import remove_stale_segments
 from weightstream_server.source import LocalSource, Source
 from weightstream_server.stats import ServerStats
-from weightstream_server.stream_session import Streams
+from weightstream_server.stream_session import Streams, StreamSlots
 
 logger = logging.getLogger(__name__)
 
 _streamer_configured = False
+# The gRPC worker pool: one worker for each stream slot (--max-streams), HELD_CALLS for the other
+# calls that hold one while open (reflection; rpc.HeldCallLimit), and SHORT_CALL_WORKERS that no
+# open call can take, for health checks, manifests, listings and the refusals of calls over a limit.
+HELD_CALLS = 4
+SHORT_CALL_WORKERS = 8
 
 
 @dataclass
@@ -39,6 +52,7 @@ class WeightStreamServer:
 
     Lifecycle: start(), then optionally drain() (no new streams, health NOT_SERVING, wait for the
     streams in flight), then stop(). tokens is None when the server takes requests without a token.
+    workers is the pool gRPC runs every call on; liveness probes it.
     """
 
     grpc_server: grpc.Server
@@ -50,6 +64,8 @@ class WeightStreamServer:
     readiness: Readiness
     health: ReadinessHealthServicer
     tokens: TokenFile | None
+    workers: futures.ThreadPoolExecutor
+    liveness: Liveness
     # Shared by every stream; None when --cache-bytes is 0.
     cache: UnitCache | None = None
 
@@ -62,6 +78,7 @@ class WeightStreamServer:
             remove_stale_segments(self.settings.shm_dir)
         self.grpc_server.start()
         self.readiness.mark_serving()
+        self.liveness.mark_started()
         if self.cache is not None and self.settings.preload:
             start_preload(
                 self.settings.preload,
@@ -89,6 +106,7 @@ class WeightStreamServer:
     def stop(self, grace: float | None = None) -> None:
         self.readiness.start_draining()
         self.health.refresh()
+        self.liveness.mark_stopped()
         self.grpc_server.stop(grace).wait()
         self.pool.close()
 
@@ -99,6 +117,7 @@ def configure_process(settings: ServerSettings) -> None:
     if _streamer_configured:
         return
     tune_malloc()
+    raise_open_file_limit()
     # The streamer's default local strategy is O_DIRECT, which bypasses the page cache: every read
     # waits for storage, warm or cold. Buffered reads serve a warm checkpoint from memory. An
     # operator's own setting wins.
@@ -108,6 +127,22 @@ def configure_process(settings: ServerSettings) -> None:
     if settings.streamer_chunk_bytes is not None:
         os.environ["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(settings.streamer_chunk_bytes)
     _streamer_configured = True
+
+
+def raise_open_file_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit.
+
+    Each stream holds a descriptor per file of its plan for as long as it reads them, so a model of
+    many shards times --max-streams streams can pass the usual soft limit of 1024.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard or soft == resource.RLIM_INFINITY:
+        return
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        logger.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
 
 
 def configure_s3(settings: ServerSettings) -> None:
@@ -132,11 +167,18 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     tokens = TokenFile(settings.token_file) if settings.token_file is not None else None
     readiness = Readiness(catalog.sources)
     cache = UnitCache(settings.cache_bytes) if settings.cache_bytes else None
+    # Calls beyond their limit are refused RESOURCE_EXHAUSTED as they start, before they wait for
+    # anything (streams by their StreamSession, the others by HeldCallLimit): they hold a worker
+    # for moments only, and the SHORT_CALL_WORKERS stay free.
+    workers = futures.ThreadPoolExecutor(
+        max_workers=settings.max_streams + HELD_CALLS + SHORT_CALL_WORKERS, thread_name_prefix="weightstream-rpc"
+    )
+    # Auth first: a call it refuses takes no place of HeldCallLimit's.
+    interceptors: list[grpc.ServerInterceptor] = [AuthInterceptor(tokens, stats)] if tokens is not None else []
+    interceptors.append(HeldCallLimit(HELD_CALLS, stats))
     server = grpc.server(
-        # Streams beyond max_streams are refused with RESOURCE_EXHAUSTED by the pool; the extra
-        # workers keep manifest calls and health checks answered while every stream slot is busy.
-        futures.ThreadPoolExecutor(max_workers=settings.max_streams + 8, thread_name_prefix="weightstream-rpc"),
-        interceptors=[AuthInterceptor(tokens, stats)] if tokens is not None else None,
+        workers,
+        interceptors=interceptors,
         options=[
             # A message holds up to MAX_CHUNK_BYTES of payload plus its chunk descriptors.
             ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
@@ -159,7 +201,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    streams = Streams(settings, catalog, pool, stats, readiness, cache)
+    streams = Streams(settings, catalog, pool, stats, readiness, StreamSlots(settings.max_streams), cache)
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
     shm_servicer.add_to_server(shm_servicer.SharedMemoryServicer(streams), server)
     health_servicer = ReadinessHealthServicer(readiness)
@@ -174,7 +216,20 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind gRPC to {settings.host}:{settings.grpc_port}")
-    return WeightStreamServer(server, port, settings, catalog, pool, stats, readiness, health_servicer, tokens, cache)
+    return WeightStreamServer(
+        server,
+        port,
+        settings,
+        catalog,
+        pool,
+        stats,
+        readiness,
+        health_servicer,
+        tokens,
+        workers,
+        Liveness(workers),
+        cache,
+    )
 
 
 def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:

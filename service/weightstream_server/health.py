@@ -1,24 +1,33 @@
-"""Readiness: whether the server takes new streams, as REST /readyz and grpc.health.v1 report it.
+"""Readiness and liveness, as REST /readyz and /healthz and grpc.health.v1 report them.
 
-A server is ready while gRPC is serving, it is not draining, and every source (model root, S3
-bucket) answers. Sources are asked again when their last answer is older than PROBE_TTL_S, by one
-caller at a time: a store that hangs (an S3 endpoint gone quiet) holds at most one thread, and
-every other probe meanwhile gets the last answer at once. Serving and draining are never cached.
+Readiness: whether the server takes new streams. A server is ready while gRPC is serving, it is
+not draining, and every source (model root, S3 bucket) answers. Sources are asked again when their
+last answer is older than PROBE_TTL_S, by one caller at a time: a store that hangs (an S3 endpoint
+gone quiet) holds at most one thread, and every other probe meanwhile gets the last answer at once.
+Serving and draining are never cached. ReadinessReport.public() is what callers without a token
+may see: sources by kind (never a server path), errors by type.
+
+Liveness: whether the gRPC server still answers at all. It has started and not stopped, and a
+no-op handed to gRPC's own worker pool runs within LIVENESS_TIMEOUT_S: a pool whose every worker
+is held (calls that never end, a store that hangs every manifest) answers no RPC either, while
+REST, on threads of its own, would still answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
 from weightstream_server.rpc import SERVICE
-from weightstream_server.source import Source
+from weightstream_server.source import LocalSource, Source
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +38,8 @@ HEALTH_SERVICE_NAME: str = health.SERVICE_NAME
 LIVENESS_SERVICE_NAME = "liveness"
 # How long a source's reachability answer is reused; probes come every few seconds at most.
 PROBE_TTL_S = 1.0
+# How long /healthz waits for a gRPC worker; Kubernetes' probes give up after 1 s by default.
+LIVENESS_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,9 @@ class SourceState:
     source: str
     reachable: bool
     error: str | None = None
+    # What callers without a token are told: the source's kind or public id, and the error's type.
+    public_name: str = ""
+    error_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,9 +58,10 @@ class ReadinessReport:
     grpc_serving: bool
     draining: bool
     sources: tuple[SourceState, ...]
-    # Models still being read into the cache at start-up (--preload), and preloads that failed.
+    # Models still being read into the cache at start-up (--preload), and preloads that failed
+    # (model, why; why is empty in a public report).
     preloading: tuple[str, ...] = ()
-    preload_errors: tuple[str, ...] = ()
+    preload_errors: tuple[tuple[str, str], ...] = ()
 
     @property
     def reasons(self) -> list[str]:
@@ -62,8 +77,20 @@ class ReadinessReport:
             if not s.reachable
         ]
         reasons += [f"preloading {model} into the cache" for model in self.preloading]
-        reasons += list(self.preload_errors)
+        reasons += [f"preloading {model} failed" + (f": {why}" if why else "") for model, why in self.preload_errors]
         return reasons
+
+    def public(self) -> ReadinessReport:
+        """This report as a caller without a token may see it: no server path, no error message.
+
+        Sources are named by kind ("model root") or by the s3:// id clients name models by, errors
+        by their type; /status (which can ask for a token) and the log have the rest.
+        """
+        sources = tuple(
+            SourceState(s.public_name, s.reachable, s.error_type, s.public_name, s.error_type) for s in self.sources
+        )
+        failures = tuple((model, "") for model, _why in self.preload_errors)
+        return dataclasses.replace(self, sources=sources, preload_errors=failures)
 
 
 class Readiness:
@@ -82,7 +109,7 @@ class Readiness:
         # Not the probe lock: a probe of a hung store may hold that one for seconds.
         self._preload_lock = threading.Lock()
         self._preloading: tuple[str, ...] = ()
-        self._preload_errors: tuple[str, ...] = ()
+        self._preload_errors: tuple[tuple[str, str], ...] = ()
 
     @property
     def draining(self) -> bool:
@@ -103,7 +130,7 @@ class Readiness:
         with self._preload_lock:
             self._preloading = tuple(m for m in self._preloading if m != model)
             if error is not None:
-                self._preload_errors += (f"preloading {model} failed: {error}",)
+                self._preload_errors += ((model, error),)
 
     def report(self) -> ReadinessReport:
         sources = self._source_states()
@@ -123,6 +150,50 @@ class Readiness:
         finally:
             self._probe_lock.release()
         return self._states
+
+
+class Liveness:
+    """Whether the gRPC server still answers: started, not stopped, and a worker of its pool free. Thread-safe.
+
+    workers is the pool gRPC runs its calls on. At most one probe (a no-op) is queued in it at a
+    time: checks that come while one waits wait on the same one, so a wedged server's queue grows
+    by one no-op at most.
+    """
+
+    def __init__(self, workers: futures.Executor) -> None:
+        self._workers = workers
+        self._started = threading.Event()
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._probe: futures.Future[None] | None = None
+
+    def mark_started(self) -> None:
+        self._started.set()
+
+    def mark_stopped(self) -> None:
+        self._stopped.set()
+
+    def problem(self, timeout: float = LIVENESS_TIMEOUT_S) -> str | None:
+        """Why gRPC does not answer, or None when a worker took a no-op within timeout seconds."""
+        if not self._started.is_set():
+            return "gRPC has not started"
+        if self._stopped.is_set():
+            return "gRPC has stopped"
+        with self._lock:
+            if self._probe is None or self._probe.done():
+                try:
+                    self._probe = self._workers.submit(_nothing)
+                except RuntimeError:  # the pool has been shut down
+                    return "gRPC's worker pool has shut down"
+            probe = self._probe
+        done, _pending = futures.wait([probe], timeout)
+        if not done:
+            return f"no gRPC worker was free within {timeout:g} s"
+        return None
+
+
+def _nothing() -> None:
+    pass
 
 
 class ReadinessHealthServicer(health.HealthServicer):
@@ -156,10 +227,21 @@ class ReadinessHealthServicer(health.HealthServicer):
         return super().Check(request, context)
 
 
+def public_name(source: Source) -> str:
+    """What a caller without a token is told a source is: "model root", an s3:// id, or the source's type."""
+    if isinstance(source, LocalSource):
+        return "model root"
+    described = source.describe()
+    # Clients name an S3 source's models by this id; any other description may hold a server's address.
+    return described if described.startswith("s3://") else type(source).__name__
+
+
 def _probe(source: Source) -> SourceState:
+    name = public_name(source)
     try:
-        return SourceState(source.describe(), bool(source.reachable()))
+        return SourceState(source.describe(), bool(source.reachable()), public_name=name)
     except Exception as exc:
         # A probe must answer, not raise: an error here is the source being unreachable.
         logger.warning("checking %s failed: %s", source.describe(), exc)
-        return SourceState(source.describe(), False, f"{type(exc).__name__}: {exc}")
+        kind = type(exc).__name__
+        return SourceState(source.describe(), False, f"{kind}: {exc}", public_name=name, error_type=kind)

@@ -1,7 +1,8 @@
 """The REST endpoint next to the gRPC port: liveness, readiness, status (JSON) and Prometheus metrics.
 
-/healthz and /readyz are always open (probes send no token); /status and /metrics need the
-server's bearer token when it has one.
+/healthz and /readyz are always open (probes send no token), so they name no server path;
+/status and /metrics need the server's bearer token when it has one. /openapi.json describes the
+endpoints; FastAPI's interactive pages (/docs, /redoc) are off.
 """
 
 from __future__ import annotations
@@ -28,13 +29,18 @@ logger = logging.getLogger(__name__)
 
 
 class Health(BaseModel):
-    status: str = Field(description='"ok" while the process is up')
+    status: str = Field(description='"ok" while the process is up and its gRPC server answers; else "unhealthy"')
+    reason: str | None = Field(default=None, description="why gRPC does not answer (only when unhealthy)")
 
 
 class SourceStatus(BaseModel):
-    source: str = Field(description="what the source is, for example 'model root /models'")
+    source: str = Field(
+        description="what the source is: in /readyz 'model root' or 's3://bucket'; /status adds the root's path"
+    )
     reachable: bool
-    error: str | None = Field(default=None, description="why it is not reachable, when checking it failed")
+    error: str | None = Field(
+        default=None, description="why it is not reachable, when checking it failed (/readyz: the error's type only)"
+    )
 
 
 class ReadinessStatus(BaseModel):
@@ -90,6 +96,9 @@ def create_app(server: WeightStreamServer) -> FastAPI:
         title="weightstream",
         version=__version__,
         description="Health, readiness, status and metrics of a weightstream server (the data is served over gRPC).",
+        # No interactive pages: they are served without a token, and nothing here needs them.
+        docs_url=None,
+        redoc_url=None,
     )
     registry = metrics.create_registry(server.stats, server.settings.max_streams, server.cache)
     tokens = server.tokens
@@ -101,10 +110,17 @@ def create_app(server: WeightStreamServer) -> FastAPI:
     guard = [Depends(require_token)] if tokens is not None else []
     unauthorized = _UNAUTHORIZED if tokens is not None else {}
 
-    @app.get("/healthz", response_model=Health)
-    def healthz() -> Health:
-        """Liveness: the process is up and answering."""
-        return Health(status="ok")
+    @app.get(
+        "/healthz",
+        response_model=Health,
+        responses={503: {"model": Health, "description": "The gRPC server does not answer; `reason` says why"}},
+    )
+    def healthz() -> JSONResponse:
+        """Liveness: the process is up and its gRPC server answers (a worker of its pool is free)."""
+        problem = server.liveness.problem()
+        if problem is not None:
+            return JSONResponse(Health(status="unhealthy", reason=problem).model_dump(), status_code=503)
+        return JSONResponse(Health(status="ok").model_dump(exclude_none=True))
 
     @app.get(
         "/readyz",
@@ -113,7 +129,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
     )
     def readyz() -> JSONResponse:
         """Readiness: gRPC is serving, the server is not draining, and every source is reachable."""
-        report = server.readiness.report()
+        report = server.readiness.report().public()
         body = _readiness(report)
         return JSONResponse(body.model_dump(), status_code=200 if report.ready else 503)
 

@@ -11,6 +11,11 @@ pool parks its streamers for the rest of the process instead of closing them.
 Memory: the bytes a stream reads ahead live in its streamer's ring of buffers, bounded by the
 read-ahead setting. With owned=False the chunk a reader yields is a view into that ring, valid
 only until the next chunk is taken: callers must copy it out before asking for more.
+
+Files: local files are read only through descriptors opened beneath the model root for the reads
+(source.OpenFiles, see open_plan), the streamer through their /proc/self/fd paths, and each file is
+checked against its listing at the end of its reads: a file changed meanwhile ends the reads with
+CheckpointChanged, never with its bytes mixed.
 """
 
 from __future__ import annotations
@@ -32,13 +37,12 @@ from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
 from weightstream import wire
 from weightstream_server.catalog import Manifest
-from weightstream_server.errors import CorruptCheckpoint, StorageUnavailable, TooManyStreams
+from weightstream_server.errors import CorruptCheckpoint, ServerError, StorageUnavailable, TooManyStreams
 from weightstream_server.read_plan import ChunkPlace, ReadPlan
-from weightstream_server.source import SourceFile
+from weightstream_server.source import OpenFiles, file_error
 
 logger = logging.getLogger(__name__)
 
-_S3_SCHEME = "s3://"
 # Streamers of closed pools, kept open once S3 has been read in this process (see the module doc).
 _parked: list[FileStreamer] = []
 _s3_used = threading.Event()
@@ -106,8 +110,19 @@ class StreamerPool:
         self.close()
 
 
+def open_plan(manifest: Manifest, plan: ReadPlan) -> OpenFiles:
+    """The files of plan opened for its reads (by index in manifest.files); the caller closes them."""
+    return OpenFiles(
+        manifest.source, manifest.model, {fp.file_index: manifest.files[fp.file_index] for fp in plan.files}
+    )
+
+
 def read_units(
-    streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int
+    streamer: PooledStreamer,
+    manifest: Manifest,
+    plan: ReadPlan,
+    read_ahead_bytes: int,
+    files: OpenFiles | None = None,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Yield (index in plan.files, index of the unit in that FilePlan, its bytes as flat uint8) per read unit.
 
@@ -115,28 +130,45 @@ def read_units(
     item is taken. Every read's length is checked, and so is the count of reads: a short or missing
     read is an error, never a silently short stream: CorruptCheckpoint for local files, and
     StorageUnavailable (worth a retry) for S3, where the usual cause is the store or the network.
+    A local file is checked against its listing before its last unit is yielded, and after any
+    failed read: one that changed is CheckpointChanged. files: the plan's files, opened by the
+    caller (open_plan) for a stream that reads in several plans; by default they are opened here
+    for this plan's reads and closed once the streamer is done with them.
     """
     if not plan.files:
         return
-    requests = [
-        FileChunks(i, manifest.files[fp.file_index].path, fp.offsets, fp.sizes) for i, fp in enumerate(plan.files)
-    ]
+    with contextlib.ExitStack() as stack:
+        opened = files if files is not None else stack.enter_context(open_plan(manifest, plan))
+        yield from _read_units(streamer, manifest, plan, read_ahead_bytes, opened)
+
+
+def _read_units(
+    streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int, opened: OpenFiles
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    requests = [FileChunks(i, opened.path(fp.file_index), fp.offsets, fp.sizes) for i, fp in enumerate(plan.files)]
     largest = max(max(fp.sizes) for fp in plan.files)
     file_names = ", ".join(manifest.files[fp.file_index].name for fp in plan.files)
-    remote = requests[0].path.startswith(_S3_SCHEME)
+    remote = manifest.files[plan.files[0].file_index].local is None
     if remote:
         _s3_used.set()
     failure = StorageUnavailable if remote else CorruptCheckpoint
+    # Units of each file of the plan not received yet; at 0, the unit in hand is the file's last.
+    remaining = [len(fp.sizes) for fp in plan.files]
     received = 0
     file_streamer = streamer.file_streamer
     try:
-        file_streamer.stream_files(
-            requests,
-            streamer.s3_credentials if remote else None,
-            "cpu",
-            memory_limit=max(read_ahead_bytes, largest),
-            owned=False,
-        )
+        try:
+            file_streamer.stream_files(
+                requests,
+                streamer.s3_credentials if remote else None,
+                "cpu",
+                memory_limit=max(read_ahead_bytes, largest),
+                owned=False,
+            )
+        except BaseException:
+            # Reads submitted before the failure would open the /proc paths of descriptors closed by then.
+            file_streamer.drain_live_submissions()
+            raise
         chunks = file_streamer.get_chunks()
         try:
             for file_id, range_index, data in chunks:
@@ -144,28 +176,41 @@ def read_units(
                 unit = file_plan.places[range_index]
                 flat = data.view(-1)
                 if flat.numel() != file_plan.sizes[range_index]:
+                    _check_unchanged(opened, plan)
                     raise failure(
                         f"model {manifest.model!r}: tensor {unit.place.tensor!r}: read {flat.numel()} bytes at "
                         f"file offset {file_plan.offsets[range_index]}, expected {file_plan.sizes[range_index]}"
                     )
                 received += 1
+                remaining[file_id] -= 1
+                if remaining[file_id] == 0:
+                    # Before its last bytes go out: a file rewritten while it was read is never sent whole.
+                    opened.check_unchanged(file_plan.file_index)
                 yield file_id, range_index, flat
         finally:
             chunks.close()
     except ValueError as exc:
         # The streamer's errors are terse ("End of file reached", "File access error"): name the
         # model and files. Locally the usual cause is a file changed after its header was read.
+        _check_unchanged(opened, plan)
         raise failure(f"model {manifest.model!r}: reading {file_names} failed: {exc}") from exc
     if received != plan.num_reads:
+        _check_unchanged(opened, plan)
         raise failure(
             f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_reads} reads"
         )
 
 
+def _check_unchanged(opened: OpenFiles, plan: ReadPlan) -> None:
+    """Raise CheckpointChanged if a file of plan changed: then that, not corruption, is why a read failed."""
+    for file_plan in plan.files:
+        opened.check_unchanged(file_plan.file_index)
+
+
 def reads_directly(manifest: Manifest, plan: ReadPlan) -> bool:
     """Whether read_direct can serve plan: local files only, and no unit that gathers slice rows."""
     return all(
-        not manifest.files[fp.file_index].path.startswith(_S3_SCHEME) and all(u.gather is None for u in fp.places)
+        manifest.files[fp.file_index].local is not None and all(u.gather is None for u in fp.places)
         for fp in plan.files
     )
 
@@ -180,21 +225,13 @@ def page_cached(manifest: Manifest, plan: ReadPlan, samples: int = 32) -> bool:
         return False
     units = [(fp.file_index, off, size) for fp in plan.files for off, size in zip(fp.offsets, fp.sizes, strict=True)]
     probe = bytearray(1)
-    fds: dict[int, int] = {}
     try:
-        for file_index, offset, size in units[:: max(1, len(units) // samples)]:
-            if not size:
-                continue
-            fd = fds.get(file_index)
-            if fd is None:
-                fd = fds[file_index] = os.open(manifest.files[file_index].path, os.O_RDONLY | os.O_CLOEXEC)
-            if os.preadv(fd, [probe], offset + size // 2, _NOWAIT) != 1:
-                return False
-    except OSError:  # BlockingIOError: that page must come from storage
+        with open_plan(manifest, plan) as files:
+            for file_index, offset, size in units[:: max(1, len(units) // samples)]:
+                if size and os.preadv(files.fd(file_index), [probe], offset + size // 2, _NOWAIT) != 1:
+                    return False
+    except (OSError, ServerError):  # BlockingIOError: that page must come from storage
         return False
-    finally:
-        for fd in fds.values():
-            os.close(fd)
     return True
 
 
@@ -220,30 +257,34 @@ class DirectReader:
     one thread waiting for storage at a time is too few. Asking the kernel to read ahead
     (posix_fadvise WILLNEED) makes cold loads slower, not faster. From a warm page cache this path is faster
     than the streamer's; from a cold one the streamer's parallel reads are, which is why callers
-    check page_cached() first (benchmarks/shm_load.py compares both). A short read, or a file
-    whose size changed since its header was read, is a CorruptCheckpoint, as on the streamer's path.
+    check page_cached() first (benchmarks/shm_load.py compares both). A short read is a
+    CorruptCheckpoint, as on the streamer's path; a file that is not as it was listed, when it is
+    opened (the constructor), when a read fails, or once every read is done (on a clean exit from
+    the with block), is CheckpointChanged.
 
-    Ownership: the files it opens and its threads, until close(), which waits for every read
-    started (so that none writes to the destination afterwards). Use from one thread.
+    Ownership: the files it opens (all of the plan's, in the constructor) and its threads, until
+    close(), which waits for every read started (so that none writes to the destination
+    afterwards). Use from one thread.
     """
 
     def __init__(self, manifest: Manifest, plan: ReadPlan, on_read: Callable[[int], None], threads: int) -> None:
         self._manifest = manifest
         self._plan = plan
         self._on_read = on_read
+        self._files = open_plan(manifest, plan)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightstream-read")
-        self._fds: list[int] = []
 
     def reads(self) -> Iterator[DirectRead]:
         """Every chunk of the plan, file after file, each unit's chunks in order."""
         manifest, plan = self._manifest, self._plan
         for file_plan in plan.files:
             source = manifest.files[file_plan.file_index]
-            fd = self._open(source)
+            fd = self._files.fd(file_plan.file_index)
+            check = functools.partial(self._files.check_unchanged, file_plan.file_index)
             for offset, length, unit in zip(file_plan.offsets, file_plan.sizes, file_plan.places, strict=True):
                 for start, piece in wire.split_range(0, length, plan.chunk_bytes):
                     place = ChunkPlace(unit.place.tensor, unit.place.offset + start, piece)
-                    chunk = _ChunkRead(fd, offset + start, piece, manifest.model, source.name, place.tensor)
+                    chunk = _ChunkRead(fd, offset + start, piece, manifest.model, source.name, place.tensor, check)
                     yield DirectRead(place, functools.partial(self._start, chunk))
                 self._on_read(length)
 
@@ -255,28 +296,12 @@ class DirectReader:
             return wire.crc32c_at(address, chunk.length)
         return self._pool.submit(chunk.read_into, address, done)
 
-    def _open(self, source: SourceFile) -> int:
-        try:
-            fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise CorruptCheckpoint(
-                f"model {self._manifest.model!r}: cannot open {source.name}: {exc.strerror or exc}"
-            ) from None
-        # Closed only in close(): reads of this file may still be queued when the next file starts.
-        self._fds.append(fd)
-        size = os.fstat(fd).st_size
-        if size != source.size:
-            raise CorruptCheckpoint(
-                f"model {self._manifest.model!r}: {source.name} is {size} bytes, not the {source.size} bytes it had "
-                "when its header was read; it changed on disk"
-            )
-        return fd
-
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        fds, self._fds = self._fds, []
-        for fd in fds:
-            os.close(fd)
+        # Files are closed only here: reads of a file may still be queued when the next file starts.
+        try:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            self._files.close()
 
     def __enter__(self) -> DirectReader:
         return self
@@ -284,7 +309,13 @@ class DirectReader:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        try:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            if exc_type is None:
+                # Every read is done now: a file rewritten meanwhile must not end the stream OK.
+                self._files.check_all_unchanged()
+        finally:
+            self.close()
 
 
 # preadv2 flag: fail with EAGAIN rather than wait for storage (Linux 4.14; buffered reads since 5.9).
@@ -299,6 +330,8 @@ class _ChunkRead:
     model: str
     file_name: str
     tensor: str
+    # Raises CheckpointChanged if the file is no longer as listed: then that is why a read failed.
+    check_unchanged: Callable[[], None]
 
     def read_cached(self, address: int) -> int:
         """Read what the page cache holds of the chunk, from its start, to address; how many bytes.
@@ -325,11 +358,10 @@ class _ChunkRead:
             try:
                 n = os.preadv(self.fd, [buffer], self.offset + done)
             except OSError as exc:
-                raise CorruptCheckpoint(
-                    f"model {self.model!r}: reading {self.file_name} at byte {self.offset + done} failed: "
-                    f"{exc.strerror or exc}"
-                ) from None
+                self.check_unchanged()
+                raise file_error(exc, f"model {self.model!r}: file {self.file_name!r}", listed=True) from exc
             if n == 0:
+                self.check_unchanged()
                 raise CorruptCheckpoint(
                     f"model {self.model!r}: tensor {self.tensor!r}: read {done} bytes at file offset {self.offset} "
                     f"of {self.file_name}, expected {self.length}; the file ended early"

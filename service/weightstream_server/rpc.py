@@ -4,13 +4,21 @@ abort is the one place an exception becomes a gRPC status on the wire (errors.st
 the code). Handlers are registered by the servicer methods' own names, checked against the service
 as the generated code describes it, and parse their request bytes themselves: gRPC's own
 deserializer would end a request of bad bytes with INTERNAL, not INVALID_ARGUMENT.
+
+Worker threads: gRPC runs each call on a thread of the server's pool for as long as its handler
+runs, which for a streaming call is as long as its client likes. WeightStreamService's streaming
+calls are admitted by their StreamSession (stream_session.py, --max-streams); HeldCallLimit bounds
+every other call that holds a thread while it waits for its client (reflection), so that the
+workers kept for short calls stay free.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 from google.protobuf import message_factory
@@ -18,7 +26,14 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server.errors import InvalidRequest, ServerError, SharedMemoryUnavailable, status_code
+from weightstream_server.errors import (
+    InvalidRequest,
+    RequestTimeout,
+    ServerError,
+    SharedMemoryUnavailable,
+    TooManyStreams,
+    status_code,
+)
 from weightstream_server.stats import ServerStats
 
 logger = logging.getLogger(__name__)
@@ -27,6 +42,7 @@ SERVICE: ServiceDescriptor = pb.DESCRIPTOR.services_by_name["WeightStreamService
 
 # A method name and its handler; the handler type is generic in the type stubs only.
 Handler: TypeAlias = "tuple[str, grpc.RpcMethodHandler[Any, Any]]"
+T = TypeVar("T")
 
 
 def abort(context: grpc.ServicerContext, stats: ServerStats, method: str, model: str, exc: Exception) -> NoReturn:
@@ -102,3 +118,90 @@ def parsing_stream(
 
 def _not_valid(message_type: type[Message], exc: DecodeError) -> str:
     return f"request is not a valid {message_type.DESCRIPTOR.full_name}: {exc}"
+
+
+def first_message(messages: Iterator[T], timeout: float, what: str) -> T | None:
+    """The first of a client stream's messages (None when it ended without one); RequestTimeout
+    when none came within timeout seconds.
+
+    The message is awaited on a thread of its own, so that a silent client cannot hold the
+    caller's worker beyond timeout; that thread ends when the call does. Once this has returned,
+    the caller may read the rest of messages, from one thread at a time.
+    """
+    arrived: queue.SimpleQueue[tuple[T | None, BaseException | None]] = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            arrived.put((next(messages, None), None))
+        except BaseException as exc:  # handed over to the caller, who raises it
+            arrived.put((None, exc))
+
+    threading.Thread(target=read, name="weightstream-first-message", daemon=True).start()
+    try:
+        message, error = arrived.get(timeout=timeout)
+    except queue.Empty:
+        raise RequestTimeout(f"the first {what} did not arrive within {timeout:g} s") from None
+    if error is not None:
+        raise error
+    return message
+
+
+class HeldCallLimit(grpc.ServerInterceptor):
+    """Bounds the calls, other than WeightStreamService's, that hold a worker thread while open.
+
+    Those are the client- or server-streaming handlers (reflection's ServerReflectionInfo waits on
+    its client for as long as the client likes); handlers that gRPC runs without holding a worker
+    (experimental_non_blocking, as health Watch is) are left alone, and WeightStreamService's
+    streams are admitted by their StreamSession. Beyond size such calls at once, one more ends
+    RESOURCE_EXHAUSTED before it runs. A place is given back when its call ends, however it ends.
+    """
+
+    def __init__(self, size: int, stats: ServerStats) -> None:
+        self._size = size
+        self._stats = stats
+        self._places = threading.BoundedSemaphore(size)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if handler is None or not (handler.request_streaming or handler.response_streaming):
+            return handler
+        if method.startswith(f"/{SERVICE.full_name}/"):
+            return handler
+        behavior = handler.stream_stream or handler.unary_stream or handler.stream_unary
+        if getattr(behavior, "experimental_non_blocking", False):
+            return handler
+        return self._limited(handler, method)
+
+    def _admit(self, context: grpc.ServicerContext, method: str) -> None:
+        if not self._places.acquire(blocking=False):
+            error = TooManyStreams(f"{method}: {self._size} such calls are already open; try again later")
+            abort(context, self._stats, method, "", error)
+        if not context.add_callback(self._places.release):
+            self._places.release()  # the call has ended already
+
+    def _limited(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """handler, admitted first."""
+        serializers = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        inner: Callable[[Any, grpc.ServicerContext], Any]
+        if handler.stream_stream is not None:
+            inner, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+        elif handler.unary_stream is not None:
+            inner, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+        elif handler.stream_unary is not None:
+            inner, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+        else:
+            return handler
+
+        def admitted(request: Any, context: grpc.ServicerContext) -> Any:
+            self._admit(context, method)
+            return inner(request, context)
+
+        return make(admitted, **serializers)

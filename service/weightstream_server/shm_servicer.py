@@ -22,7 +22,13 @@ Memory: each stream holds one segment of slots * slot_bytes, at most the server'
 setting (OpenSharedMemoryResponse.max_ring_bytes).
 
 Threading: each stream runs on its gRPC worker thread (reads, copies, sends) plus one thread of its
-own that reads the client's credits (shm_ring.read_credits).
+own that reads the client's credits (shm_ring.read_credits), and, until the first message has come,
+one that waits for it (rpc.first_message).
+
+Admission: a server without a shared-memory directory refuses the call (FAILED_PRECONDITION) before
+it waits for anything; otherwise the call takes a stream slot first (the StreamSession), and its
+first message must come within FIRST_MESSAGE_TIMEOUT_S, or it ends DEADLINE_EXCEEDED: a silent
+client holds a slot and a worker for seconds, never for as long as it likes.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ logger = logging.getLogger(__name__)
 READ_THREADS = 8
 # How long a stream that is done waits for its client to map the segment before giving up.
 ATTACH_TIMEOUT_S = 60.0
+# How long a call waits for its first message; the client sends it as it opens the call.
+FIRST_MESSAGE_TIMEOUT_S = 5.0
 
 
 class SharedMemoryServicer:
@@ -79,11 +87,14 @@ class SharedMemoryServicer:
 
         However the stream ends, it leaves no segment behind.
         """
+        try:
+            directory = self._directory()
+        except SharedMemoryUnavailable as exc:
+            rpc.abort(context, self._streams.stats, "StreamTensorsShared", "", exc)
         with self._streams.session(context, method="StreamTensorsShared", kind="shared stream") as session:
-            first = next(requests, None)
+            first = rpc.first_message(requests, FIRST_MESSAGE_TIMEOUT_S, "StreamTensorsSharedRequest")
             if first is None or not first.HasField("request"):
                 raise InvalidRequest("the first StreamTensorsSharedRequest must carry the request")
-            directory = self._directory()
             chunk_bytes = session.start(first.request)
             slots, slot_bytes = validation.ring_size(first.slots, first.slot_bytes, chunk_bytes, self.max_ring_bytes)
             # Every chunk fits in one slot.

@@ -1,8 +1,12 @@
 """One streaming RPC on the server, whatever its transport: StreamTensors, StreamTensorsShared, ReadModelFile.
 
 A servicer opens a StreamSession around the whole of a streaming RPC (`with streams.session(...)`).
-The session
+Every streaming RPC of WeightStreamService is served in a session. The session
 - counts the stream in the stats from its start to its end, so that a drain waits for it;
+- holds one of the server's --max-streams slots from its start to its end: before it waits for
+  anything (a client's message, a manifest, a read), a stream that comes while every slot is
+  taken ends RESOURCE_EXHAUSTED and one that comes while the server drains ends UNAVAILABLE, so
+  neither holds a gRPC worker;
 - runs the checks every stream starts with: the server is not draining, sizes are in bounds, the
   model's revision is the one the client expects;
 - holds a tensor stream's manifest and read plan, and gives its chunks (chunks.serve_chunks);
@@ -13,13 +17,14 @@ The session
 
 Threading: a session belongs to the thread that serves its RPC; count_read and count_sent are
 called from that thread only. Streams, from which sessions are opened, is shared by every RPC of
-the server and holds only parts that are safe to use from many threads.
+the server and holds only parts that are safe to use from many threads (StreamSlots among them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +37,7 @@ from weightstream_server import rpc, validation
 from weightstream_server.cache import UnitCache
 from weightstream_server.catalog import Catalog, Manifest
 from weightstream_server.chunks import ServedChunk, serve_chunks
-from weightstream_server.errors import ClientGone, Draining, RevisionMismatch, status_code
+from weightstream_server.errors import ClientGone, Draining, RevisionMismatch, TooManyStreams, status_code
 from weightstream_server.files import FilePiece, read_file
 from weightstream_server.health import Readiness
 from weightstream_server.plan import plan_reads
@@ -44,6 +49,26 @@ from weightstream_server.stats import ServerStats
 logger = logging.getLogger(__name__)
 
 
+class StreamSlots:
+    """The --max-streams limit: size slots, each held by one stream from its start to its end. Thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._taken = 0
+
+    def take(self) -> None:
+        """Take a slot; TooManyStreams when none is free (nothing waits for one)."""
+        with self._lock:
+            if self._taken >= self.size:
+                raise TooManyStreams(f"{self.size} streams are already running; try again later")
+            self._taken += 1
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._taken -= 1
+
+
 @dataclass(frozen=True)
 class Streams:
     """What every stream of a server is served from; the servicers open their sessions from it."""
@@ -53,6 +78,7 @@ class Streams:
     pool: StreamerPool
     stats: ServerStats
     readiness: Readiness
+    slots: StreamSlots
     # Shared by every stream; None when --cache-bytes is 0.
     cache: UnitCache | None = None
 
@@ -82,6 +108,7 @@ class StreamSession:
         # (file name, offset) of a file read.
         self._file: tuple[str, int] | None = None
         self._started = 0.0
+        self._holds_slot = False
         self.peer = ""
 
     def __enter__(self) -> StreamSession:
@@ -89,6 +116,14 @@ class StreamSession:
         # Asked now: once a call is cancelled, context.peer() is empty.
         self.peer = self._context.peer()
         self._streams.stats.stream_started()
+        try:
+            self._check_open()
+            self._streams.slots.take()
+            self._holds_slot = True
+        except Exception as exc:
+            # Ends the call as __exit__ would have: counted, logged, the status sent (rpc.abort raises).
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         return self
 
     def __exit__(
@@ -158,8 +193,9 @@ class StreamSession:
         """The checks a file read starts with, then the pieces of the file from request.offset.
 
         A file read counts under the model asked for, found or not. The bytes before the offset
-        are read too (for the whole-file CRC32C), not sent; a piece's own bytes count as read once
-        the caller asks for the next piece, so read and sent agree however the stream ends.
+        may be read too (for the whole-file CRC32C, when the server has none kept), not sent; a
+        piece's own bytes count as read once the caller asks for the next piece, so read and sent
+        agree however the stream ends.
         """
         self.model = request.model
         self._file = (request.file, request.offset)
@@ -168,10 +204,8 @@ class StreamSession:
         chunk_bytes = validation.chunk_bytes(request.max_chunk_bytes, self._streams.settings.chunk_bytes)
         catalog = self._streams.catalog
         pieces = read_file(catalog, request.model, request.file, request.offset, request.revision, chunk_bytes)
-        prefix = request.offset
         for piece in pieces:
-            self.read += prefix
-            prefix = 0
+            self.read += piece.read_before
             yield piece
             self.read += len(piece.data)
 
@@ -189,6 +223,9 @@ class StreamSession:
             raise Draining("the server is shutting down and takes no new streams; retry on another server")
 
     def _end(self, code: grpc.StatusCode) -> None:
+        if self._holds_slot:
+            self._holds_slot = False
+            self._streams.slots.give_back()
         seconds = time.monotonic() - self._started
         self._streams.stats.stream_ended(self.model, sent=self.sent, read=self.read, seconds=seconds)
         if self._file is not None:

@@ -10,9 +10,12 @@ import hashlib
 import json
 import random
 import struct
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
+import grpc
 import torch
 import transformers
 from safetensors import safe_open
@@ -179,3 +182,52 @@ def file_digests(folder: Path) -> dict[str, str]:
             for name in f.keys():
                 found[name] = tensor_digest(f.get_tensor(name))
     return found
+
+
+def write_pattern_file(path: Path, pattern: bytes, nbytes: int, *, tensors: int = 1, prefix: str = "t") -> None:
+    """A safetensors file of `tensors` U8 tensors "{prefix}.{i}" sharing nbytes, every byte from pattern repeated.
+
+    Files written with the same tensors, nbytes and length of prefix have headers of the same length and
+    the same data offsets, so that one can stand in for another on disk byte for byte.
+    """
+    each = nbytes // tensors
+    header: dict[str, object] = {}
+    for i in range(tensors):
+        header[f"{prefix}.{i}"] = {"dtype": "U8", "shape": [each], "data_offsets": [i * each, (i + 1) * each]}
+    data = (pattern * (each * tensors // len(pattern) + 1))[: each * tensors]
+    write_raw_safetensors(path, header, data)
+
+
+def received(
+    responses: Iterable[Any], between: Callable[[], None] | None = None
+) -> tuple[grpc.StatusCode, dict[str, bytes]]:
+    """How a StreamTensors or ReadModelFile response stream ended, and the bytes it sent, placed by offset.
+
+    Bytes are keyed by tensor name ("" for a file read). between, if given, runs once the first
+    message has arrived, while the rest is still to come (a client that reads slowly holds the
+    server back by flow control).
+    """
+    placed: dict[str, bytearray] = {}
+    code = grpc.StatusCode.OK
+    try:
+        for index, response in enumerate(responses):
+            for chunk in response.chunks if hasattr(response, "chunks") else [response]:
+                buffer = placed.setdefault(getattr(chunk, "tensor", ""), bytearray())
+                end = chunk.offset + len(chunk.data)
+                if len(buffer) < end:
+                    buffer.extend(bytes(end - len(buffer)))
+                buffer[chunk.offset : end] = chunk.data
+            if index == 0 and between is not None:
+                between()
+    except grpc.RpcError as exc:
+        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    return code, {name: bytes(data) for name, data in placed.items()}
+
+
+def pattern_tensors(path: Path) -> dict[str, bytes]:
+    """The bytes of each tensor of a file written by write_pattern_file, by name, read from disk."""
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        data = f.read()
+    return {name: data[entry["data_offsets"][0] : entry["data_offsets"][1]] for name, entry in header.items()}
