@@ -83,10 +83,17 @@ class StreamerPool:
                 streamer.__enter__()
             yield PooledStreamer(streamer, self._s3_credentials)
         finally:
+            keep = streamer is not None and _s3_used.is_set()
             with self._lock:
                 self._in_use -= 1
-                if streamer is not None:
+                if keep:
                     self._free.append(streamer)
+            if streamer is not None and not keep:
+                # A streamer holds its last stream's ring (up to the read-ahead) until its next
+                # stream, so an idle one is closed: idle streams then hold no ring (a new streamer
+                # costs microseconds). Once S3 has been read in this process, closing one would end
+                # the process's S3 clients: those are kept for reuse, at most `size` of them.
+                streamer.__exit__(None, None, None)
 
     @property
     def in_use(self) -> int:

@@ -32,6 +32,7 @@ from types import TracebackType
 
 import grpc
 
+from weightstream.allocator import release_free_memory
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server import rpc, validation
 from weightstream_server.cache import UnitCache
@@ -226,6 +227,8 @@ class StreamSession:
         if self._holds_slot:
             self._holds_slot = False
             self._streams.slots.give_back()
+        # What the stream's buffers took goes back to the kernel, not only to malloc's free lists.
+        release_free_memory()
         seconds = time.monotonic() - self._started
         self._streams.stats.stream_ended(self.model, sent=self.sent, read=self.read, seconds=seconds)
         if self._file is not None:
