@@ -1,8 +1,9 @@
-"""Fault injection for the reliability tests: a TCP proxy that cuts or freezes connections.
+"""Fault injection for the reliability tests: a TCP proxy that cuts, freezes or stalls connections.
 
 CuttingProxy relays TCP between a client and a server on 127.0.0.1 and, on the connections it is
-told to, resets the connection after a given number of bytes from the server, or stops relaying (a
-peer that vanished without closing anything).
+told to, resets the connection after a given number of bytes from the server, stops relaying (a
+peer that vanished without closing anything), or answers the connection itself as an HTTP/2 peer
+that is alive but never answers a stream (a server stuck on its calls, or a call lost on the way).
 """
 
 from __future__ import annotations
@@ -18,13 +19,18 @@ from tests.support.ports import LOOPBACK
 
 # Relay unit of the proxy: large enough for loopback speed, small enough that cuts land near their mark.
 RELAY_BYTES = 256 * 1024
+# HTTP/2 (RFC 9113): the client's connection preface, and the frame types a stalling peer answers.
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_SETTINGS, _PING, _ACK = 0x4, 0x6, 0x1
 
 
 class CuttingProxy:
     """A TCP relay from 127.0.0.1:port to a server; connection i (from 0) is cut per plan[i].
 
     plan[i] is (bytes, how): after that many bytes from the server, "reset" closes both sides with
-    an RST, "freeze" stops relaying both ways but keeps the sockets open. Connections past the plan
+    an RST, "freeze" stops relaying both ways but keeps the sockets open; "stall" (bytes ignored)
+    never reaches the server: the proxy speaks HTTP/2 itself, answers SETTINGS and PING (so
+    keepalive finds the connection alive) and never answers a stream. Connections past the plan
     are relayed untouched. At most max_connections are accepted; two threads relay each one.
     """
 
@@ -41,6 +47,7 @@ class CuttingProxy:
         self._closed = threading.Event()
         self.connections = 0
         self.cuts = 0
+        self.stalled = 0  # connections answered by the stalling peer
         self.relayed = 0  # bytes from the server, over all connections
 
     def __enter__(self) -> CuttingProxy:
@@ -71,11 +78,17 @@ class CuttingProxy:
             if index >= self._max:
                 client.close()
                 continue
+            limit, how = self._plan[index] if index < len(self._plan) else (None, "")
+            if how == "stall":
+                with self._lock:
+                    self._sockets.append(client)
+                    self.stalled += 1
+                self._pool.submit(self._stall, client)
+                continue
             server = socket.create_connection((LOOPBACK, self._upstream), timeout=10)
             server.settimeout(None)
             with self._lock:
                 self._sockets += [client, server]
-            limit, how = self._plan[index] if index < len(self._plan) else (None, "")
             pair = _Pair(client, server)
             self._pool.submit(self._relay, pair, client, server, False, None, "")
             self._pool.submit(self._relay, pair, server, client, True, limit, how)
@@ -115,6 +128,40 @@ class CuttingProxy:
             pass
         finally:
             pair.finished()
+
+    def _stall(self, client: socket.socket) -> None:
+        """Be an HTTP/2 server that keeps the connection alive and never answers a stream."""
+        try:
+            with client:
+                if _recv_exactly(client, len(_PREFACE)) != _PREFACE:
+                    return
+                client.sendall(_frame(_SETTINGS, 0, b""))
+                while not self._closed.is_set():
+                    header = _recv_exactly(client, 9)
+                    length, kind, flags = int.from_bytes(header[:3], "big"), header[3], header[4]
+                    payload = _recv_exactly(client, length)
+                    if kind == _SETTINGS and not flags & _ACK:
+                        client.sendall(_frame(_SETTINGS, _ACK, b""))
+                    elif kind == _PING and not flags & _ACK:
+                        client.sendall(_frame(_PING, _ACK, payload))
+                    # HEADERS, DATA, WINDOW_UPDATE, RST_STREAM, GOAWAY: read and never answered.
+        except (OSError, EOFError):
+            pass
+
+
+def _frame(kind: int, flags: int, payload: bytes) -> bytes:
+    """An HTTP/2 frame on stream 0."""
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + (0).to_bytes(4, "big") + payload
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        piece = sock.recv(size - len(data))
+        if not piece:
+            raise EOFError("the peer closed the connection")
+        data += piece
+    return bytes(data)
 
 
 class _Pair:

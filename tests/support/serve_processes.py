@@ -127,12 +127,16 @@ def wait_grpc_ready(server: ServerProcess, target: str, model: str) -> int:
 class Supervisor:
     """`weightstream serve` on a fixed port, restarted whenever it dies until stop().
 
-    before_restart, when set, runs after a death and before the next start (a test rewrites a
-    checkpoint there). Output of every run goes to log_dir/server-N.log. One watcher thread waits
-    on the running process; kill() and stop() may be called from any thread.
+    restart_delay: seconds between a death and the next start (a real restart is that late, plus
+    the process's own start-up). before_restart, when set, runs after a death and before the next
+    start (a test rewrites a checkpoint there). Output of every run goes to log_dir/server-N.log.
+    One watcher thread waits on the running process; kill(), wait_started() and stop() may be
+    called from any thread, and no process is started once stop() has begun.
     """
 
-    def __init__(self, model_root: Path, log_dir: Path, *args: str, port: int | None = None) -> None:
+    def __init__(
+        self, model_root: Path, log_dir: Path, *args: str, port: int | None = None, restart_delay: float = 0.0
+    ) -> None:
         self.port = port or free_ports(1)[0]
         self.target = f"{LOOPBACK}:{self.port}"
         self._args = [
@@ -149,9 +153,12 @@ class Supervisor:
             *args,
         ]
         self._log_dir = log_dir
-        self._lock = threading.Lock()
+        self.restart_delay = restart_delay
+        # Guards _proc, _stopping and starts; notified at every start.
+        self._lock = threading.Condition()
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopping = False
+        self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self.starts = 0
         self.kills = 0
@@ -170,20 +177,29 @@ class Supervisor:
         self._thread.start()
         return self
 
-    def kill(self) -> None:
-        """SIGKILL the running server (the supervisor starts the next one)."""
+    def kill(self) -> bool:
+        """SIGKILL the running server (the supervisor starts the next one); False if none was running."""
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 os.kill(self._proc.pid, signal.SIGKILL)
                 self.kills += 1
+                return True
+        return False
 
     def wait_serving(self, timeout: float = LISTEN_TIMEOUT_S) -> None:
         wait_port(self.port, timeout)
 
+    def wait_started(self, starts: int, timeout: float = LISTEN_TIMEOUT_S) -> bool:
+        """Wait until the process numbered starts (from 1) has been started; False after timeout or stop()."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.starts >= starts or self._stopping, timeout) and not self._stopping
+
     def stop(self) -> None:
         with self._lock:
-            self._stopping = True
+            self._stopping = True  # from here on _spawn starts nothing, so proc is the last process
             proc = self._proc
+            self._lock.notify_all()
+        self._stopped.set()
         if proc is not None and proc.poll() is None:
             stop_process(proc)
         if self._thread is not None:
@@ -203,10 +219,12 @@ class Supervisor:
             return self._proc is not None and self._proc.poll() is None
 
     def _spawn(self) -> None:
-        self.starts += 1
-        log = self._log_dir / f"server-{self.starts}.log"
         with self._lock:
-            self._proc = start_serve(self._args, log)
+            if self._stopping:
+                return
+            self.starts += 1
+            self._proc = start_serve(self._args, self._log_dir / f"server-{self.starts}.log")
+            self._lock.notify_all()
 
     def _watch(self) -> None:
         while True:
@@ -214,9 +232,8 @@ class Supervisor:
                 proc = self._proc
             assert proc is not None
             proc.wait()
-            with self._lock:
-                if self._stopping:
-                    return
+            if self._stopped.wait(self.restart_delay):
+                return
             if self.before_restart is not None:
                 hook, self.before_restart = self.before_restart, None
                 hook()

@@ -3,13 +3,17 @@
 Channel 0, the main channel, carries the control calls (GetManifest, ListModelFiles,
 ReadModelFile, OpenSharedMemory) and a load's first stream; parallel stream i > 0 of a load goes
 over channel i, made on first use, so that each stream has a TCP connection of its own. Every
-channel gets the options below and the replicas' service config (replicas.py).
+channel gets the options below and the replicas' service config (replicas.py). A channel whose
+connection carried a stuck stream is replaced by a fresh one (replace), and a stream whose last
+try found no server waits for its channel to connect before the next (wait_ready).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+import weakref
 from pathlib import Path
 
 import grpc
@@ -17,7 +21,7 @@ import grpc
 from weightstream import wire
 from weightstream.client import replicas
 from weightstream.client.options import SHM_DIR_ENV
-from weightstream.client.transports.base import Transport
+from weightstream.client.transports.base import StreamCancel, Transport
 from weightstream.client.transports.grpc_stream import GrpcTransport
 from weightstream.client.transports.shared_memory import SharedMemoryTransport
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
@@ -26,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 # Transports a client may be asked for.
 TRANSPORTS = ("auto", "grpc", "shm")
+# How often wait_ready looks whether the stream it waits for was stopped meanwhile.
+_READY_POLL_S = 0.25
 
 _CHANNEL_OPTIONS: list[tuple[str, int]] = [
     # A message carries up to MAX_CHUNK_BYTES of payload plus chunk descriptors; gRPC's default
@@ -80,9 +86,9 @@ class Channels:
     shared memory when the server proves it sees shm_dir and gRPC otherwise, "shm" insists on
     shared memory, "grpc" never tries it.
 
-    Thread-safe: any thread may ask for a channel, the stub or a transport; each is made once, and
-    shared memory is negotiated once (on the main channel). close() closes every channel; a later
-    call makes new ones.
+    Thread-safe: any thread may ask for a channel, the stub or a transport; each is made once
+    (again after replace), and shared memory is negotiated once (on the main channel). close()
+    closes every channel; a later call makes new ones.
     """
 
     def __init__(
@@ -107,6 +113,8 @@ class Channels:
         self._channels: list[grpc.Channel] = []
         self._stub: pb_grpc.WeightStreamServiceStub | None = None
         self._transports: dict[int, Transport] = {}
+        # Transports whose channel replace() closed: calls on them failed CANCELLED for that reason.
+        self._replaced: weakref.WeakSet[Transport] = weakref.WeakSet()
         # What OpenSharedMemory granted (max ring bytes); None: not asked yet, 0: use gRPC.
         self._shm_grant: int | None = None
         self._shm_lock = threading.Lock()
@@ -145,6 +153,54 @@ class Channels:
             made = GrpcTransport(self.channel(index))
         with self._lock:
             return self._transports.setdefault(index, made)
+
+    def replace(self, index: int, stale: Transport) -> None:
+        """Close the channel stale streams on and put a fresh one in its place, for channel(index) and transport(index).
+
+        For a connection that carried a stuck stream: the resume then goes out on a new connection
+        instead of the old one, which keepalive may still find alive. Every other call on the
+        closed channel ends CANCELLED (a load's stream that finds replaced() true resumes; control
+        calls of other threads on channel 0 fail). A no-op once stale is not index's transport any
+        more: another stream replaced it already.
+        """
+        with self._lock:
+            if self._transports.get(index) is not stale:
+                return
+            del self._transports[index]
+            self._replaced.add(stale)
+            old = self._channels[index]
+            self._channels[index] = self._new_channel()
+            if index == 0:
+                self._stub = None
+        logger.info("replacing channel %d to %s with a fresh connection", index, self._channel_target)
+        old.close()
+
+    def replaced(self, transport: Transport) -> bool:
+        """Whether replace() closed transport's channel (so that its calls ended CANCELLED)."""
+        with self._lock:
+            return transport in self._replaced
+
+    def wait_ready(self, index: int, timeout: float, stop: StreamCancel | None = None) -> bool:
+        """Wait until channel index is connected (READY); False after timeout seconds, or once stop is cancelled.
+
+        Waiting is what makes gRPC connect: it tries again after each failed connect, 100 ms to
+        1 s later (the reconnect options above), so a server that comes back is found within about
+        a second, and a call made now does not fail at once against the channel's backoff.
+        """
+        deadline = time.monotonic() + timeout
+        future = grpc.channel_ready_future(self.channel(index))
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or (stop is not None and stop.reason is not None):
+                    return False
+                try:
+                    future.result(timeout=min(left, _READY_POLL_S))
+                    return True
+                except grpc.FutureTimeoutError:
+                    continue
+        finally:
+            future.cancel()  # only here, once: gRPC's future fails a second cancel()
 
     def close(self) -> None:
         with self._lock:

@@ -26,7 +26,14 @@ from weightstream.client.manifest import Manifest, ModelFileList, TensorInfo, Te
 from weightstream.client.options import ClientOptions
 from weightstream.client.placement import Destination
 from weightstream.client.progress import is_rank_zero
-from weightstream.client.retry import IdleWatchdog, Outage, RetryPolicy
+from weightstream.client.retry import (
+    READY_WAIT_S,
+    IdleWatchdog,
+    Outage,
+    RetryPolicy,
+    permanent_connect_error,
+    reached_no_server,
+)
 from weightstream.client.session import LoadSession, SessionConfig
 from weightstream.client.sharding import ShardSpec, sliced_manifest
 from weightstream.client.targets import plan_targets
@@ -47,7 +54,8 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     transport: str = "grpc"
-    # Streams resumed after a failure, and bytes received again that had already landed.
+    # Streams resumed after a failure that reached a server (RetryPolicy.attempts counts the same
+    # tries), and bytes received again that had already landed.
     retries: int = 0
     resent_bytes: int = 0
 
@@ -150,8 +158,13 @@ class WeightStreamClient:
         return self._channels.stub
 
     def manifest(self, model: str) -> Manifest:
-        """Every tensor of model: name, dtype, shape, size and file; retried on UNAVAILABLE per the RetryPolicy."""
+        """Every tensor of model: name, dtype, shape, size and file; retried on UNAVAILABLE per the RetryPolicy.
+
+        A failure that found no server (one still starting) is waited out within the outage's
+        total_deadline and is not a try; see RetryPolicy.
+        """
         outage = Outage(self._retry) if self._retry is not None else None
+        waiting = False  # for a server that was not there: warned once
         while True:
             try:
                 with translated(self.target):
@@ -160,20 +173,37 @@ class WeightStreamClient:
                     )
                 return manifest_from_proto(response)
             except UnavailableError as exc:
-                delay = outage.next_delay() if outage is not None and exc.code == grpc.StatusCode.UNAVAILABLE else None
-                if delay is None or _not_transient(exc):
+                unavailable = exc.code == grpc.StatusCode.UNAVAILABLE
+                reached = not reached_no_server(exc.message)
+                delay = outage.next_delay(reached=reached) if outage is not None and unavailable else None
+                if delay is None or permanent_connect_error(exc.message):
                     raise
                 assert self._retry is not None and outage is not None
-                logger.warning(
-                    "model %r: manifest from %s failed (%s), try %d of %d in %.2f s",
-                    model,
-                    self.target,
-                    exc.message,
-                    outage.failures + 1,
-                    self._retry.attempts,
-                    delay,
-                )
-                time.sleep(delay)
+                # As a load's stream does (session._Stream._pause): after a try that reached a
+                # server, its backoff; after one that found none, no pause once one connects.
+                if reached:
+                    waiting = False
+                    logger.warning(
+                        "model %r: manifest from %s failed (%s), try %d of %d in %.2f s",
+                        model,
+                        self.target,
+                        exc.message,
+                        outage.failures + 1,
+                        self._retry.attempts,
+                        delay,
+                    )
+                    time.sleep(delay)
+                else:
+                    (logger.info if waiting else logger.warning)(
+                        "model %r: no server at %s for %.1f s (%s); waiting for one, at most %.0f s more",
+                        model,
+                        self.target,
+                        outage.elapsed,
+                        exc.message,
+                        outage.remaining,
+                    )
+                    waiting = True
+                    self._channels.wait_ready(0, min(max(delay, READY_WAIT_S), outage.remaining))
 
     def list_files(self, model: str) -> ModelFileList:
         """The files of model the server lets a client read whole: weight files and companion files."""
@@ -295,16 +325,6 @@ class WeightStreamClient:
     def _shows_progress(self) -> bool:
         """Whether a call draws a progress bar: asked for, and on rank 0."""
         return self._progress and is_rank_zero(self._options)
-
-
-# Failures to connect that no retry can mend: a TLS handshake refused, or a certificate not trusted.
-_PERMANENT_CONNECT_ERRORS = ("handshake", "ssl", "certificate")
-
-
-def _not_transient(error: UnavailableError) -> bool:
-    """True for UNAVAILABLE that says the connection can never succeed as configured (TLS)."""
-    message = error.message.lower()
-    return any(word in message for word in _PERMANENT_CONNECT_ERRORS)
 
 
 def _select(manifest: Manifest, names: Iterable[str] | None) -> dict[str, TensorInfo]:

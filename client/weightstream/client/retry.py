@@ -2,7 +2,8 @@
 
 A stream is retried on UNAVAILABLE (server gone, restarted or draining, connection reset),
 RESOURCE_EXHAUSTED (every stream slot taken), ABORTED, and when no message arrived for
-idle_timeout seconds (the watchdog cancels the call). Everything else ends the load.
+idle_timeout seconds (the watchdog cancels the call). Everything else ends the load, and so does
+UNAVAILABLE that says the connection can never succeed as configured (permanent_connect_error).
 """
 
 from __future__ import annotations
@@ -19,6 +20,37 @@ from weightstream.client.transports.base import StreamCancel
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
 # The reason a StreamCancel carries when the watchdog stopped an idle stream.
 IDLE = "idle"
+# After a try that found no server, the next waits for the channel to connect, for its backoff
+# but at least this many seconds, before it goes anyway (and its error says why it could not).
+READY_WAIT_S = 1.0
+# Failures to connect that no retry can mend: a TLS handshake refused, or a certificate not trusted.
+_PERMANENT_CONNECT_ERRORS = ("handshake", "ssl", "certificate")
+# What gRPC says when no server was there to reach: nothing listening, no route, no answer at all.
+_NO_SERVER_ERRORS = (
+    "connection refused",
+    "no route to host",
+    "network is unreachable",
+    "dns resolution failed",
+    "timed out",
+    "timeout",
+)
+
+
+def permanent_connect_error(message: str) -> bool:
+    """True for an UNAVAILABLE message that says the connection can never succeed as configured (TLS)."""
+    lowered = message.lower()
+    return any(word in lowered for word in _PERMANENT_CONNECT_ERRORS)
+
+
+def reached_no_server(message: str) -> bool:
+    """True for an UNAVAILABLE message that says the try found no server at all (one not started yet, or gone).
+
+    Such a failure says nothing about a server, so it is waiting rather than a try. A peer that
+    accepted the connection and closed it ("Socket closed", a TLS server asked in plaintext) was
+    reached.
+    """
+    reason = message.lower().rsplit("last error:", 1)[-1]
+    return any(words in reason for words in _NO_SERVER_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -27,9 +59,13 @@ class RetryPolicy:
 
     An outage is a run of failures with no new byte landing in between: it may last at most
     `attempts` tries and `total_deadline` seconds from its first failure. Any new byte ends the
-    outage, so a long load survives many separate faults. idle_timeout: a stream that receives no
-    message for that long is cancelled and retried (the server is stuck, or a peer vanished without
-    closing the connection).
+    outage, so a long load survives many separate faults. `attempts` counts only tries that
+    reached a server: a failure that found none there (connection refused while a server
+    restarts) counts against total_deadline alone, and the next try waits for the channel to
+    connect rather than fail at once against gRPC's reconnect backoff, so a server that takes long
+    to come back costs time, not tries.
+    idle_timeout: a stream that receives no message for that long is cancelled and retried on a
+    fresh connection (the server is stuck, or a peer vanished without closing the connection).
     """
 
     attempts: int = 10
@@ -52,33 +88,47 @@ class RetryPolicy:
 
 
 class Outage:
-    """The failures of one stream since its last progress; says whether, and after how long, to retry."""
+    """The failures of one stream since its last progress; says whether, and after how long, to retry.
+
+    failures counts the tries that reached a server; a failure that says no server was there
+    (unreached) moves the backoff on and counts against total_deadline, but is not a try.
+    """
 
     def __init__(self, policy: RetryPolicy, rng: random.Random | None = None) -> None:
         self._policy = policy
         self._rng = rng or random.Random()
         self.failures = 0
+        # Every failure of the outage, tries or not: the backoff's step.
+        self._steps = 0
         self._since = 0.0
 
     def progressed(self) -> None:
         self.failures = 0
+        self._steps = 0
 
-    def next_delay(self) -> float | None:
-        """Count one more failure; the seconds to wait before the next try, or None to give up."""
+    def next_delay(self, *, reached: bool = True) -> float | None:
+        """Count one more failure (a try when reached); the seconds to wait before the next try, or None to give up."""
         now = time.monotonic()
-        if self.failures == 0:
+        if self._steps == 0:
             self._since = now
-        self.failures += 1
+        self._steps += 1
+        if reached:
+            self.failures += 1
         if self.failures >= self._policy.attempts:
             return None
         remaining = self._policy.total_deadline - (now - self._since)
         if remaining <= 0:
             return None
-        return min(self._policy.backoff(self.failures - 1, self._rng), remaining)
+        return min(self._policy.backoff(self._steps - 1, self._rng), remaining)
 
     @property
     def elapsed(self) -> float:
-        return time.monotonic() - self._since if self.failures else 0.0
+        return time.monotonic() - self._since if self._steps else 0.0
+
+    @property
+    def remaining(self) -> float:
+        """Seconds left of the outage's total_deadline (all of it before the first failure)."""
+        return max(0.0, self._policy.total_deadline - self.elapsed)
 
 
 class Watch:

@@ -9,6 +9,8 @@ Threading: with one stream, everything runs on the caller's thread. With several
 (its pending and partly landed tensors, its placers) runs on a worker thread of its own and is
 touched by no other; destination() is called from those threads; completed destinations are
 handed to the caller's thread, which yields them; the tally (retries, re-sent bytes) is locked.
+A transport reads its call on a helper thread (transports/call_reader.py), so that a stream's
+thread can give up on a call that does not end when cancelled.
 """
 
 from __future__ import annotations
@@ -36,8 +38,18 @@ from weightstream.client.errors import (
 from weightstream.client.manifest import Manifest, TensorInfo
 from weightstream.client.placement import Destination, Placers
 from weightstream.client.progress import byte_bar
-from weightstream.client.retry import IDLE, RETRYABLE_CODES, IdleWatchdog, Outage, RetryPolicy
+from weightstream.client.retry import (
+    IDLE,
+    READY_WAIT_S,
+    RETRYABLE_CODES,
+    IdleWatchdog,
+    Outage,
+    RetryPolicy,
+    permanent_connect_error,
+    reached_no_server,
+)
 from weightstream.client.transports.base import ChunkRef, StreamCancel, Transport
+from weightstream.client.transports.call_reader import CANCEL_GRACE_S, StreamAbandoned
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -82,7 +94,8 @@ class LoadSession:
         self.manifest = manifest
         self.infos = infos
         self.destination = destination
-        # Streams resumed after a failure, and bytes received again that had already landed.
+        # Streams resumed after a failure that reached a server, and bytes received again that
+        # had already landed.
         self.retries = 0
         self.resent_bytes = 0
         self._tally_lock = threading.Lock()
@@ -185,19 +198,25 @@ class _Stream:
         retry = session.config.retry
         self.outage = Outage(retry) if retry is not None else None
         self.placers = Placers(session.config.chunk_bytes)
+        # Whether the stream is waiting for a server that was not there (warned once per wait).
+        self._waiting = False
 
     def run(self) -> Iterator[Destination]:
         """Place every chunk of the stream's tensors, yield each destination once complete.
 
         On a retryable failure (retry.RETRYABLE_CODES, or no message for idle_timeout seconds) the
         stream is asked again, after a backoff, for only what has not landed: whole tensors not
-        begun, the missing ranges of those begun. Every request carries the manifest's revision,
-        so a checkpoint that changed meanwhile ends the load (FailedPreconditionError) instead of
+        begun, the missing ranges of those begun. Before each retry the stream waits for its
+        channel to connect (see _pause), so that tries are not spent while the server is still
+        starting. A stream that went idle, or whose call did not end when cancelled, resumes on a
+        fresh channel (channels.replace). Every request carries the manifest's revision, so a
+        checkpoint that changed meanwhile ends the load (FailedPreconditionError) instead of
         mixing two versions.
         """
         if not self.pending:
             return
-        transport = self.session.config.channels.transport(self.index)
+        channels = self.session.config.channels
+        transport = channels.transport(self.index)
         stopped = threading.Event()
         self.stop.on_cancel(stopped.set)
         try:
@@ -206,10 +225,18 @@ class _Stream:
                 self.stop.on_cancel(functools.partial(cancel.cancel, STOPPED))
                 try:
                     yield from self._attempt(transport, cancel)
-                except grpc.RpcError as exc:
-                    delay = self._retry_delay(exc, cancel)
-                    self.session.count(retries=1)
-                    if stopped.wait(delay):
+                except (grpc.RpcError, StreamAbandoned) as exc:
+                    if not self.pending:
+                        break  # every byte landed and was checked; only the stream's end was lost
+                    delay, reached = self._retry_delay(exc, cancel, transport)
+                    if reached:  # a try that found no server resumed nothing
+                        self.session.count(retries=1)
+                    if cancel.reason == IDLE or isinstance(exc, StreamAbandoned):
+                        # The call went quiet on a connection keepalive may still find alive: the
+                        # same channel would put the resume on that connection again.
+                        channels.replace(self.index, transport)
+                        transport = channels.transport(self.index)
+                    if self._pause(delay, reached, stopped):
                         raise WeightStreamError(f"model {self.model!r}: the load was stopped") from exc
                     continue
                 break
@@ -321,39 +348,91 @@ class _Stream:
             revision=manifest.revision,
         )
 
-    def _retry_delay(self, exc: grpc.RpcError, cancel: StreamCancel) -> float:
-        """Seconds to wait before resuming after exc ended the try cancel stops; raises the load's error instead."""
+    def _retry_delay(
+        self, exc: grpc.RpcError | StreamAbandoned, cancel: StreamCancel, transport: Transport
+    ) -> tuple[float, bool]:
+        """(seconds to wait, whether the try reached a server) after exc ended the try cancel stops.
+
+        Raises the load's error instead when exc is not worth retrying or the outage is spent.
+        transport is the try's: a call that ended CANCELLED because another stream replaced its
+        channel is retried like one that broke. A try is cancelled only by the watchdog and by the
+        load's stop, so one abandoned while the load runs was idle.
+        """
         code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-        idle = cancel.reason == IDLE
+        details = (exc.details() if isinstance(exc, grpc.Call) else None) or ""
+        abandoned = isinstance(exc, StreamAbandoned)
+        idle = cancel.reason == IDLE or abandoned
         if self.stop.reason is not None:
             raise WeightStreamError(f"model {self.model!r}: the load was stopped") from exc
         if code == grpc.StatusCode.FAILED_PRECONDITION:
+            assert isinstance(exc, grpc.RpcError)
             raise self.session.precondition_failed(exc) from exc
-        if self.outage is None or not (idle or code in RETRYABLE_CODES):
+        target = self.session.config.target
+        if abandoned and self.outage is None:  # not expected: without a policy nothing watches for idle streams
+            raise UnavailableError(f"from {target}: the stream stopped", code=grpc.StatusCode.UNAVAILABLE) from exc
+        replaced = code == grpc.StatusCode.CANCELLED and self.session.config.channels.replaced(transport)
+        retryable = idle or replaced or (code in RETRYABLE_CODES and not permanent_connect_error(details))
+        if self.outage is None or not retryable:
             raise exc
-        delay = self.outage.next_delay()
-        retry, target = self.session.config.retry, self.session.config.target
+        retry = self.session.config.retry
         assert retry is not None
         what = f"no message for {retry.idle_timeout:g} s" if idle else code.name
+        if abandoned:
+            what += f", and the call had not ended {CANCEL_GRACE_S:g} s after its cancel"
+        reached = not (code == grpc.StatusCode.UNAVAILABLE and reached_no_server(details))
+        delay = self.outage.next_delay(reached=reached)
         missing = self._missing_bytes()
         if delay is None:
-            error = UnavailableError(f"from {target}: {what}", code=code) if idle else from_rpc_error(exc, target)
+            error: WeightStreamError
+            if isinstance(exc, grpc.RpcError) and not idle:
+                error = from_rpc_error(exc, target)
+            else:
+                error = UnavailableError(f"from {target}: {what}", code=grpc.StatusCode.UNAVAILABLE)
             raise type(error)(
                 f"model {self.model!r}: {error.message}; gave up after {self.outage.failures} tries in "
                 f"{self.outage.elapsed:.1f} s with {missing} bytes missing",
                 code=error.code,
             ) from exc
-        logger.warning(
-            "model %r: stream from %s failed (%s), try %d of %d in %.2f s for the %d bytes missing",
-            self.model,
-            target,
-            what,
-            self.outage.failures + 1,
-            retry.attempts,
-            delay,
-            missing,
-        )
-        return delay
+        if reached:
+            self._waiting = False
+            logger.warning(
+                "model %r: stream from %s failed (%s), try %d of %d in %.2f s for the %d bytes missing",
+                self.model,
+                target,
+                what,
+                self.outage.failures + 1,
+                retry.attempts,
+                delay,
+                missing,
+            )
+        else:
+            # One warning per wait: the probes that follow come every few seconds.
+            log = logger.info if self._waiting else logger.warning
+            self._waiting = True
+            log(
+                "model %r: no server at %s (%s) for %.1f s; waiting for one, at most %.0f s more",
+                self.model,
+                target,
+                details,
+                self.outage.elapsed,
+                self.outage.remaining,
+            )
+        return delay, reached
+
+    def _pause(self, delay: float, reached: bool, stopped: threading.Event) -> bool:
+        """Wait before the next try; True if the load was stopped meanwhile.
+
+        After a try that reached a server: its backoff. After one that found no server: until the
+        channel connects, at most the backoff (or READY_WAIT_S), and no longer once it does,
+        since there was no server to spare. The next try then goes, connected or not; if not, its
+        error says why.
+        """
+        assert self.outage is not None
+        if reached:
+            return stopped.wait(delay)
+        wait = min(max(delay, READY_WAIT_S), self.outage.remaining)
+        self.session.config.channels.wait_ready(self.index, wait, self.stop)
+        return stopped.is_set()
 
     def _missing_bytes(self) -> int:
         return sum(

@@ -11,7 +11,8 @@ client's exceptions.
 Cancelling from another thread: a transport registers how to stop its stream (for gRPC,
 call.cancel) with the StreamCancel it is given; the client's idle watchdog and the thread that
 collects parallel streams call StreamCancel.cancel from their own threads. The stream's generator
-then raises grpc.RpcError (CANCELLED) on the thread reading it.
+then raises grpc.RpcError (CANCELLED) on the thread reading it, or, when the call has not ended
+within a grace after its cancel (a call stuck inside gRPC), call_reader.StreamAbandoned.
 
 Concurrency: one transport object may run several streams at once, one per thread; each stream's
 generator is used by one thread.

@@ -5,6 +5,10 @@ so payloads are checksummed and placed straight from the received message: gRPC'
 message and the placer's copy out of it into the tensor are the only ones on this side (on CUDA
 the placer goes through pinned staging, see placement.py).
 
+The call is read on a helper thread (call_reader.py), so that a call whose cancel does not end
+it cannot hold the stream's thread: the generator raises StreamAbandoned instead. Memory: besides
+the batch being placed, up to call_reader.READ_AHEAD + 1 received messages wait for their turn.
+
 Concurrency: as for every transport, one stream per thread, each generator used by one thread.
 """
 
@@ -18,6 +22,7 @@ import grpc
 from weightstream import framing
 from weightstream.client.errors import IntegrityError
 from weightstream.client.transports.base import Batches, ChunkRef, StreamCancel, method_path
+from weightstream.client.transports.call_reader import CallReader
 from weightstream.v1 import weightstream_pb2 as pb
 
 STREAM_TENSORS_METHOD = method_path("StreamTensors")
@@ -41,8 +46,9 @@ class GrpcTransport:
         """Chunks of request, one batch per message; a batch's addresses lie inside that message."""
         call = self._method(request, metadata=tuple(metadata))
         cancel.on_cancel(call.cancel)
+        messages = CallReader[bytes](call, cancel, name="weightstream-grpc-call")
         try:
-            for message in call:
+            for message in messages:
                 try:
                     chunks = framing.decode_response(message)
                 except framing.FramingError as exc:
@@ -55,3 +61,4 @@ class GrpcTransport:
                 ]
         finally:
             call.cancel()
+            messages.close()

@@ -12,6 +12,9 @@ registers the ring with CUDA (cuda_host.HostRegion) and each chunk is one DMA co
 the device; otherwise it goes through pinned staging (placement.py). Memory: the mapping of one
 ring per stream (slots * slot_bytes), shared with the server, unmapped when the stream ends.
 
+The call's messages are read on a helper thread (call_reader.py), so that a call whose cancel
+does not end it cannot hold the stream's thread: the generator raises StreamAbandoned instead.
+
 Concurrency: as for every transport, one stream per thread, each generator used by one thread.
 """
 
@@ -32,6 +35,7 @@ from weightstream import shm_protocol, wire
 from weightstream.client import cuda_host
 from weightstream.client.errors import FailedPreconditionError, IntegrityError
 from weightstream.client.transports.base import Batches, ChunkRef, StreamCancel, method_path
+from weightstream.client.transports.call_reader import CallReader
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -136,13 +140,15 @@ class SharedMemoryTransport:
         outgoing.put(pb.StreamTensorsSharedRequest(request=request, slots=slots, slot_bytes=slot_bytes))
         call = self._method(_drain(outgoing), metadata=tuple(metadata))
         cancel.on_cancel(call.cancel)
+        # Reading messages ahead is safe here: a slot is only handed back below, on this thread.
+        messages = CallReader[pb.StreamTensorsSharedResponse](call, cancel, name="weightstream-shm-call")
         ring: _Ring | None = None
         try:
-            announcement = next(call)
+            announcement = next(messages)
             ring = _Ring.open(self.shm_dir, announcement, request.model)
             # Tells the server that the segment is mapped, so that it removes the file now.
             outgoing.put(pb.StreamTensorsSharedRequest())
-            for message in call:
+            for message in messages:
                 # One batch per slot, each slot returned as soon as it is placed: the server
                 # refills it while the rest of the message is placed (a message may carry many).
                 for slot, chunks in itertools.groupby(message.chunks, key=lambda c: c.slot):
@@ -151,6 +157,7 @@ class SharedMemoryTransport:
         finally:
             outgoing.put(None)
             call.cancel()
+            messages.close()
             if ring is not None:
                 ring.close()
 
