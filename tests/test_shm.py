@@ -8,11 +8,13 @@ the crash tests), safetensors files, torch modules, and segment files in a direc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -210,7 +212,21 @@ class _Requests:
             yield item
 
 
-def test_segment_mode_name_and_unlink_at_attach(shm_server: WeightStreamServer, shm_dir: Path) -> None:
+def _take_ring(directory: Path, announcement: pb.StreamTensorsSharedResponse, ticket: bytes | None = None) -> int:
+    """The protocol's hand-over, done by hand: the descriptor the segment socket gives for ticket; -1 if none."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10)
+        with shm_protocol.socket_address(directory, announcement.segment_socket) as address:
+            conn.connect(address)
+        conn.sendall(announcement.ticket if ticket is None else ticket)
+        answer, fds, _, _ = socket.recv_fds(conn, 1, 4)
+    if answer == shm_protocol.HANDOVER_OK and len(fds) == 1:
+        return fds[0]
+    assert (answer, fds) == (b"", []), "a refused hand-over closes the connection and sends nothing"
+    return -1
+
+
+def test_segment_handover_ticket_seals_and_ring(shm_server: WeightStreamServer, shm_dir: Path) -> None:
     before = _entries(shm_dir)
     channel, method = _raw_call(shm_server)
     requests = _Requests()
@@ -220,18 +236,29 @@ def test_segment_mode_name_and_unlink_at_attach(shm_server: WeightStreamServer, 
         )
     )
     call = method(iter(requests), timeout=30)
+    fd = -1
     try:
         announcement = next(call)
         assert (announcement.slots, announcement.slot_bytes) == (4, CHUNK)
-        assert announcement.segment.startswith(f"weightstream-seg-{os.getpid()}-")
-        path = shm_dir / announcement.segment
+        assert announcement.segment_socket.startswith(f"weightstream-sock-{os.getpid()}-")
+        assert len(announcement.ticket) == shm_protocol.TICKET_BYTES
+        path = shm_dir / announcement.segment_socket
         info = path.stat()
-        assert stat.S_IMODE(info.st_mode) == shm_segments.SEGMENT_MODE == 0o640
-        assert info.st_uid == os.getuid() and info.st_size == 4 * CHUNK
-        # Until the client says it has mapped the segment, the file stays; then it goes at once.
-        assert _entries(shm_dir) == sorted([*before, announcement.segment])
+        assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == shm_segments.SOCKET_MODE == 0o660
+        # The segment itself is no file in the directory, only its hand-over socket is.
+        assert _entries(shm_dir) == sorted([*before, announcement.segment_socket])
+        # Another ticket gets nothing, and the socket stays for the right one.
+        assert _take_ring(shm_dir, announcement, ticket=bytes(shm_protocol.TICKET_BYTES)) == -1
+        fd = _take_ring(shm_dir, announcement)
+        assert fd >= 0
+        eventually(lambda: not path.exists(), "the socket removed once the segment is handed over")
+        # A sealed memfd of exactly the ring: nobody can shrink or grow it under the server's mapping.
+        assert os.fstat(fd).st_size == 4 * CHUNK and shm_protocol.is_sealed(fd)
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{shm_protocol.SEGMENT_PREFIX}")
+        for resize in (0, 8 * CHUNK):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, resize)
         requests.queue.put(pb.StreamTensorsSharedRequest())
-        eventually(lambda: not path.exists(), "the segment unlinked after attach")
         # With the ring full and no credits returned, the server sends no more than the ring holds.
         # (Slots filled together may come in one message.)
         slots_seen: set[int] = set()
@@ -250,6 +277,8 @@ def test_segment_mode_name_and_unlink_at_attach(shm_server: WeightStreamServer, 
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not in flight" in (raised.value.details() or "")
     finally:
+        if fd >= 0:
+            os.close(fd)
         requests.queue.put(None)
         call.cancel()
         channel.close()
@@ -257,7 +286,7 @@ def test_segment_mode_name_and_unlink_at_attach(shm_server: WeightStreamServer, 
     assert _entries(shm_dir) == before
 
 
-def test_cancel_before_attach_leaves_no_segment(shm_server: WeightStreamServer, shm_dir: Path) -> None:
+def test_cancel_before_attach_leaves_no_socket(shm_server: WeightStreamServer, shm_dir: Path) -> None:
     before = _entries(shm_dir)
     channel, method = _raw_call(shm_server)
     requests = _Requests()
@@ -265,9 +294,9 @@ def test_cancel_before_attach_leaves_no_segment(shm_server: WeightStreamServer, 
     call = method(iter(requests), timeout=30)
     try:
         announcement = next(call)
-        assert (shm_dir / announcement.segment).exists()
+        assert (shm_dir / announcement.segment_socket).exists()
         call.cancel()
-        eventually(lambda: not (shm_dir / announcement.segment).exists(), "the segment removed after cancel")
+        eventually(lambda: not (shm_dir / announcement.segment_socket).exists(), "the socket removed after cancel")
     finally:
         requests.queue.put(None)
         channel.close()
@@ -352,14 +381,15 @@ def test_transport_directly_matches_the_file(shm_server: WeightStreamServer, roo
 def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_path: Path) -> None:
     directory = tmp_path / "shm"
     directory.mkdir()
-    # A process that made a segment and died without cleaning up, and one that still holds its own.
+    # A process that made a segment and died without cleaning up (its hand-over socket stays, with
+    # nobody listening), and one that still holds its own.
     maker = textwrap.dedent(
         f"""
         import os, sys, time
         from pathlib import Path
         from weightstream_server.shm_segments import Segment
         segment = Segment(Path({str(directory)!r}), 2, 4096)
-        print(segment.name, flush=True)
+        print(segment.socket_name, flush=True)
         if sys.argv[1] == "die":
             os._exit(0)
         time.sleep(120)
@@ -376,9 +406,12 @@ def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_p
         fresh_nonce = directory / "weightstream-nonce-00000000000000bb"
         old_nonce.write_bytes(b"x" * 32)
         fresh_nonce.write_bytes(b"y" * 32)
+        # A segment file of an older version, which nobody locks.
+        legacy = directory / "weightstream-seg-1-00000000000000cc"
+        legacy.write_bytes(b"z" * 4096)
         long_ago = time.time() - 2 * shm_segments.NONCE_MAX_AGE_S
         os.utime(old_nonce, (long_ago, long_ago))
-        assert _entries(directory) == sorted([stale, held, old_nonce.name, fresh_nonce.name])
+        assert _entries(directory) == sorted([stale, held, old_nonce.name, fresh_nonce.name, legacy.name])
         server = create_server(
             ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=directory)
         )
@@ -423,6 +456,77 @@ def test_killed_client_leaves_no_segment(shm_server: WeightStreamServer, shm_dir
         proc.wait(timeout=30)
     eventually(lambda: shm_server.stats.active_streams == 0, "the server ending the killed client's stream", 30)
     assert _entries(shm_dir) == before
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+@pytest.mark.slow
+def test_a_client_that_shrinks_or_punches_its_ring_costs_only_its_own_stream(
+    root: Path, shm_dir: Path, tmp_path: Path
+) -> None:
+    """A same-user client does its worst to the segment it was handed while the server copies into it.
+
+    A truncated file under the server's mapping would kill it with SIGBUS (the copies from the
+    server's cache are memmoves into the mapping): the segment must refuse every change of size.
+    Punching holes is allowed (the pages come back as zeros): the server survives it, and the
+    client only spoils its own chunks. The server is a process, so that a crash shows as one.
+    """
+    before = _entries(shm_dir)
+    (port,) = free_ports(1)
+    args = ["--model-root", str(root), "--host", LOOPBACK, "--grpc-port", str(port), "--http-port", "0"]
+    args += ["--shm-dir", str(shm_dir), "--chunk-bytes", str(CHUNK), "--cache-bytes", str(64 << 20)]
+    expected = load_folder(root / "blocks")
+    target = f"{LOOPBACK}:{port}"
+    with serve_process(args, tmp_path) as server:
+        server.wait_listening(port, START_TIMEOUT_S)
+        channel = grpc.insecure_channel(target)
+        method = channel.stream_stream(
+            "/weightstream.v1.WeightStreamService/StreamTensorsShared",
+            request_serializer=pb.StreamTensorsSharedRequest.SerializeToString,
+            response_deserializer=pb.StreamTensorsSharedResponse.FromString,
+        )
+        requests = _Requests()
+        requests.queue.put(
+            pb.StreamTensorsSharedRequest(
+                request=pb.StreamTensorsRequest(model="blocks", max_chunk_bytes=CHUNK), slots=2, slot_bytes=CHUNK
+            )
+        )
+        call = method(iter(requests), timeout=60)
+        refused: list[str] = []
+        try:
+            announcement = next(call)
+            fd = _take_ring(shm_dir, announcement)
+            size = os.fstat(fd).st_size
+            for resize in (0, size // 2, size - 1, size + 4096):
+                try:
+                    os.ftruncate(fd, resize)
+                except PermissionError:
+                    refused.append(f"ftruncate {resize}")
+            requests.queue.put(pb.StreamTensorsSharedRequest())
+            # Every slot the server announces is punched out and returned, so that it copies
+            # into the punched pages again and again until the model is through.
+            messages = 0
+            for message in call:
+                messages += 1
+                assert _LIBC.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0
+                slots = sorted({c.slot for c in message.chunks})
+                requests.queue.put(pb.StreamTensorsSharedRequest(released_slots=slots))
+            os.close(fd)
+        finally:
+            requests.queue.put(None)
+            call.cancel()
+            channel.close()
+        assert refused == [f"ftruncate {n}" for n in (0, size // 2, size - 1, size + 4096)]
+        assert messages > 4, "the ring went round more than once"
+        server.assert_running()
+        # The server still serves everyone else, over shared memory, bit-exact.
+        with WeightStreamClient(target, progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK) as client:
+            _assert_same(expected, client.load_state_dict("blocks"))
+        server.assert_running()
+    assert _entries(shm_dir) == before
+    record("shared memory", hostile_ring_resizes_refused=len(refused))
 
 
 @contextlib.contextmanager

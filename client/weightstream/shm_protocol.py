@@ -2,8 +2,18 @@
 
 A client on the server's host offers a directory both can see. It proves the server sees it with a
 nonce file (NONCE_PREFIX + 16 hex digits, written by the client, read back by the server). Each
-shared stream then gets one segment file (SEGMENT_PREFIX + pid + "-" + 16 hex digits) holding a ring
-of `slots` slots of `slot_bytes` each; chunks packed into a slot start on SLOT_ALIGN boundaries.
+shared stream then gets one segment holding a ring of `slots` slots of `slot_bytes` each; chunks
+packed into a slot start on SLOT_ALIGN boundaries.
+
+A segment is never a file in the directory: it is a memfd (named SEGMENT_PREFIX + pid + "-" + 16
+hex digits, as /proc/PID/maps shows it) sealed against shrinking and growing (SEGMENT_SEALS), so
+that no holder of it can truncate it under the other side's mapping (a mapping past the end of a
+file faults with SIGBUS). The server hands its descriptor over a Unix socket it listens on in the
+directory (SOCKET_PREFIX + pid + "-" + 16 hex digits, one per stream, named in the stream's
+announcement): the client connects, sends the stream's ticket (TICKET_BYTES, from the
+announcement, so from an authenticated call), and receives HANDOVER_OK with the descriptor
+(SCM_RIGHTS). Socket paths go through /proc/self/fd/DIRFD/NAME (socket_address), so that a
+directory of any length works (a socket path holds at most 107 bytes).
 
 Both the server (which creates and fills a segment) and the client (which reads it) import this
 module, so that a name, a default or the slot-size rule is written once, and both map a segment
@@ -12,17 +22,23 @@ the same way (map_segment).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 import re
 import secrets
+from collections.abc import Iterator
+from pathlib import Path
 
 from weightstream import wire
 
 SEGMENT_PREFIX = "weightstream-seg-"
 NONCE_PREFIX = "weightstream-nonce-"
+SOCKET_PREFIX = "weightstream-sock-"
 _SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"\d+-[0-9a-f]{16}")
+_SOCKET_NAME = re.compile(re.escape(SOCKET_PREFIX) + r"\d+-[0-9a-f]{16}")
 _NONCE_NAME = re.compile(re.escape(NONCE_PREFIX) + r"[0-9a-f]{16}")
 # The ring a stream gets when it asks for none: few large slots beat many small ones (fewer
 # messages each way, a smaller segment to allocate per stream); benchmarks/shm_load.py measures it.
@@ -32,11 +48,21 @@ MIN_SLOTS = 2
 MAX_SLOTS = 4096
 # Chunks packed into one slot start on this boundary, so that every copy starts aligned.
 SLOT_ALIGN = 64
+# The hand-over: the client's ticket, then the server's one-byte answer with the descriptor.
+TICKET_BYTES = 16
+HANDOVER_OK = b"\x01"
+# A segment's size is fixed for good once these are set: nobody can shrink, grow or unseal it.
+SEGMENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def new_segment_name() -> str:
     """A fresh segment file name for this process."""
     return f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def new_socket_name() -> str:
+    """A fresh hand-over socket name for this process."""
+    return f"{SOCKET_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def new_nonce_name() -> str:
@@ -49,9 +75,36 @@ def is_segment_name(name: str) -> bool:
     return _SEGMENT_NAME.fullmatch(name) is not None
 
 
+def is_socket_name(name: str) -> bool:
+    """True for a name new_socket_name() could have made (and so a plain file name)."""
+    return _SOCKET_NAME.fullmatch(name) is not None
+
+
 def is_nonce_name(name: str) -> bool:
     """True for a name new_nonce_name() could have made (and so a plain file name)."""
     return _NONCE_NAME.fullmatch(name) is not None
+
+
+@contextlib.contextmanager
+def socket_address(directory: Path, name: str) -> Iterator[str]:
+    """The address of the socket name in directory, for bind() or connect(), valid inside the block.
+
+    The directory is held open, and the address goes through its descriptor, so that its length
+    does not count against the 107 bytes of a socket path.
+    """
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{name}"
+    finally:
+        os.close(fd)
+
+
+def is_sealed(fd: int) -> bool:
+    """True when the segment fd can no longer change size (it carries SEGMENT_SEALS)."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEGMENT_SEALS == SEGMENT_SEALS
+    except OSError:
+        return False  # not a memfd: a file anyone with write access could truncate
 
 
 def default_slot_bytes(chunk_bytes: int) -> int:

@@ -24,7 +24,7 @@ import grpc
 
 from weightstream.shm_protocol import aligned
 from weightstream_server.chunks import ServedChunk
-from weightstream_server.errors import ClientGone, InvalidRequest, ServerError
+from weightstream_server.errors import ClientGone, InvalidRequest, RequestTimeout, ServerError
 from weightstream_server.read_plan import ChunkPlace
 from weightstream_server.reader import DirectRead
 from weightstream_server.shm_segments import Segment
@@ -58,6 +58,10 @@ class Credits:
             self._cond.wait_for(lambda: self._attached or self._closed, timeout)
             return self._attached
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def take(self, block: bool = True) -> int | None:
         """A free slot; None once closed, or (block False) when none is free now."""
         with self._cond:
@@ -90,19 +94,20 @@ class Credits:
             self._cond.notify_all()
 
 
-def read_credits(releases: Iterator[Iterable[int]], credits: Credits, segment: Segment) -> None:
-    """Return the slots the client releases (one iterable per client message) until its messages end.
-
-    The first message means the client has mapped the segment: its file is unlinked then.
+def read_credits(
+    releases: Iterator[Iterable[int]], credits: Credits, segment: Segment, handover_timeout: float
+) -> None:
+    """Hand the segment over, then return the slots the client releases (one iterable per client
+    message) until its messages end. The first message means the client has mapped the segment.
     """
     try:
+        segment.hand_over(handover_timeout, ended=lambda: credits.closed)
         for released in releases:
-            segment.unlink()
             credits.attach()
             credits.release(released)
     except grpc.RpcError:
         pass  # the call was cancelled or ended; the stream's own thread finds out from the context
-    except InvalidRequest as exc:
+    except (InvalidRequest, RequestTimeout) as exc:
         credits.fail(exc)
     except Exception:
         logger.exception("reading credits failed")

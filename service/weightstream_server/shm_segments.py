@@ -1,12 +1,16 @@
-"""The files of the shared-memory transport in the shared directory: segments, and checking a client's nonce.
+"""The shared-memory transport's side of the directory: segments, their hand-over, and client nonces.
 
-Segments: one file per stream, named SEGMENT_PREFIX + <pid>-<random> (weightstream.shm_protocol),
-mode 0o640 (owner read-write, group read: in Kubernetes, run both containers as one user, or give
-the pod an fsGroup, which emptyDir files inherit). The server holds an exclusive flock on the file
-for the stream's life; the file is unlinked as soon as the client has mapped it (its first message
-after the announcement) and at stream end, so that what is left in the directory is only a crashed
-server's, before its client attached. Start-up cleanup (remove_stale_segments) deletes segments
-that no process locks, and nonce files that clients which crashed while negotiating left behind.
+Segments: one per stream, a memfd sealed against shrinking and growing (shm_protocol.SEGMENT_SEALS),
+so that a client, which holds the same file, cannot truncate it under the server's mapping: a copy
+into a mapping past the end of its file would kill the server with SIGBUS, and every stream with
+it. The segment is never a file in the directory. Its descriptor is handed to the client over a
+Unix socket the stream listens on there (named in the announcement, mode 0o660: in Kubernetes, run
+both containers as one user, or give the pod an fsGroup, which emptyDir files inherit), to the
+first connection that sends the stream's ticket; connections without it are closed. The socket
+file is removed once the descriptor is handed over and at stream end, so what is left in the
+directory is only a crashed server's: start-up cleanup (remove_stale_segments) deletes sockets
+nobody listens on, segment files of older versions that no process locks, and nonce files that
+clients which crashed while negotiating left behind.
 """
 
 from __future__ import annotations
@@ -17,47 +21,69 @@ import fcntl
 import hmac
 import logging
 import os
+import secrets
+import socket
+import stat
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from weightstream.shm_protocol import NONCE_PREFIX, is_nonce_name, is_segment_name, map_segment, new_segment_name
-from weightstream_server.errors import InvalidRequest, SharedMemoryUnavailable
+from weightstream import shm_protocol
+from weightstream.shm_protocol import NONCE_PREFIX, is_nonce_name, is_segment_name, is_socket_name, map_segment
+from weightstream_server.errors import InvalidRequest, RequestTimeout, SharedMemoryUnavailable
 
 logger = logging.getLogger(__name__)
 
-SEGMENT_MODE = 0o640
+SOCKET_MODE = 0o660
 # A nonce file is a few dozen bytes; anything much larger is not one.
 MAX_NONCE_BYTES = 1024
 # Clients remove their nonce files within a call; one this old belongs to a client that crashed.
 NONCE_MAX_AGE_S = 600.0
+# How long one connection to a hand-over socket may take to send its ticket; how often a waiting
+# hand-over looks whether its stream has ended.
+TICKET_TIMEOUT_S = 2.0
+POLL_S = 0.25
 
 
 class Segment:
-    """One stream's ring: slots * slot_bytes in a file of the shared directory, mapped read-write.
+    """One stream's ring: slots * slot_bytes of a sealed memfd, mapped read-write, and its hand-over socket.
 
-    Ownership: the stream that created it; close() unlinks the file (if still there), unmaps it and
-    drops the lock. Addresses into it are valid until close(). Use from one thread, except
-    unlink(), which the stream's credit thread may call.
+    Ownership: the stream that created it; close() removes the socket file, unmaps the ring and
+    closes the memfd. Addresses into it are valid until close(). Use from one thread, except
+    hand_over(), which the stream's credit thread runs, and which closes the listening socket
+    itself; close() and hand_over() never use the memfd at the same time.
     """
 
     def __init__(self, directory: Path, slots: int, slot_bytes: int) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
         size = slots * slot_bytes
-        self.name = new_segment_name()
-        self.path = directory / self.name
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        self._linked = True
+        self.name = shm_protocol.new_segment_name()
+        self.socket_name = shm_protocol.new_socket_name()
+        self.ticket = secrets.token_bytes(shm_protocol.TICKET_BYTES)
+        self._directory = directory
+        self._lock = threading.Lock()  # guards _fd and _linked against close() during a hand-over
+        self._linked = False
+        self._handing_over = False  # hand_over() owns the listener from its start
+        self._fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            # Held until close(): start-up cleanup of another server skips files that someone locks.
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.fchmod(self._fd, SEGMENT_MODE)  # exactly this mode, whatever the umask
-            # Allocate the pages now (tmpfs): a write to a hole would fault them in one by one.
+            os.ftruncate(self._fd, size)
+            # Allocate the pages now: a write to a hole would fault them in one by one.
             os.posix_fallocate(self._fd, 0, size)
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, shm_protocol.SEGMENT_SEALS)
             self._mapping = map_segment(self._fd, size, writable=True)
+            with shm_protocol.socket_address(directory, self.socket_name) as address:
+                self._listener.bind(address)
+                self._linked = True
+                os.chmod(address, SOCKET_MODE)  # exactly this mode, whatever the umask
+            self._listener.listen(8)
+            self._listener.settimeout(POLL_S)
         except BaseException:
             self._unlink()
+            self._listener.close()
             os.close(self._fd)
             raise
         self.address = self._mapping.address
@@ -65,23 +91,79 @@ class Segment:
     def slot_address(self, slot: int) -> int:
         return self.address + slot * self.slot_bytes
 
-    def unlink(self) -> None:
-        """Remove the file from the directory (the mapping stays); called once the client has mapped it."""
-        self._unlink()
+    def hand_over(self, timeout: float, ended: Callable[[], bool]) -> None:
+        """Give the memfd to the first connection that sends the ticket, then close the socket.
+
+        Waits up to timeout s, or until ended() is true (the stream is over: returns quietly).
+        Connections that send anything else, or nothing within TICKET_TIMEOUT_S, are closed and
+        counted in one log line. Raises RequestTimeout when no client came in time.
+        """
+        deadline = time.monotonic() + timeout
+        refused = 0
+        with self._lock:
+            if self._fd < 0:
+                return
+            self._handing_over = True
+        try:
+            while not ended():
+                if time.monotonic() > deadline:
+                    raise RequestTimeout(
+                        f"the client did not take segment {self.name} from {self.socket_name} within {timeout:.0f} s"
+                    )
+                try:
+                    conn, _ = self._listener.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    if self._give(conn):
+                        return
+                refused += 1
+        finally:
+            self._listener.close()
+            with self._lock:
+                self._unlink()
+            if refused:
+                logger.warning("segment %s: closed %d connections without its ticket", self.name, refused)
+
+    def _give(self, conn: socket.socket) -> bool:
+        """Read one ticket from conn; send the memfd if it is this segment's. True once handed over."""
+        conn.settimeout(TICKET_TIMEOUT_S)
+        ticket = b""
+        try:
+            while len(ticket) < shm_protocol.TICKET_BYTES:
+                part = conn.recv(shm_protocol.TICKET_BYTES - len(ticket))
+                if not part:
+                    return False
+                ticket += part
+            if not hmac.compare_digest(ticket, self.ticket):
+                return False
+            with self._lock:
+                if self._fd < 0:
+                    return False
+                socket.send_fds(conn, [shm_protocol.HANDOVER_OK], [self._fd])
+            return True
+        except OSError:
+            return False
 
     def _unlink(self) -> None:
         if self._linked:
             self._linked = False
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+            with (
+                contextlib.suppress(FileNotFoundError),
+                shm_protocol.socket_address(self._directory, self.socket_name) as address,
+            ):
+                os.unlink(address)
 
     def close(self) -> None:
-        self._unlink()
-        if self._fd < 0:
-            return
-        self._mapping.close()
-        os.close(self._fd)
-        self._fd = -1
+        with self._lock:
+            self._unlink()
+            if self._fd < 0:
+                return
+            if not self._handing_over:
+                self._listener.close()
+            self._mapping.close()
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> Segment:
         return self
@@ -93,11 +175,12 @@ class Segment:
 
 
 def remove_stale_segments(directory: Path) -> int:
-    """Delete the segments in directory that no process holds (left by a server that crashed); how many.
+    """Delete what dead servers and clients left in directory; how many entries went.
 
-    A live segment is flock'ed by the server that made it, in whatever process or container, so a
-    lock that can be taken means nobody uses the file. Nonce files older than NONCE_MAX_AGE_S (a
-    client that crashed while negotiating) go too.
+    A hand-over socket nobody listens on (its server died before the client came); a segment file
+    of an older version that no process flocks; a nonce file older than NONCE_MAX_AGE_S (a client
+    that crashed while negotiating). A live socket or segment, of whatever process or container,
+    is left alone.
     """
     removed = 0
     try:
@@ -107,35 +190,59 @@ def remove_stale_segments(directory: Path) -> int:
         return 0
     now = time.time()
     for entry in entries:
-        if is_nonce_name(entry.name) and entry.is_file(follow_symlinks=False):
-            with contextlib.suppress(OSError):
-                if now - entry.stat(follow_symlinks=False).st_mtime > NONCE_MAX_AGE_S:
-                    os.unlink(entry.path)
-                    removed += 1
-            continue
-        if not is_segment_name(entry.name) or not entry.is_file(follow_symlinks=False):
-            continue
         try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            info = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                logger.warning("segment %s: cannot check it: %s", entry.path, exc.strerror or exc)
-            os.close(fd)
+        if is_nonce_name(entry.name) and stat.S_ISREG(info.st_mode):
+            stale = now - info.st_mtime > NONCE_MAX_AGE_S
+        elif is_socket_name(entry.name) and stat.S_ISSOCK(info.st_mode):
+            stale = not _listened_on(directory, entry.name)
+        elif is_segment_name(entry.name) and stat.S_ISREG(info.st_mode):
+            stale = not _locked(entry.path)
+        else:
+            continue
+        if not stale:
             continue
         try:
             os.unlink(entry.path)
             removed += 1
         except OSError as exc:
-            logger.warning("stale segment %s: cannot remove it: %s", entry.path, exc.strerror or exc)
-        finally:
-            os.close(fd)
+            logger.warning("stale %s: cannot remove it: %s", entry.path, exc.strerror or exc)
     if removed:
-        logger.info("removed %d stale shared-memory segments and nonce files from %s", removed, directory)
+        logger.info("removed %d stale shared-memory sockets, segments and nonce files from %s", removed, directory)
     return removed
+
+
+def _listened_on(directory: Path, name: str) -> bool:
+    """True unless connecting to the socket name is refused (nobody listens: its server is gone)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+        probe.settimeout(POLL_S)
+        try:
+            with shm_protocol.socket_address(directory, name) as address:
+                probe.connect(address)
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            return True  # not ours to judge (a full backlog, a permission): leave it
+    return True
+
+
+def _locked(path: str) -> bool:
+    """True when some process holds a lock on the segment file at path (or it cannot be checked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            logger.warning("segment %s: cannot check it: %s", path, exc.strerror or exc)
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def check_nonce(directory: Path, name: str, nonce: bytes) -> None:

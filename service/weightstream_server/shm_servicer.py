@@ -3,10 +3,11 @@
 A client next to the server (same pod, same host) offers a directory both can see (a pod's emptyDir
 with medium Memory, or /dev/shm). OpenSharedMemory checks that the server sees it: the client wrote a
 nonce file there, and the server must read back the same bytes. StreamTensorsShared then serves the
-same chunks as StreamTensors, but their bytes lie in a ring of slots in one segment file in that
-directory (shm_segments.py), and the gRPC messages carry only (tensor, offset, CRC32C, slot, slot
-offset). The ring's flow control and filling are in shm_ring.py; the stream's checks, plan and
-counting are the StreamSession's, as for every stream.
+same chunks as StreamTensors, but their bytes lie in a ring of slots in one segment (a sealed
+memfd, handed to the client over a Unix socket in that directory: shm_segments.py), and the gRPC
+messages carry only (tensor, offset, CRC32C, slot, slot offset). The ring's flow control and
+filling are in shm_ring.py; the stream's checks, plan and counting are the StreamSession's, as for
+every stream.
 
 Copies per byte on this side: where every file is local and in the page cache and no slice gathers
 rows, one: the kernel reads the file straight into the slot (reader.DirectReader; the CRC32C is
@@ -22,8 +23,8 @@ Memory: each stream holds one segment of slots * slot_bytes, at most the server'
 setting (OpenSharedMemoryResponse.max_ring_bytes).
 
 Threading: each stream runs on its gRPC worker thread (reads, copies, sends) plus one thread of its
-own that reads the client's credits (shm_ring.read_credits), and, until the first message has come,
-one that waits for it (rpc.first_message).
+own that hands the segment over and then reads the client's credits (shm_ring.read_credits), and,
+until the first message has come, one that waits for it (rpc.first_message).
 
 Admission: a server without a shared-memory directory refuses the call (FAILED_PRECONDITION) before
 it waits for anything; otherwise the call takes a stream slot first (the StreamSession), and its
@@ -108,7 +109,10 @@ class SharedMemoryServicer:
                 context.add_callback(credits.close)
                 releases = (message.released_slots for message in requests)
                 threading.Thread(
-                    target=read_credits, args=(releases, credits, segment), name="weightstream-shm-credits", daemon=True
+                    target=read_credits,
+                    args=(releases, credits, segment, ATTACH_TIMEOUT_S),
+                    name="weightstream-shm-credits",
+                    daemon=True,
                 ).start()
                 # Straight into the slots when the bytes are local and in the page cache; from
                 # storage the streamer's reads are faster (reader.DirectReader).
@@ -124,7 +128,9 @@ class SharedMemoryServicer:
                     slot_bytes,
                     "read into the slots" if direct else "copied into the slots from the streamer or the cache",
                 )
-                yield pb.StreamTensorsSharedResponse(segment=segment.name, slots=slots, slot_bytes=slot_bytes)
+                yield pb.StreamTensorsSharedResponse(
+                    segment_socket=segment.socket_name, ticket=segment.ticket, slots=slots, slot_bytes=slot_bytes
+                )
                 with contextlib.ExitStack() as reads:  # closed (its reads finished) before the segment
                     if direct:
                         reader = reads.enter_context(DirectReader(manifest, plan, session.count_read, READ_THREADS))
@@ -134,8 +140,8 @@ class SharedMemoryServicer:
                     for filled in fill_slots(writes, segment, credits):
                         yield _slot_message(filled)
                         session.count_sent(filled.nbytes)
-                # A stream that fits in the ring is done before the client has even opened the
-                # segment; ending now would remove the file under it.
+                # A stream that fits in the ring is done before the client has even taken the
+                # segment; ending now would close the socket before it came.
                 if not credits.wait_attached(ATTACH_TIMEOUT_S):
                     if credits.error is not None:
                         raise credits.error

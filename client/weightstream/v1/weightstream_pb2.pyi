@@ -236,13 +236,15 @@ class StreamTensorsSharedRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[StreamTensorsRequest, _Mapping]] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., released_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamTensorsSharedResponse(_message.Message):
-    __slots__ = ("segment", "slots", "slot_bytes", "chunks")
-    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("segment_socket", "ticket", "slots", "slot_bytes", "chunks")
+    SEGMENT_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    segment: str
+    segment_socket: str
+    ticket: bytes
     slots: int
     slot_bytes: int
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
-    def __init__(self, segment: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+    def __init__(self, segment_socket: _Optional[str] = ..., ticket: _Optional[bytes] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...

@@ -2,8 +2,9 @@
 
 negotiate() proves that the server sees the client's directory (a nonce file written here, read
 back there) and returns a SharedMemoryTransport, or None when the server cannot use it; the client
-then streams over gRPC. Each stream() maps the segment the server announces (names, sizes and the
-mapping itself are weightstream.shm_protocol's, shared with the server), yields the chunks of each
+then streams over gRPC. Each stream() takes the segment the server announces from its hand-over
+socket and maps it (names, sizes, the hand-over and the mapping itself are weightstream.shm_protocol's,
+shared with the server), yields the chunks of each
 filled slot as one batch, with their addresses inside the mapping, and returns the slot (a credit)
 once the caller asks for the next batch.
 
@@ -26,6 +27,8 @@ import logging
 import os
 import queue
 import secrets
+import socket
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -47,6 +50,8 @@ STREAM_TENSORS_SHARED_METHOD = method_path("StreamTensorsShared")
 NONCE_MODE = 0o640
 NONCE_BYTES = 32
 NEGOTIATE_TIMEOUT_S = 10.0
+# The hand-over is one connection to a socket that is already listening.
+HANDOVER_TIMEOUT_S = 10.0
 
 
 class SharedMemoryTransport:
@@ -146,7 +151,7 @@ class SharedMemoryTransport:
         try:
             announcement = next(messages)
             ring = _Ring.open(self.shm_dir, announcement, request.model)
-            # Tells the server that the segment is mapped, so that it removes the file now.
+            # Tells the server that the segment is mapped.
             outgoing.put(pb.StreamTensorsSharedRequest())
             for message in messages:
                 # One batch per slot, each slot returned as soon as it is placed: the server
@@ -176,6 +181,26 @@ def _refused(required: bool, why: str) -> None:
     logger.info("shared memory not used, streaming over gRPC: %s", why)
 
 
+def _take_segment(directory: Path, name: str, ticket: bytes, model: str) -> int:
+    """The segment's descriptor, from the server's hand-over socket name in directory."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as conn:
+        conn.settimeout(HANDOVER_TIMEOUT_S)
+        try:
+            with shm_protocol.socket_address(directory, name) as address:
+                conn.connect(address)
+            conn.sendall(ticket)
+            answer, fds, _, _ = socket.recv_fds(conn, len(shm_protocol.HANDOVER_OK), 1)
+        except OSError as exc:
+            raise IntegrityError(
+                f"model {model!r}: cannot take the segment from {name!r} in {directory}: {exc}"
+            ) from exc
+    if answer != shm_protocol.HANDOVER_OK or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise IntegrityError(f"model {model!r}: the server's socket {name!r} gave no segment (it answered {answer!r})")
+    return fds[0]
+
+
 def _drain(
     outgoing: queue.SimpleQueue[pb.StreamTensorsSharedRequest | None],
 ) -> Iterator[pb.StreamTensorsSharedRequest]:
@@ -184,11 +209,11 @@ def _drain(
 
 
 class _Ring:
-    """The server's segment, mapped (shm_protocol.map_segment); chunk addresses point into it until close().
+    """The server's segment, taken over its hand-over socket and mapped (shm_protocol.map_segment);
+    chunk addresses point into it until close().
 
-    Mapped read-only, unless the process uses CUDA: then read-write where the file allows it (the
-    same user as the server), because registering read-only memory with CUDA needs a device that
-    supports it; read-only otherwise. This side never writes to it.
+    Mapped read-only, unless the process uses CUDA: then read-write, because registering read-only
+    memory with CUDA needs a device that supports it. This side never writes to it.
     """
 
     def __init__(self, mapping: shm_protocol.Mapping, slots: int, slot_bytes: int, model: str) -> None:
@@ -201,33 +226,23 @@ class _Ring:
 
     @classmethod
     def open(cls, directory: Path, announcement: pb.StreamTensorsSharedResponse, model: str) -> _Ring:
-        name, slots, slot_bytes = announcement.segment, announcement.slots, announcement.slot_bytes
-        if not shm_protocol.is_segment_name(name) or not slots or not slot_bytes:
+        name, slots, slot_bytes = announcement.segment_socket, announcement.slots, announcement.slot_bytes
+        if not shm_protocol.is_socket_name(name) or not slots or not slot_bytes:
             raise IntegrityError(
-                f"model {model!r}: the server announced segment {name[:200]!r} of {slots} x {slot_bytes} bytes, "
-                "not a shared-memory ring"
+                f"model {model!r}: the server announced segment socket {name[:200]!r} for {slots} x {slot_bytes} "
+                "bytes, not a shared-memory ring"
             )
         size = slots * slot_bytes
-        path = directory / name
-        flags = os.O_NOFOLLOW | os.O_CLOEXEC
-        writable = cuda_host.in_use()
+        fd = _take_segment(directory, name, announcement.ticket, model)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size != size:
+                raise IntegrityError(f"model {model!r}: the segment from {name!r} is not a ring of {size} bytes")
+            if not shm_protocol.is_sealed(fd):
+                raise IntegrityError(f"model {model!r}: the segment from {name!r} is not sealed against truncation")
             try:
-                fd = os.open(path, flags | (os.O_RDWR if writable else os.O_RDONLY))
-            except PermissionError:
-                if not writable:
-                    raise
-                writable = False  # another user's file, readable through the group
-                fd = os.open(path, flags | os.O_RDONLY)
-        except OSError as exc:
-            raise IntegrityError(f"model {model!r}: cannot open segment {name!r} in {directory}: {exc}") from exc
-        try:
-            if os.fstat(fd).st_size < size:
-                raise IntegrityError(f"model {model!r}: segment {name!r} is smaller than its {size} bytes")
-            try:
-                mapping = shm_protocol.map_segment(fd, size, writable=writable)
+                mapping = shm_protocol.map_segment(fd, size, writable=cuda_host.in_use())
             except OSError as exc:
-                raise IntegrityError(f"model {model!r}: cannot map segment {name!r}: {exc.strerror}") from exc
+                raise IntegrityError(f"model {model!r}: cannot map the segment from {name!r}: {exc.strerror}") from exc
         finally:
             os.close(fd)
         return cls(mapping, slots, slot_bytes, model)
