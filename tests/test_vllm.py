@@ -6,15 +6,25 @@ streaming the weights from the weightstream server of the `server` fixture, from
 config.json and a tokenizer (fetched with `fetch --metadata-only`), and once with
 load_format="safetensors" from the folder with the weights. The tests fail, never skip, when the
 vLLM environment cannot be built.
+
+At tensor-parallel size 2 (two CPU workers, one core each), two more models, stored in bfloat16 and
+run in float32 with a vocabulary vLLM pads: one with grouped-query attention, one with a single
+key/value head (so fewer than the ranks: replicated) and tied embeddings. Each rank must receive
+only its own bytes (the server's /status counts them), and the tokens must be those of
+load_format="safetensors" at the same size (splitting the matrix products changes the order of
+float additions, so TP=2 is compared with TP=2).
 """
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.support.servers import Running, running
 from tests.support.vllm_runs import (
     ENGINE_TIMEOUT_S,
     LOADER_CHECKS_SCRIPT,
@@ -80,3 +90,60 @@ def test_vllm_loader_registers_resolves_settings_and_refuses_unloaded_parameters
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
         f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}"
     )
+
+
+# Both ranks together may receive at most this much of the model (replicated norms and key/value
+# heads are all that is sent twice).
+TP2_BYTES_BOUND = 1.15
+# Stored in bfloat16, run in float32; 500 tokens, padded by vLLM to 512.
+TP_MODELS = {
+    "gqa-llama": {"hidden": 256, "kv_heads": 2, "tied": False},
+    "tied-llama": {"hidden": 128, "kv_heads": 1, "tied": True},
+}
+
+
+@pytest.fixture(scope="module")
+def tp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Running, dict[str, tuple[Path, int]]]]:
+    """A server with REST (for /status) over the TP_MODELS, each with its folder and checkpoint bytes."""
+    ensure_vllm_venv()
+    root = tmp_path_factory.mktemp("tp-models")
+    models: dict[str, tuple[Path, int]] = {}
+    for name, shape in TP_MODELS.items():
+        config = vllm_llama_config(
+            hidden=int(shape["hidden"]), vocab=500, kv_heads=int(shape["kv_heads"]), tied=bool(shape["tied"])
+        )
+        models[name] = (root / name, write_vllm_llama(root / name, config, dtype=torch.bfloat16))
+    with running(root) as served:
+        yield served, models
+
+
+def _served_bytes(served: Running) -> int:
+    return int(served.get("/status").json()["bytes_served_total"])
+
+
+@pytest.mark.parametrize(
+    ("model", "tp"), [("gqa-llama", 1), ("gqa-llama", 2), ("tied-llama", 2)], ids=["gqa-tp1", "gqa-tp2", "tied-tp2"]
+)
+def test_vllm_ranks_receive_only_their_bytes_and_generate_what_safetensors_does(
+    tp_server: tuple[Running, dict[str, tuple[Path, int]]], model: str, tp: int, tmp_path: Path
+) -> None:
+    served, models = tp_server
+    weights_folder, nbytes = models[model]
+    config_folder = tmp_path / model
+    with WeightStreamClient(served.target, progress=False) as client:
+        client.fetch(model, config_folder, metadata_only=True)
+    before = _served_bytes(served)
+    streamed = run_engine(config_folder, "weightstream", {"target": served.target}, tp=tp)
+    received = _served_bytes(served) - before
+    local = run_engine(weights_folder, "safetensors", tp=tp)
+
+    lines = streamed.weightstream_lines
+    assert len(lines) == tp, f"one loader line per rank expected:\n{lines}"
+    # Every Llama tensor is a view-and-copy for vLLM's loaders: none falls back to whole tensors.
+    assert all(" 0 streamed whole" in line for line in lines), lines
+    assert streamed.token_ids == local.token_ids
+    bound = nbytes if tp == 1 else TP2_BYTES_BOUND * nbytes
+    assert received <= bound, f"the ranks received {received} bytes of a {nbytes}-byte model ({received / nbytes:.2f}x)"
+    if tp == 1:
+        assert received == nbytes
+    print(f"\n{model} TP={tp}: ranks received {received / nbytes:.3f}x the model; {lines}")

@@ -35,18 +35,30 @@ _DEFAULT_LOADER_LINE = re.compile(r"Loading weights took ([0-9.]+) seconds")
 _WEIGHTSTREAM_LINE = re.compile(r"weightstream: loaded .* in ([0-9.]+) s \(.*")
 
 
-def vllm_llama_config(hidden: int = 128, layers: int = 2, intermediate: int = 256) -> transformers.LlamaConfig:
-    """A tiny float32 Llama with head size 64 (DESIGN.md: smaller heads and bfloat16 crash vLLM's CPU kernels)."""
+def vllm_llama_config(
+    hidden: int = 128,
+    layers: int = 2,
+    intermediate: int = 256,
+    *,
+    vocab: int = VOCAB,
+    kv_heads: int | None = None,
+    tied: bool = False,
+) -> transformers.LlamaConfig:
+    """A tiny Llama with head size 64 (DESIGN.md: smaller heads and bfloat16 crash vLLM's CPU kernels).
+
+    kv_heads fewer than hidden // 64 gives grouped-query attention; a vocab that is no multiple of
+    64 is padded by vLLM; tied shares the embedding with the output layer (no lm_head.weight).
+    """
     return transformers.LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 64,
+        num_key_value_heads=kv_heads or hidden // 64,
         head_dim=64,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         bos_token_id=1,
         eos_token_id=2,
         # Larger than the default 0.02, so that random weights give varied greedy tokens.
@@ -55,9 +67,9 @@ def vllm_llama_config(hidden: int = 128, layers: int = 2, intermediate: int = 25
     )
 
 
-def write_tokenizer(folder: Path) -> None:
-    """A WordLevel tokenizer over the words <unk> <s> </s> w3 .. w511, built offline."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+def write_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
+    """A WordLevel tokenizer over the words <unk> <s> </s> w3 .. w(vocab_size - 1), built offline."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(
@@ -70,14 +82,19 @@ def write_config_folder(folder: Path, config: transformers.LlamaConfig) -> None:
     """config.json and the tokenizer: all vLLM reads from its model folder when the weights are streamed."""
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(folder))
-    write_tokenizer(folder)
+    write_tokenizer(folder, config.vocab_size)
 
 
-def write_vllm_llama(folder: Path, config: transformers.LlamaConfig, seed: int = 4321) -> int:
-    """A random Llama of config in 2 safetensors shards with an index, plus config and tokenizer; returns its bytes."""
+def write_vllm_llama(
+    folder: Path, config: transformers.LlamaConfig, seed: int = 4321, dtype: torch.dtype = torch.float32
+) -> int:
+    """A random Llama of config in 2 safetensors shards of dtype with an index, plus config and tokenizer;
+    returns its bytes. A tied model's checkpoint has no lm_head.weight, as Hugging Face saves it."""
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.to(dtype).contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
     save_sharded(state, folder, shards=2)
     write_config_folder(folder, config)
     return sum(t.numel() * t.element_size() for t in state.values())
@@ -106,14 +123,24 @@ class EngineRun:
     load_seconds: float | None
     weightstream_line: str | None
     wall_seconds: float
+    # Every rank's line (one per rank), in the order printed.
+    weightstream_lines: list[str]
 
 
-def run_engine(model_dir: Path, load_format: str, extra: dict[str, object] | None = None) -> EngineRun:
-    """Build a vLLM LLM on model_dir in .venv-vllm (a subprocess), generate greedily, return what it printed."""
+def run_engine(
+    model_dir: Path, load_format: str, extra: dict[str, object] | None = None, *, tp: int = 1
+) -> EngineRun:
+    """Build a vLLM LLM on model_dir in .venv-vllm (a subprocess), generate greedily, return what it printed.
+
+    tp > 1 runs that many CPU workers, one core each (vLLM refuses several CPU workers on one NUMA
+    node unless each is bound to its own cores).
+    """
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     started = time.perf_counter()
     result = subprocess.run(
-        [str(VLLM_PYTHON), str(ENGINE_SCRIPT), str(model_dir), load_format, json.dumps(extra or {})],
+        [str(VLLM_PYTHON), str(ENGINE_SCRIPT), str(model_dir), load_format, json.dumps(extra or {}), str(tp)],
         capture_output=True,
         text=True,
         timeout=ENGINE_TIMEOUT_S,
@@ -138,4 +165,5 @@ def run_engine(model_dir: Path, load_format: str, extra: dict[str, object] | Non
         load_seconds=float(load.group(1)) if load else None,
         weightstream_line=line.group(0) if line else None,
         wall_seconds=wall,
+        weightstream_lines=[m.group(0) for m in _WEIGHTSTREAM_LINE.finditer(logs)],
     )

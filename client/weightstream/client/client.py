@@ -37,6 +37,7 @@ from weightstream.client.retry import (
 from weightstream.client.session import LoadSession, SessionConfig
 from weightstream.client.sharding import ShardSpec, sliced_manifest
 from weightstream.client.targets import plan_targets
+from weightstream.client.weight_plan import WriteTarget
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
@@ -280,8 +281,59 @@ class WeightStreamClient:
         if shard is not None:
             manifest = sliced_manifest(manifest, shard)
         plan = plan_targets(module, manifest, strict=strict)
-        infos = {name: manifest[name] for name in plan.targets}
         dests = {name: Destination(name, tensor) for name, tensor in plan.targets.items()}
+        report = self._receive_into(model, manifest, dests, started, plan.missing, plan.unexpected)
+        logger.info(
+            "loaded %s into %s: %d tensors, %d bytes in %.3f s (%.2f GB/s), %d retries, %d bytes re-sent",
+            model,
+            type(module).__name__,
+            report.tensors,
+            report.bytes,
+            report.seconds,
+            report.gbps,
+            report.retries,
+            report.resent_bytes,
+        )
+        return report
+
+    def load_targets(self, model: str, targets: Mapping[str, WriteTarget]) -> LoadReport:
+        """Write the parts of model's tensors that targets name straight into their views, in place.
+
+        Each WriteTarget asks for one slice of its tensor (or all of it) and names the views it is
+        copied into (weight_plan.plan_loads finds them for an engine's own loader); only those
+        bytes are sent. Errors are as for load_into, partially_written included.
+        """
+        started = time.perf_counter()
+        manifest = self.manifest(model)
+        unknown = sorted(set(targets) - set(manifest.by_name))
+        if unknown:
+            raise NotFoundError(f"model {model!r} has no tensors {unknown[:5]}")
+        slices = {name: target.slice for name, target in targets.items() if target.slice is not None}
+        manifest = sliced_manifest(manifest, slices)
+        dests: dict[str, Destination] = {}
+        for name, target in targets.items():
+            info = manifest[name]
+            first, *also = target.views
+            for view in target.views:
+                if view.numel() * info.dtype.itemsize != info.nbytes:
+                    raise ValueError(
+                        f"model {model!r}: tensor {name!r}: a view of {view.numel()} elements cannot hold "
+                        f"{list(info.shape)} of {info.dtype}"
+                    )
+            dests[name] = Destination(name, first, dtype=info.dtype, also=tuple(also))
+        return self._receive_into(model, manifest, dests, started)
+
+    def _receive_into(
+        self,
+        model: str,
+        manifest: Manifest,
+        dests: dict[str, Destination],
+        started: float,
+        missing: list[str] | None = None,
+        unexpected: list[str] | None = None,
+    ) -> LoadReport:
+        """Receive dests' tensors of manifest into them; the report, or the error with the write state."""
+        infos = {name: manifest[name] for name in dests}
         session = LoadSession(self._session_config, manifest, infos, dests.__getitem__)
         received = 0
         try:
@@ -297,30 +349,17 @@ class WeightStreamClient:
             else:
                 detail = "the module was not written"
             raise exc.with_write_state(bool(written), detail) from exc
-        seconds = time.perf_counter() - started
-        report = LoadReport(
+        return LoadReport(
             model,
             len(dests),
             received,
-            seconds,
-            plan.missing,
-            plan.unexpected,
+            time.perf_counter() - started,
+            missing or [],
+            unexpected or [],
             transport=self._channels.transport(0).name,
             retries=session.retries,
             resent_bytes=session.resent_bytes,
         )
-        logger.info(
-            "loaded %s into %s: %d tensors, %d bytes in %.3f s (%.2f GB/s), %d retries, %d bytes re-sent",
-            model,
-            type(module).__name__,
-            report.tensors,
-            report.bytes,
-            seconds,
-            report.gbps,
-            report.retries,
-            report.resent_bytes,
-        )
-        return report
 
     def _shows_progress(self) -> bool:
         """Whether a call draws a progress bar: asked for, and on rank 0."""

@@ -1,9 +1,10 @@
 """Where chunks are placed: each chunk's bytes are written straight into its destination tensor.
 
 A Destination is one tensor being filled. Its bytes are written through a flat uint8 view of the
-tensor itself when the tensor is contiguous, so a CPU parameter receives each byte with exactly one
-copy (from the received message into the parameter). A non-contiguous target is filled through a
-contiguous staging tensor and copied once more when complete.
+tensor itself when the tensor is contiguous (and of the bytes' dtype), so a CPU parameter receives
+each byte with exactly one copy (from the received message into the parameter). A non-contiguous
+target, one of another dtype, or several views to fill, go through a contiguous staging tensor,
+copied (and converted) once more when complete.
 
 CUDA destinations go through a small ring of pinned host buffers: the chunk is copied into a
 pinned buffer, then to the device with a non-blocking copy on a side stream, so the next chunk is
@@ -32,13 +33,30 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Destination:
-    """One tensor being filled, and which of its bytes have landed."""
+    """One tensor being filled, and which of its bytes have landed.
 
-    def __init__(self, name: str, target: torch.Tensor) -> None:
+    The bytes are the checkpoint's, of dtype (default: target's). They are written straight into
+    target when it is contiguous and of that dtype, so a CPU parameter receives each byte with
+    exactly one copy. Otherwise (a strided view, another dtype, or more views to fill: also) they
+    land in a contiguous staging buffer on target's device, and finish() copies them into target
+    and each of also, converting the dtype on that copy. Every view holds as many elements as the
+    bytes do.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        target: torch.Tensor,
+        *,
+        dtype: torch.dtype | None = None,
+        also: tuple[torch.Tensor, ...] = (),
+    ) -> None:
         self.name = name
         self.target = target
-        self.nbytes = target.numel() * target.element_size()
-        if target.is_contiguous():
+        self.dtype = dtype or target.dtype
+        self.also = also
+        self.nbytes = target.numel() * self.dtype.itemsize
+        if target.is_contiguous() and self.dtype == target.dtype and not also:
             self._staging: torch.Tensor | None = None
             self.buffer = byte_view(target)
         else:
@@ -52,9 +70,11 @@ class Destination:
         return self.landed.complete
 
     def finish(self) -> None:
-        """Make the target hold the landed bytes (copies out of staging, if any)."""
+        """Make the target (and also) hold the landed bytes (copies out of staging, if any)."""
         if self._staging is not None:
-            self.target.copy_(self._staging.view(self.target.dtype).view(self.target.shape))
+            landed = self._staging.view(self.dtype)
+            for view in (self.target, *self.also):
+                view.copy_(landed.view(view.shape))
             self._staging = None
 
 

@@ -17,13 +17,18 @@ Configuration is `model_loader_extra_config` (`--model-loader-extra-config` on `
 | token     | WEIGHTSTREAM_TOKEN     | bearer token                                                    |
 | tls       |                        | connect over TLS (default false)                                |
 | ca_file   |                        | PEM CA bundle for TLS (default: the system's roots)             |
+| shm_dir   | WEIGHTSTREAM_SHM_DIR   | shared-memory directory the server also sees (same pod or host) |
+| transport |                        | "auto" (default: shared memory where it works), "shm", "grpc"   |
 
 vLLM's `model` folder then holds only config.json and the tokenizer: no weights are downloaded
-or staged on disk. Every tensor is streamed whole and handed to `model.load_weights(...)`, which
-narrows it to this rank's slice under tensor parallelism, so each rank receives full tensors. The
-protocol can send one rank's slices alone (TensorSlice; WeightStreamClient.iter_tensors(slices=...)
-and load_into(shard=ShardSpec(...))), but this loader does not ask for them: vLLM's load_weights
-expects the checkpoint's whole tensors and does the narrowing itself.
+or staged on disk. Each rank receives only its own bytes: weight_plan.plan_loads runs the model's
+own `load_weights` once per checkpoint tensor over a placeholder of no memory and records which
+slice of the tensor vLLM's weight loaders read and which parameter views they write (fused qkv
+and gate_up blocks, row-parallel columns, the padded vocabulary, replicated key/value heads all
+come out of vLLM itself), and the server then sends exactly those slices, written straight into
+those views (converted on that copy when the checkpoint's dtype is not the parameter's). A tensor
+whose loader does more than narrow and copy is streamed whole and handed to `load_weights`, and
+the log says which. Afterwards every parameter must have been reported loaded.
 """
 
 from __future__ import annotations
@@ -44,13 +49,15 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from weightstream.client.client import WeightStreamClient
 from weightstream.client.options import MODEL_ENV, TARGET_ENV, ClientOptions
+from weightstream.client.weight_plan import plan_loads
 
 # A child of vLLM's logger, so that these lines reach vLLM's handler and format (vLLM configures
 # only the "vllm" logger; a weightstream.* logger would be dropped at the root's WARNING level).
 logger = logging.getLogger("vllm.weightstream")
 
 LOAD_FORMAT = "weightstream"
-_KEYS = frozenset({"target", "model", "token", "tls", "ca_file"})
+_KEYS = frozenset({"target", "model", "token", "tls", "ca_file", "shm_dir", "transport"})
+_TRANSPORTS = ("auto", "shm", "grpc")
 # Parameters built from a quantization config, never read from a checkpoint (as in vLLM's own check).
 _CONFIG_BUILT_PARAMS = ("input_scale_ub",)
 
@@ -64,6 +71,8 @@ class LoaderSettings:
     token: str | None = None
     tls: bool = False
     ca_file: str | None = None
+    shm_dir: str | None = None
+    transport: str = "auto"
 
     @classmethod
     def resolve(
@@ -87,7 +96,19 @@ class LoaderSettings:
         if not model:
             raise ValueError(f"no weightstream model id: set model_loader_extra_config['model'] or {MODEL_ENV}")
         token = _text(extra, "token") or options.token
-        return cls(target=target, model=model, token=token, tls=_flag(extra, "tls"), ca_file=_text(extra, "ca_file"))
+        transport = _text(extra, "transport") or "auto"
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"model_loader_extra_config['transport'] must be one of {_TRANSPORTS}, not {transport!r}")
+        shm_dir = _text(extra, "shm_dir") or (str(options.shm_dir) if options.shm_dir else None)
+        return cls(
+            target=target,
+            model=model,
+            token=token,
+            tls=_flag(extra, "tls"),
+            ca_file=_text(extra, "ca_file"),
+            shm_dir=shm_dir,
+            transport=transport,
+        )
 
 
 class WeightStreamModelLoader(BaseModelLoader):
@@ -109,14 +130,6 @@ class WeightStreamModelLoader(BaseModelLoader):
         if not callable(load_model_weights):
             raise ValueError(f"{type(model).__name__} has no load_weights(weights) method, which vLLM's models have")
         device = _parameter_device(model)
-        loaded_bytes = 0
-
-        def counted(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal loaded_bytes
-            for name, tensor in weights:
-                loaded_bytes += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
         started = time.perf_counter()
         with WeightStreamClient(
             settings.target,
@@ -124,24 +137,59 @@ class WeightStreamModelLoader(BaseModelLoader):
             tls=settings.tls,
             ca_file=settings.ca_file,
             progress=self.load_config.use_tqdm_on_load,
+            transport=settings.transport,
+            shm_dir=settings.shm_dir,
         ) as client:
-            loaded = load_model_weights(counted(client.iter_tensors(settings.model, device=device)))
+            manifest = client.manifest(settings.model)
+            plan = plan_loads(load_model_weights, model, manifest)
+            planned = time.perf_counter() - started
+            if plan.fallback:
+                logger.info(
+                    "weightstream: %d tensors of %s are streamed whole to %s.load_weights: %s",
+                    len(plan.fallback),
+                    settings.model,
+                    type(model).__name__,
+                    "; ".join(f"{name}: {why}" for name, why in plan.fallback.items()),
+                )
+            report = client.load_targets(settings.model, plan.targets)
+            loaded_bytes = report.bytes
+            loaded = set(plan.loaded)
+            reported = plan.reports_loaded
+            if plan.fallback:
+
+                def counted(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+                    nonlocal loaded_bytes
+                    for name, tensor in weights:
+                        loaded_bytes += tensor.numel() * tensor.element_size()
+                        yield name, tensor
+
+                names = load_model_weights(
+                    counted(client.iter_tensors(settings.model, names=plan.fallback, device=device))
+                )
+                reported = reported and names is not None
+                loaded |= set(names or ())
         seconds = time.perf_counter() - started
         logger.info(
-            "weightstream: loaded %s from %s: %d bytes in %.3f s (%.2f GB/s)",
+            "weightstream: loaded %s from %s: %d bytes in %.3f s (%.2f GB/s); %d tensors written in place, "
+            "%d streamed whole, %d unused; planned in %.3f s; transport %s",
             settings.model,
             settings.target,
             loaded_bytes,
             seconds,
             loaded_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+            len(plan.targets),
+            len(plan.fallback),
+            len(plan.unused),
+            planned,
+            report.transport,
         )
-        if loaded is None:
+        if not reported:
             logger.warning(
                 "weightstream: %s.load_weights returned no names; cannot check that every weight was loaded",
                 type(model).__name__,
             )
             return
-        missing = weights_not_loaded(model, set(loaded), quantized=model_config.quantization is not None)
+        missing = weights_not_loaded(model, loaded, quantized=model_config.quantization is not None)
         if missing:
             raise ValueError(
                 f"weightstream model {settings.model!r} from {settings.target} left {len(missing)} parameters of "
