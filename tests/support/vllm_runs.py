@@ -127,9 +127,7 @@ class EngineRun:
     weightstream_lines: list[str]
 
 
-def run_engine(
-    model_dir: Path, load_format: str, extra: dict[str, object] | None = None, *, tp: int = 1
-) -> EngineRun:
+def run_engine(model_dir: Path, load_format: str, extra: dict[str, object] | None = None, *, tp: int = 1) -> EngineRun:
     """Build a vLLM LLM on model_dir in .venv-vllm (a subprocess), generate greedily, return what it printed.
 
     tp > 1 runs that many CPU workers, one core each (vLLM refuses several CPU workers on one NUMA
