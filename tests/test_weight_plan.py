@@ -1,117 +1,26 @@
 """plan_loads() and load_targets(): an engine's own loader, dry-run over placeholders, then only its bytes streamed.
 
-The module here is a plain torch module whose load_weights does what vLLM's weight loaders do
-(narrow to a rank's part, copy into a block of a fused parameter, fill a padded vocabulary), plus
-loaders that do more than that (transpose, arithmetic, a read of the values, replacing a
-parameter's memory, two parts of one tensor), which must fall back. The real vLLM engine runs in
-test_vllm.py; this checks the planner against every kind of loader, and the bytes against the
+The module here is tests.support.rank_model.RankModel, a plain torch module whose load_weights
+does what vLLM's weight loaders do, plus loaders that do more than that, which must fall back. The
+real vLLM engine runs in test_vllm.py; this checks the planner against every kind of loader, and the bytes against the
 loader's own result on real tensors, over a real server on 127.0.0.1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
+from tests.support.rank_model import FALLBACK, HIDDEN, RankModel, rank_checkpoint
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient
 from weightstream.client.weight_plan import plan_loads
 from weightstream.wire import TensorSlice
 from weightstream_server import WeightStreamServer
-
-HIDDEN, VOCAB, PADDED = 8, 10, 12
-
-
-class RankModel(nn.Module):
-    """Rank `rank` of `ranks` of a small model with vLLM-style parameters and loaders."""
-
-    def __init__(self, rank: int, ranks: int) -> None:
-        super().__init__()
-        self.rank, self.ranks = rank, ranks
-        part = PADDED // ranks
-        self.embed = nn.Parameter(torch.full((part, HIDDEN), -1.0))  # padded vocabulary, split by rows
-        self.qkv = nn.Parameter(torch.full((3 * HIDDEN // ranks, HIDDEN), -1.0))  # fused, column-parallel
-        self.down = nn.Parameter(torch.full((HIDDEN, HIDDEN // ranks), -1.0))  # row-parallel
-        self.norm = nn.Parameter(torch.full((HIDDEN,), -1.0))  # replicated
-        self.mixed = nn.Parameter(torch.full((HIDDEN, HIDDEN), -1.0))  # loaded by a transpose
-        self.scaled = nn.Parameter(torch.full((HIDDEN,), -1.0))  # loaded by arithmetic
-        self.scalar = nn.Parameter(torch.full((1,), -1.0))  # loaded by .item()
-        self.replaced = nn.Parameter(torch.full((4,), -1.0))  # loaded by param.data = ...
-        self.halves = nn.Parameter(torch.full((2, HIDDEN // ranks), -1.0))  # two parts of one tensor
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-        r, n = self.rank, self.ranks
-        for name, w in weights:
-            if name == "lm_head":  # tied: the embedding serves
-                continue
-            if name == "embed":
-                part = PADDED // n
-                start = r * part
-                rows = max(0, min(part, VOCAB - start))
-                self.embed.data[:rows].copy_(w.narrow(0, start, rows))
-                self.embed.data[rows:].fill_(0)
-                loaded.add("embed")
-            elif name in ("q", "k", "v"):
-                block = HIDDEN // n
-                at = "qkv".index(name) * block
-                self.qkv.data.narrow(0, at, block).copy_(w.narrow(0, r * block, block))
-                loaded.add("qkv")
-            elif name == "down":
-                self.down.data.copy_(w.narrow(1, r * HIDDEN // n, HIDDEN // n))
-                loaded.add("down")
-            elif name == "norm":
-                self.norm.data.copy_(w)
-                loaded.add("norm")
-            elif name == "mixed":
-                self.mixed.data.copy_(w.t())
-                loaded.add("mixed")
-            elif name == "scaled":
-                self.scaled.data.copy_(w * 2)
-                loaded.add("scaled")
-            elif name == "scalar":
-                self.scalar.data.fill_(w.item())
-                loaded.add("scalar")
-            elif name == "replaced":
-                self.replaced.data = torch.zeros(4)
-                self.replaced.data.copy_(w)
-                loaded.add("replaced")
-            elif name == "halves":
-                width = HIDDEN // n
-                # A fused gate_up checkpoint tensor: this rank's part of each half.
-                self.halves.data[0].copy_(w.narrow(0, r * width, width))
-                self.halves.data[1].copy_(w.narrow(0, HIDDEN + r * width, width))
-                loaded.add("halves")
-            else:
-                raise KeyError(name)
-        return loaded
-
-
-FALLBACK = {"mixed", "scaled", "scalar", "replaced"}
-
-
-def _checkpoint(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    torch.manual_seed(7)
-    state = {
-        "embed": torch.randn(VOCAB, HIDDEN),
-        "lm_head": torch.randn(VOCAB, HIDDEN),
-        "q": torch.randn(HIDDEN, HIDDEN),
-        "k": torch.randn(HIDDEN, HIDDEN),
-        "v": torch.randn(HIDDEN, HIDDEN),
-        "down": torch.randn(HIDDEN, HIDDEN),
-        "norm": torch.randn(HIDDEN),
-        "mixed": torch.randn(HIDDEN, HIDDEN),
-        "scaled": torch.randn(HIDDEN),
-        "scalar": torch.randn(1),
-        "replaced": torch.randn(4),
-        "halves": torch.randn(2 * HIDDEN),
-    }
-    return {name: t.to(dtype) for name, t in state.items()}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +28,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WeightStr
     root = tmp_path_factory.mktemp("plan-models")
     for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
         (root / name).mkdir()
-        save_file(_checkpoint(dtype), str(root / name / "model.safetensors"))
+        save_file(rank_checkpoint(dtype), str(root / name / "model.safetensors"))
     with serving(loopback_settings(model_root=root)) as server:
         yield server, root
 
@@ -144,7 +53,7 @@ def test_planned_load_writes_what_the_loader_itself_writes(
     served: tuple[WeightStreamServer, Path], model: str, ranks: int
 ) -> None:
     server, _ = served
-    state = _checkpoint(torch.float32 if model == "f32" else torch.bfloat16)
+    state = rank_checkpoint(torch.float32 if model == "f32" else torch.bfloat16)
     for rank in range(ranks):
         expected = RankModel(rank, ranks)
         assert expected.load_weights(state.items()) == {n for n, _ in expected.named_parameters()}
@@ -184,7 +93,7 @@ def test_the_plan_names_slices_views_fallbacks_and_unused_tensors(served: tuple[
 def test_each_rank_receives_only_its_part(served: tuple[WeightStreamServer, Path]) -> None:
     """Two ranks together receive the split tensors once and only the fallbacks and replicated ones twice."""
     server, _ = served
-    state = _checkpoint(torch.float32)
+    state = rank_checkpoint(torch.float32)
     size = {name: t.numel() * 4 for name, t in state.items()}
     sent = [_load(server, "f32", RankModel(rank, 2))[1] for rank in range(2)]
     twice = sum(size[n] for n in (*FALLBACK, "halves", "norm"))

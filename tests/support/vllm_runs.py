@@ -33,6 +33,7 @@ ENGINE_TIMEOUT_S = 300
 # Each loader's own line for its load_weights: vLLM's DefaultModelLoader prints 2 decimals.
 _DEFAULT_LOADER_LINE = re.compile(r"Loading weights took ([0-9.]+) seconds")
 _WEIGHTSTREAM_LINE = re.compile(r"weightstream: loaded .* in ([0-9.]+) s \(.*")
+_RECEIVED = re.compile(r": (\d+) bytes in ")
 
 
 def vllm_llama_config(
@@ -116,15 +117,20 @@ def ensure_vllm_venv() -> None:
 
 @dataclass(frozen=True)
 class EngineRun:
-    """What one engine run printed: the generated tokens, the loader's load_weights time, LLM(...)'s time."""
+    """What one engine run printed: the generated tokens, the loader's load_weights time (its slowest
+    rank's), LLM(...)'s time."""
 
     token_ids: list[list[int]]
     init_seconds: float
     load_seconds: float | None
     weightstream_line: str | None
     wall_seconds: float
-    # Every rank's line (one per rank), in the order printed.
+    # Every rank's line (one per rank), in the order printed, and the bytes each says it received.
     weightstream_lines: list[str]
+
+    @property
+    def received_bytes(self) -> list[int]:
+        return [int(m.group(1)) for line in self.weightstream_lines if (m := _RECEIVED.search(line))]
 
 
 def run_engine(model_dir: Path, load_format: str, extra: dict[str, object] | None = None, *, tp: int = 1) -> EngineRun:
@@ -156,11 +162,12 @@ def run_engine(model_dir: Path, load_format: str, extra: dict[str, object] | Non
     printed = json.loads(lines[-1].removeprefix("RESULT "))
     logs = result.stdout + result.stderr
     line = _WEIGHTSTREAM_LINE.search(logs)
-    load = line or _DEFAULT_LOADER_LINE.search(logs)
+    # One line per rank: the load took as long as its slowest rank.
+    loads = [float(m.group(1)) for m in (_WEIGHTSTREAM_LINE if line else _DEFAULT_LOADER_LINE).finditer(logs)]
     return EngineRun(
         token_ids=printed["token_ids"],
         init_seconds=printed["init_seconds"],
-        load_seconds=float(load.group(1)) if load else None,
+        load_seconds=max(loads) if loads else None,
         weightstream_line=line.group(0) if line else None,
         wall_seconds=wall,
         weightstream_lines=[m.group(0) for m in _WEIGHTSTREAM_LINE.finditer(logs)],

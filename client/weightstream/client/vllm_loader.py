@@ -141,8 +141,9 @@ class WeightStreamModelLoader(BaseModelLoader):
             shm_dir=settings.shm_dir,
         ) as client:
             manifest = client.manifest(settings.model)
+            connected = time.perf_counter() - started
             plan = plan_loads(load_model_weights, model, manifest)
-            planned = time.perf_counter() - started
+            planned = time.perf_counter() - started - connected
             if plan.fallback:
                 logger.info(
                     "weightstream: %d tensors of %s are streamed whole to %s.load_weights: %s",
@@ -171,7 +172,8 @@ class WeightStreamModelLoader(BaseModelLoader):
         seconds = time.perf_counter() - started
         logger.info(
             "weightstream: loaded %s from %s: %d bytes in %.3f s (%.2f GB/s); %d tensors written in place, "
-            "%d streamed whole, %d unused; planned in %.3f s; transport %s",
+            "%d streamed whole, %d unused; connected and manifest in %.3f s, planned in %.3f s, "
+            "written in place in %.3f s; transport %s",
             settings.model,
             settings.target,
             loaded_bytes,
@@ -180,7 +182,9 @@ class WeightStreamModelLoader(BaseModelLoader):
             len(plan.targets),
             len(plan.fallback),
             len(plan.unused),
+            connected,
             planned,
+            report.seconds,
             report.transport,
         )
         if not reported:

@@ -42,7 +42,15 @@ def main() -> None:
     assert (settings.target, settings.model, settings.token) == ("b:2", "s3://bucket/m", "t"), settings
     settings = LoaderSettings.resolve({"target": "c:3", "model": "m", "token": "k", "tls": True}, "/x", environ=env)
     assert (settings.target, settings.model, settings.token, settings.tls) == ("c:3", "m", "k", True), settings
-    for extra, message in (({}, "WEIGHTSTREAM_TARGET"), ({"target": "a:1", "tagret": 1}, "unknown keys")):
+    settings = LoaderSettings.resolve({"target": "a:1"}, "/x", environ={"WEIGHTSTREAM_SHM_DIR": "/dev/shm/ws"})
+    assert (settings.shm_dir, settings.transport) == ("/dev/shm/ws", "auto"), settings
+    settings = LoaderSettings.resolve({"target": "a:1", "shm_dir": "/s", "transport": "grpc"}, "/x", environ={})
+    assert (settings.shm_dir, settings.transport) == ("/s", "grpc"), settings
+    for extra, message in (
+        ({}, "WEIGHTSTREAM_TARGET"),
+        ({"target": "a:1", "tagret": 1}, "unknown keys"),
+        ({"target": "a:1", "transport": "tcp"}, "must be one of ('auto', 'shm', 'grpc'), not 'tcp'"),
+    ):
         try:
             LoaderSettings.resolve(extra, "/x", environ={})
         except ValueError as exc:
