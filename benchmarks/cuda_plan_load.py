@@ -80,9 +80,7 @@ def main() -> int:
                         started = time.perf_counter()
                         baseline.load_weights(load_file(str(path), device=str(device)).items())
                         synchronize()
-                        times.setdefault((ranks, "own loader over load_file"), []).append(
-                            time.perf_counter() - started
-                        )
+                        times.setdefault((ranks, "own loader over load_file"), []).append(time.perf_counter() - started)
                     for name, client in clients.items():
                         for _ in range(args.runs):
                             module = RankModel(rank, ranks, args.hidden, device)
