@@ -8,7 +8,7 @@ loader's own result on real tensors, over a real server on 127.0.0.1.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from tests.support.rank_model import FALLBACK, HIDDEN, RankModel, rank_checkpoint
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient
+from weightstream.client.manifest import Manifest
 from weightstream.client.weight_plan import plan_loads
 from weightstream.wire import TensorSlice
 from weightstream_server import WeightStreamServer
@@ -100,3 +101,35 @@ def test_each_rank_receives_only_its_part(served: tuple[WeightStreamServer, Path
     once = sum(size[n] for n in ("embed", "q", "k", "v", "down"))
     assert sum(sent) == once + 2 * twice
     assert size["lm_head"] > 0 and sum(sent) < 2 * (sum(size.values()) - size["lm_head"])
+
+
+def test_a_loader_that_only_narrows_and_copies_is_planned_in_one_call(served: tuple[WeightStreamServer, Path]) -> None:
+    """Where no loader raises on a placeholder or copies a computed tensor, one call plans them all; only the
+    tensor it gave no copy (unused) is tried alone."""
+    server, _ = served
+    clean = ("embed", "lm_head", "q", "k", "v", "down", "norm", "halves", "mixed")
+    module = RankModel(1, 2)
+    calls: list[list[str]] = []
+
+    def counted(weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        items = list(weights)
+        calls.append([name for name, _ in items])
+        return module.load_weights(items)
+
+    with WeightStreamClient(f"127.0.0.1:{server.port}", progress=False) as client:
+        full = client.manifest("bf16")
+        tensors = tuple(t for t in full.tensors if t.name in clean)
+        manifest = Manifest(
+            full.model, full.revision, sum(t.nbytes for t in tensors), tensors, full.files, {t.name: t for t in tensors}
+        )
+        plan = plan_loads(counted, module, manifest)
+        assert calls == [[t.name for t in tensors], ["lm_head"]]
+        assert plan.unused == ["lm_head"] and set(plan.fallback) == {"halves", "mixed"}
+        assert set(plan.targets) == {"embed", "q", "k", "v", "down", "norm"}
+        assert plan.targets["down"].slice == TensorSlice(dim=1, start=4, stop=8)
+        client.load_targets("bf16", plan.targets)
+        module.load_weights(client.iter_tensors("bf16", names=plan.fallback))
+    expected = RankModel(1, 2)
+    expected.load_weights((n, t) for n, t in rank_checkpoint(torch.bfloat16).items() if n in clean)
+    for name, param in expected.named_parameters():
+        assert torch.equal(param, dict(module.named_parameters())[name]), name

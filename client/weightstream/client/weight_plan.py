@@ -3,10 +3,12 @@
 An engine's `load_weights(weights)` (vLLM's models have one) narrows each checkpoint tensor to what
 this rank holds and copies it into a view of a parameter: fused projections (qkv, gate_up) take
 row blocks, row-parallel weights column blocks, a padded vocabulary the first rows. Rather than
-keep a table of those rules per architecture, plan_loads() runs the model's own loader once per
-checkpoint tensor over a placeholder on the meta device (no memory, the tensor's shape and dtype),
-under a dispatch mode that records every copy from the placeholder into real memory and skips it.
-A recorded copy whose source is the placeholder itself, or one slice of it along one dimension,
+keep a table of those rules per architecture, plan_loads() runs the model's own loader over a
+placeholder of each checkpoint tensor on the meta device (no memory, the tensor's shape and
+dtype), under a dispatch mode that records every copy from a placeholder into real memory and
+skips it: one call over all the tensors, as the engine's own load makes, and one call per tensor
+where that call leaves a doubt. A recorded copy whose source is the placeholder itself, or one
+slice of it along one dimension,
 and whose destination is a view of one of the model's parameters or buffers, becomes a
 WriteTarget: the server sends exactly that slice, and its bytes land in that view (converted on
 the copy when the dtypes differ, as the loader's own copy would).
@@ -72,11 +74,10 @@ class _Unplannable(Exception):
 
 
 class _CopyRecorder(TorchDispatchMode):
-    """Records copies from placeholder into real memory (and skips them); runs every other op."""
+    """Records copies from placeholders (meta tensors) into real memory (and skips them); runs every other op."""
 
-    def __init__(self, placeholder: torch.Tensor) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.placeholder = placeholder
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -90,43 +91,104 @@ class _CopyRecorder(TorchDispatchMode):
 
 
 def plan_loads(load_weights: LoadWeights, module: torch.nn.Module, manifest: Manifest) -> LoadPlan:
-    """Dry-run load_weights over placeholders of manifest's tensors, one call per tensor; see the module doc.
+    """Dry-run load_weights over placeholders of manifest's tensors; see the module doc.
 
-    The module's parameters are checked to be the same tensors after each call; a loader that
-    replaced one (param.data = ...) is undone and its tensor falls back.
+    First in one call over every tensor, as the engine's own load would be: each copy is traced to
+    its tensor by the placeholder whose memory it views. Tensors that call gave no copy (unused, or
+    written some other way) are then tried one call each, and so is every tensor when that one call
+    cannot be read (the loader raised, copied a computed tensor, or replaced a parameter). The
+    module's parameters are checked to be the same tensors after each call; a loader that replaced
+    one (param.data = ...) is undone and its tensor falls back.
     """
-    plan = LoadPlan()
     owners = _storage_owners(module)
     before = _data_of(module)
+    planned = _plan_in_one_call(load_weights, module, manifest, owners, before)
+    if planned is None:
+        plan, alone = LoadPlan(), list(manifest.tensors)
+    else:
+        plan, alone = planned
+    for info in alone:
+        _plan_alone(load_weights, module, info, owners, before, plan)
+    return plan
+
+
+def _plan_in_one_call(
+    load_weights: LoadWeights,
+    module: torch.nn.Module,
+    manifest: Manifest,
+    owners: dict[int, str],
+    before: dict[str, torch.Tensor],
+) -> tuple[LoadPlan, list[TensorInfo]] | None:
+    """The plan of one dry run over all tensors, and the tensors it gave no copy; None if it cannot tell."""
+    placeholders = {info.name: torch.empty(info.shape, dtype=info.dtype, device="meta") for info in manifest.tensors}
+    by_storage = {t.untyped_storage()._cdata: name for name, t in placeholders.items()}
+    recorder = _CopyRecorder()
+    try:
+        with torch.no_grad(), recorder:
+            names = load_weights(iter(placeholders.items()))
+    except Exception:
+        _restore(module, before)
+        return None
+    if _restore(module, before):
+        return None
+    copies: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for dst, src in recorder.copies:
+        name = by_storage.get(src.untyped_storage()._cdata)
+        if name is None:
+            return None  # a computed tensor: whose, only one call per tensor can tell
+        copies.setdefault(name, []).append((dst, src))
+    plan = LoadPlan(loaded=set(names or ()), reports_loaded=names is not None)
+    alone: list[TensorInfo] = []
     for info in manifest.tensors:
-        placeholder = torch.empty(info.shape, dtype=info.dtype, device="meta")
-        recorder = _CopyRecorder(placeholder)
+        if info.name not in copies:
+            alone.append(info)
+            continue
         try:
-            with torch.no_grad(), recorder:
-                names = load_weights(iter([(info.name, placeholder)]))
-            plan.reports_loaded = plan.reports_loaded and names is not None
-            loaded = set(names) if names is not None else set()
-            target = _target(info, placeholder, recorder.copies, owners)
+            target = _target(info, placeholders[info.name], copies[info.name], owners)
         except _Unplannable as exc:
             plan.fallback[info.name] = str(exc)
-            _restore(module, before)
             continue
-        except Exception as exc:  # the loader itself failed on a placeholder: it needs the values
-            plan.fallback[info.name] = f"its loader raised {type(exc).__name__}: {str(exc)[:200]}"
-            _restore(module, before)
-            continue
-        replaced = _restore(module, before)
-        if replaced:
-            plan.fallback[info.name] = f"its loader replaced {sorted(replaced)[:3]} instead of copying into them"
-        elif target is None:
-            if loaded:
-                plan.fallback[info.name] = f"its loader wrote {sorted(loaded)[:3]} without a copy from it"
-            else:
-                plan.unused.append(info.name)
-        else:
+        if target is not None:
             plan.targets[info.name] = target
-            plan.loaded |= loaded
-    return plan
+    return plan, alone
+
+
+def _plan_alone(
+    load_weights: LoadWeights,
+    module: torch.nn.Module,
+    info: TensorInfo,
+    owners: dict[int, str],
+    before: dict[str, torch.Tensor],
+    plan: LoadPlan,
+) -> None:
+    """Dry-run load_weights over info's placeholder alone; put the tensor into plan where it belongs."""
+    placeholder = torch.empty(info.shape, dtype=info.dtype, device="meta")
+    recorder = _CopyRecorder()
+    try:
+        with torch.no_grad(), recorder:
+            names = load_weights(iter([(info.name, placeholder)]))
+        plan.reports_loaded = plan.reports_loaded and names is not None
+        loaded = set(names) if names is not None else set()
+        target = _target(info, placeholder, recorder.copies, owners)
+    except _Unplannable as exc:
+        plan.fallback[info.name] = str(exc)
+        _restore(module, before)
+        return
+    except Exception as exc:  # the loader itself failed on a placeholder: it needs the values
+        plan.fallback[info.name] = f"its loader raised {type(exc).__name__}: {str(exc)[:200]}"
+        _restore(module, before)
+        return
+    replaced = _restore(module, before)
+    if replaced:
+        plan.fallback[info.name] = f"its loader replaced {sorted(replaced)[:3]} instead of copying into them"
+    elif target is None:
+        if loaded:
+            plan.fallback[info.name] = f"its loader wrote {sorted(loaded)[:3]} without a copy from it"
+        else:
+            plan.unused.append(info.name)
+    else:
+        plan.targets[info.name] = target
+        plan.loaded |= loaded
 
 
 def _target(
