@@ -286,6 +286,38 @@ def test_segment_handover_ticket_seals_and_ring(shm_server: WeightStreamServer, 
     assert _entries(shm_dir) == before
 
 
+def test_silent_and_wrong_connections_to_a_segment_socket_cost_seconds_not_the_stream(
+    shm_server: WeightStreamServer, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A connection that never sends its ticket is closed after TICKET_TIMEOUT_S; the right client gets the ring."""
+    channel, method = _raw_call(shm_server)
+    requests = _Requests()
+    requests.queue.put(pb.StreamTensorsSharedRequest(request=pb.StreamTensorsRequest(model="blocks")))
+    call = method(iter(requests), timeout=30)
+    fd = -1
+    caplog.set_level(logging.WARNING, logger=shm_segments.logger.name)
+    try:
+        announcement = next(call)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+            with shm_protocol.socket_address(shm_dir, announcement.segment_socket) as address:
+                silent.connect(address)
+            started = time.monotonic()
+            fd = _take_ring(shm_dir, announcement)  # waits while the server waits on the silent one
+            waited = time.monotonic() - started
+            silent.settimeout(10)
+            assert silent.recv(16) == b"", "the silent connection is closed without a descriptor"
+        assert fd >= 0 and shm_protocol.is_sealed(fd)
+        assert waited < shm_segments.TICKET_TIMEOUT_S + 5
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        requests.queue.put(None)
+        call.cancel()
+        channel.close()
+    eventually(lambda: shm_server.stats.active_streams == 0, "the stream ended on the server")
+    assert any("closed 1 connections without its ticket" in r.getMessage() for r in caplog.records)
+
+
 def test_cancel_before_attach_leaves_no_socket(shm_server: WeightStreamServer, shm_dir: Path) -> None:
     before = _entries(shm_dir)
     channel, method = _raw_call(shm_server)

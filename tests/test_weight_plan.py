@@ -40,7 +40,7 @@ def _load(server: WeightStreamServer, model: str, module: RankModel) -> tuple[se
         manifest = client.manifest(model)
         plan = plan_loads(module.load_weights, module, manifest)
         before = server.stats.snapshot().bytes_served_total
-        report = client.load_targets(model, plan.targets)
+        report = client.load_targets(model, plan.targets, manifest=manifest)
         loaded = plan.loaded | module.load_weights(client.iter_tensors(model, names=plan.fallback))
         sent = server.stats.snapshot().bytes_served_total - before
     # The server sent the targets' slices and the whole fallback tensors, nothing else.

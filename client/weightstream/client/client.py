@@ -296,15 +296,19 @@ class WeightStreamClient:
         )
         return report
 
-    def load_targets(self, model: str, targets: Mapping[str, WriteTarget]) -> LoadReport:
+    def load_targets(
+        self, model: str, targets: Mapping[str, WriteTarget], *, manifest: Manifest | None = None
+    ) -> LoadReport:
         """Write the parts of model's tensors that targets name straight into their views, in place.
 
         Each WriteTarget asks for one slice of its tensor (or all of it) and names the views it is
         copied into (weight_plan.plan_loads finds them for an engine's own loader); only those
-        bytes are sent. Errors are as for load_into, partially_written included.
+        bytes are sent. manifest: the one the targets were planned from (default: asked now); the
+        load is of its revision, so a model changed since fails rather than mixing. Errors are as
+        for load_into, partially_written included.
         """
         started = time.perf_counter()
-        manifest = self.manifest(model)
+        manifest = manifest or self.manifest(model)
         unknown = sorted(set(targets) - set(manifest.by_name))
         if unknown:
             raise NotFoundError(f"model {model!r} has no tensors {unknown[:5]}")

@@ -152,7 +152,7 @@ class WeightStreamModelLoader(BaseModelLoader):
                     type(model).__name__,
                     "; ".join(f"{name}: {why}" for name, why in plan.fallback.items()),
                 )
-            report = client.load_targets(settings.model, plan.targets)
+            report = client.load_targets(settings.model, plan.targets, manifest=manifest)
             loaded_bytes = report.bytes
             loaded = set(plan.loaded)
             reported = plan.reports_loaded

@@ -100,39 +100,59 @@ def plan_loads(load_weights: LoadWeights, module: torch.nn.Module, manifest: Man
     module's parameters are checked to be the same tensors after each call; a loader that replaced
     one (param.data = ...) is undone and its tensor falls back.
     """
-    owners = _storage_owners(module)
-    before = _data_of(module)
-    planned = _plan_in_one_call(load_weights, module, manifest, owners, before)
-    if planned is None:
-        plan, alone = LoadPlan(), list(manifest.tensors)
-    else:
-        plan, alone = planned
+    run = _DryRun(load_weights, module)
+    planned = _plan_in_one_call(run, manifest)
+    plan, alone = planned if planned is not None else (LoadPlan(), list(manifest.tensors))
     for info in alone:
-        _plan_alone(load_weights, module, info, owners, before, plan)
+        _plan_alone(run, info, plan)
     return plan
 
 
-def _plan_in_one_call(
-    load_weights: LoadWeights,
-    module: torch.nn.Module,
-    manifest: Manifest,
-    owners: dict[int, str],
-    before: dict[str, torch.Tensor],
-) -> tuple[LoadPlan, list[TensorInfo]] | None:
+class _DryRun:
+    """Calls of load_weights over placeholders, the copies each made, and undoing what they replaced."""
+
+    def __init__(self, load_weights: LoadWeights, module: torch.nn.Module) -> None:
+        self.load_weights = load_weights
+        self.module = module
+        # Where a copy may write: the storages of module's parameters and buffers, by data pointer.
+        self.owners: dict[int, str] = {}
+        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+            self.owners.setdefault(tensor.untyped_storage().data_ptr(), name)
+        self._before = {name: param.data for name, param in module.named_parameters()}
+
+    def call(
+        self, items: list[tuple[str, torch.Tensor]]
+    ) -> tuple[Iterable[str] | None, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """load_weights over items: the names it returned and the (destination, source) copies it made."""
+        recorder = _CopyRecorder()
+        with torch.no_grad(), recorder:
+            names = self.load_weights(iter(items))
+        return names, recorder.copies
+
+    def restore(self) -> set[str]:
+        """Put back any parameter whose data a call replaced; the names of those put back."""
+        replaced: set[str] = set()
+        for name, param in self.module.named_parameters():
+            original = self._before.get(name)
+            if original is not None and param.data.data_ptr() != original.data_ptr():
+                param.data = original
+                replaced.add(name)
+        return replaced
+
+
+def _plan_in_one_call(run: _DryRun, manifest: Manifest) -> tuple[LoadPlan, list[TensorInfo]] | None:
     """The plan of one dry run over all tensors, and the tensors it gave no copy; None if it cannot tell."""
     placeholders = {info.name: torch.empty(info.shape, dtype=info.dtype, device="meta") for info in manifest.tensors}
     by_storage = {t.untyped_storage()._cdata: name for name, t in placeholders.items()}
-    recorder = _CopyRecorder()
     try:
-        with torch.no_grad(), recorder:
-            names = load_weights(iter(placeholders.items()))
+        names, recorded = run.call(list(placeholders.items()))
     except Exception:
-        _restore(module, before)
+        run.restore()
         return None
-    if _restore(module, before):
+    if run.restore():
         return None
     copies: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for dst, src in recorder.copies:
+    for dst, src in recorded:
         name = by_storage.get(src.untyped_storage()._cdata)
         if name is None:
             return None  # a computed tensor: whose, only one call per tensor can tell
@@ -144,7 +164,7 @@ def _plan_in_one_call(
             alone.append(info)
             continue
         try:
-            target = _target(info, placeholders[info.name], copies[info.name], owners)
+            target = _target(info, placeholders[info.name], copies[info.name], run.owners)
         except _Unplannable as exc:
             plan.fallback[info.name] = str(exc)
             continue
@@ -153,32 +173,23 @@ def _plan_in_one_call(
     return plan, alone
 
 
-def _plan_alone(
-    load_weights: LoadWeights,
-    module: torch.nn.Module,
-    info: TensorInfo,
-    owners: dict[int, str],
-    before: dict[str, torch.Tensor],
-    plan: LoadPlan,
-) -> None:
+def _plan_alone(run: _DryRun, info: TensorInfo, plan: LoadPlan) -> None:
     """Dry-run load_weights over info's placeholder alone; put the tensor into plan where it belongs."""
     placeholder = torch.empty(info.shape, dtype=info.dtype, device="meta")
-    recorder = _CopyRecorder()
     try:
-        with torch.no_grad(), recorder:
-            names = load_weights(iter([(info.name, placeholder)]))
+        names, recorded = run.call([(info.name, placeholder)])
         plan.reports_loaded = plan.reports_loaded and names is not None
         loaded = set(names) if names is not None else set()
-        target = _target(info, placeholder, recorder.copies, owners)
+        target = _target(info, placeholder, recorded, run.owners)
     except _Unplannable as exc:
         plan.fallback[info.name] = str(exc)
-        _restore(module, before)
+        run.restore()
         return
     except Exception as exc:  # the loader itself failed on a placeholder: it needs the values
         plan.fallback[info.name] = f"its loader raised {type(exc).__name__}: {str(exc)[:200]}"
-        _restore(module, before)
+        run.restore()
         return
-    replaced = _restore(module, before)
+    replaced = run.restore()
     if replaced:
         plan.fallback[info.name] = f"its loader replaced {sorted(replaced)[:3]} instead of copying into them"
     elif target is None:
@@ -234,26 +245,3 @@ def _slice_of(info: TensorInfo, placeholder: torch.Tensor, src: torch.Tensor) ->
     if rest or start + src.shape[dim] > placeholder.shape[dim]:
         raise _Unplannable(f"its loader reads at element {offset}, not on a slice boundary")
     return TensorSlice(dim=dim, start=start, stop=start + src.shape[dim])
-
-
-def _storage_owners(module: torch.nn.Module) -> dict[int, str]:
-    """The storages of module's parameters and buffers, by data pointer: where a copy may write."""
-    owners: dict[int, str] = {}
-    for name, tensor in (*module.named_parameters(), *module.named_buffers()):
-        owners.setdefault(tensor.untyped_storage().data_ptr(), name)
-    return owners
-
-
-def _data_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: param.data for name, param in module.named_parameters()}
-
-
-def _restore(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> set[str]:
-    """Put back any parameter whose data a call replaced; the names of those put back."""
-    replaced: set[str] = set()
-    for name, param in module.named_parameters():
-        original = before.get(name)
-        if original is not None and param.data.data_ptr() != original.data_ptr():
-            param.data = original
-            replaced.add(name)
-    return replaced
