@@ -80,6 +80,7 @@ def test_reflection_describes_the_services(channel: grpc.Channel) -> None:
         "ReadModelFile",
         "OpenSharedMemory",
         "StreamTensorsShared",
+        "StreamTensorsBulk",
     }
 
 

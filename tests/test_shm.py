@@ -33,7 +33,7 @@ from tests.support.checkpoints import expected_piece, llama_config, load_folder,
 from tests.support.ports import free_ports
 from tests.support.reliability_report import record
 from tests.support.serve_processes import serve_process
-from tests.support.servers import eventually, serving
+from tests.support.servers import eventually, loopback_settings, serving
 from weightstream import shm_protocol, wire
 from weightstream.bench import evict_from_page_cache
 from weightstream.client import WeightStreamClient, cuda_host
@@ -44,7 +44,7 @@ from weightstream.client.sharding import ShardSpec
 from weightstream.client.transports.base import StreamCancel
 from weightstream.client.transports.shared_memory import SharedMemoryTransport
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server import ServerSettings, WeightStreamServer, create_server, shm_segments, shm_servicer
+from weightstream_server import WeightStreamServer, create_server, shm_segments, shm_servicer
 from weightstream_server.catalog import Catalog, Manifest
 from weightstream_server.errors import CheckpointChanged, CorruptCheckpoint
 from weightstream_server.plan import plan_reads
@@ -80,14 +80,18 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def shm_server(root: Path, shm_dir: Path) -> Iterator[WeightStreamServer]:
-    with serving(ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir)) as server:
+    with serving(loopback_settings(model_root=root, shm_dir=shm_dir)) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def plain_server(root: Path) -> Iterator[WeightStreamServer]:
     """The same models, served with no shared-memory directory."""
-    with serving(ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0)) as server:
+    with serving(
+        loopback_settings(
+            model_root=root,
+        )
+    ) as server:
         yield server
 
 
@@ -444,9 +448,7 @@ def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_p
         long_ago = time.time() - 2 * shm_segments.NONCE_MAX_AGE_S
         os.utime(old_nonce, (long_ago, long_ago))
         assert _entries(directory) == sorted([stale, held, old_nonce.name, fresh_nonce.name, legacy.name])
-        server = create_server(
-            ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=directory)
-        )
+        server = create_server(loopback_settings(model_root=root, shm_dir=directory))
         server.start()
         server.stop(grace=0)
         assert _entries(directory) == sorted([held, fresh_nonce.name])
@@ -606,9 +608,7 @@ def test_server_killed_mid_stream_client_resumes_bit_exact(root: Path, shm_dir: 
 
 def test_shm_streams_from_the_cache_are_bit_exact(root: Path, shm_dir: Path) -> None:
     """With --cache-bytes, the second load's chunks come from the cache (framed bytes) into the slots."""
-    settings = ServerSettings(
-        model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir, cache_bytes=64 << 20
-    )
+    settings = loopback_settings(model_root=root, shm_dir=shm_dir, cache_bytes=64 << 20)
     with serving(settings) as server:
         expected = load_folder(root / "blocks")
         with WeightStreamClient(
@@ -748,7 +748,7 @@ def test_cold_files_are_read_by_the_streamer_and_copied_into_slots(
 ) -> None:
     """From a cold page cache the streamer's parallel reads serve the slots; once cached, the kernel reads into them."""
     state = write_model(tmp_path, "cold", tensors=8, numel=100_000, seed=11)
-    settings = ServerSettings(model_root=tmp_path, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir)
+    settings = loopback_settings(model_root=tmp_path, shm_dir=shm_dir)
     with serving(settings) as server:
         caplog.set_level(logging.DEBUG, logger=shm_servicer.logger.name)
         with WeightStreamClient(
@@ -767,9 +767,7 @@ def test_shm_needs_the_token_like_every_rpc(root: Path, shm_dir: Path, tmp_path:
 
     tokens = tmp_path / "tokens"
     tokens.write_text("shm-secret\n")
-    with serving(
-        ServerSettings(model_root=root, host=LOOPBACK, grpc_port=0, http_port=0, shm_dir=shm_dir, token_file=tokens)
-    ) as server:
+    with serving(loopback_settings(model_root=root, shm_dir=shm_dir, token_file=tokens)) as server:
         expected = load_folder(root / "blocks")
         with WeightStreamClient(
             _target(server), progress=False, transport="auto", shm_dir=shm_dir, token="shm-secret"

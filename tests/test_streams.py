@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.support.servers import serving
+from tests.support.servers import loopback_settings, serving
 from weightstream.client import ResourceExhaustedError, WeightStreamClient
 from weightstream.demo import ParameterTree
-from weightstream_server import ServerSettings, WeightStreamServer
+from weightstream_server import WeightStreamServer
 
 MODEL = "stream-model"
 
@@ -62,9 +62,7 @@ def test_concurrent_loads_are_each_complete(checkpoint: dict[str, torch.Tensor],
 
 
 def test_streams_beyond_the_limit_are_resource_exhausted(checkpoint: dict[str, torch.Tensor], model_root: Path) -> None:
-    with serving(
-        ServerSettings(model_root=model_root, host="127.0.0.1", grpc_port=0, http_port=0, max_streams=1)
-    ) as server:
+    with serving(loopback_settings(model_root=model_root, max_streams=1)) as server:
         target = f"127.0.0.1:{server.port}"
         with WeightStreamClient(target, chunk_bytes=16 * 1024, progress=False) as first:
             stream = first.iter_tensors(MODEL)
@@ -95,9 +93,7 @@ def test_parallel_streams_relay_the_first_error_and_stop_the_others(
     checkpoint: dict[str, torch.Tensor], model_root: Path
 ) -> None:
     """With room for only one stream on the server, the second stream's refusal ends the whole load."""
-    with serving(
-        ServerSettings(model_root=model_root, host="127.0.0.1", grpc_port=0, http_port=0, max_streams=1)
-    ) as server:
+    with serving(loopback_settings(model_root=model_root, max_streams=1)) as server:
         module = ParameterTree({n: (tuple(t.shape), t.dtype) for n, t in checkpoint.items()})
         with WeightStreamClient(
             f"127.0.0.1:{server.port}", chunk_bytes=16 * 1024, progress=False, streams=4, retry=None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +70,13 @@ class ParameterTree(torch.nn.Module):
             owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
 
 
+def _free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the demo's data port: its default, 50052, may be taken)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def run_demo() -> int:
     try:
         from weightstream_server import ServerSettings, create_server
@@ -83,10 +91,13 @@ def run_demo() -> int:
         root = Path(tmp)
         save_sharded(state, root / DEMO_MODEL, shards=3)
         print(f"checkpoint: {len(state)} tensors, {total / 1e6:.1f} MB of bfloat16 in 3 shards under {root}")
-        server = create_server(ServerSettings(model_root=root, host="127.0.0.1", grpc_port=0, http_port=0))
+        settings = ServerSettings(
+            model_root=root, host="127.0.0.1", grpc_port=0, http_port=0, data_port=_free_loopback_port()
+        )
+        server = create_server(settings)
         server.start()
         target = f"127.0.0.1:{server.port}"
-        print(f"server:     gRPC on {target}")
+        print(f"server:     gRPC on {target}, bulk data port {settings.data_port}")
         try:
             module = ParameterTree({n: (tuple(t.shape), t.dtype) for n, t in state.items()})
             with WeightStreamClient(target, progress=False) as client:
@@ -110,7 +121,8 @@ def run_demo() -> int:
     ]
     print(
         f"load_into:  {report.tensors} tensors, {report.bytes:,d} bytes in {seconds:.3f} s "
-        f"({report.bytes / seconds / 1e9:.2f} GB/s over loopback gRPC, first load); again: {warm.seconds:.3f} s "
+        f"({report.bytes / seconds / 1e9:.2f} GB/s over loopback, transport {report.transport}, first load); "
+        f"again: {warm.seconds:.3f} s "
         f"({warm.gbps:.2f} GB/s)"
     )
     if mismatched:

@@ -18,6 +18,8 @@ ServerError
 │                                            between its listing and the end of its reads
 ├── FileTooLarge          FAILED_PRECONDITION a companion file is larger than the server serves
 ├── SharedMemoryUnavailable FAILED_PRECONDITION no --shm-dir, or not the client's directory
+├── BulkUnavailable       FAILED_PRECONDITION no data port (--data-port 0): use StreamTensors
+├── DataConnectionLost    UNAVAILABLE        a bulk stream's data connection broke or stopped reading
 ├── TooManyStreams        RESOURCE_EXHAUSTED the concurrent stream limit is reached
 ├── RequestTimeout        DEADLINE_EXCEEDED  the client did not send what the call waits for in time
 ├── StorageUnauthenticated UNAUTHENTICATED   storage rejected the server's credentials
@@ -90,6 +92,14 @@ class SharedMemoryUnavailable(ServerError):
     pass
 
 
+class BulkUnavailable(ServerError):
+    """The server has no data port (--data-port 0)."""
+
+
+class DataConnectionLost(ServerError):
+    """A bulk stream's data connection broke, or its client stopped reading it."""
+
+
 class TooManyStreams(ServerError):
     pass
 
@@ -132,6 +142,8 @@ _CODES: dict[type[ServerError], grpc.StatusCode] = {
     CheckpointChanged: grpc.StatusCode.FAILED_PRECONDITION,
     FileTooLarge: grpc.StatusCode.FAILED_PRECONDITION,
     SharedMemoryUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
+    BulkUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
+    DataConnectionLost: grpc.StatusCode.UNAVAILABLE,
     TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
     RequestTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     StorageUnauthenticated: grpc.StatusCode.UNAUTHENTICATED,

@@ -15,13 +15,12 @@ reads only the bytes it sends.
 from __future__ import annotations
 
 import enum
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from weightstream import wire
 from weightstream_server.catalog import Catalog
+from weightstream_server.checksums import KeptChecksums
 from weightstream_server.errors import (
     AccessDenied,
     CorruptCheckpoint,
@@ -93,30 +92,8 @@ class FilePiece:
     read_before: int = 0
 
 
-class _Checksums:
-    """Whole-file CRC32Cs by file version (path, size, fingerprint). Every method may be called from any thread."""
-
-    def __init__(self, kept: int) -> None:
-        self._kept = kept
-        self._lock = threading.Lock()
-        self._crcs: OrderedDict[tuple[str, int, str], int] = OrderedDict()
-
-    def get(self, file: SourceFile) -> int | None:
-        key = (file.path, file.size, file.fingerprint)
-        with self._lock:
-            crc = self._crcs.get(key)
-            if crc is not None:
-                self._crcs.move_to_end(key)
-            return crc
-
-    def put(self, file: SourceFile, crc: int) -> None:
-        with self._lock:
-            self._crcs[(file.path, file.size, file.fingerprint)] = crc
-            while len(self._crcs) > self._kept:
-                self._crcs.popitem(last=False)
-
-
-_checksums = _Checksums(CHECKSUMS_KEPT)
+# Whole-file CRC32Cs by file version (path, size, fingerprint).
+_checksums: KeptChecksums[tuple[str, int, str]] = KeptChecksums(CHECKSUMS_KEPT)
 
 
 def check_file_name(model: str, name: str) -> None:
@@ -158,7 +135,7 @@ def read_file(
         raise RangeOutOfBounds(f"model {model!r}: offset {offset} is past the end of {name!r} ({file.size} bytes)")
     display = f"model {model!r}, file {name!r}"
     with OpenFiles(listing.source, model, {0: file}) as opened:
-        known = _checksums.get(file)
+        known = _checksums.get((file.path, file.size, file.fingerprint))
         crc = 0
         read_before = 0
         if known is None:
@@ -176,7 +153,7 @@ def read_file(
                 # Before the last piece goes out: a file changed while it was read never ends a read OK.
                 opened.check_unchanged(0)
                 if known is None:
-                    _checksums.put(file, crc)
+                    _checksums.put((file.path, file.size, file.fingerprint), crc)
                 whole = crc if known is None else known
             yield FilePiece(start, data, wire.crc32c(data), whole, read_before if index == 0 else 0)
 

@@ -16,8 +16,9 @@ from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 
 from weightstream import wire
 from weightstream.allocator import tune_malloc
-from weightstream_server import servicer, shm_servicer
+from weightstream_server import bulk_servicer, servicer, shm_servicer
 from weightstream_server.auth import AuthInterceptor, TokenFile
+from weightstream_server.bulk_port import DataPort, server_context
 from weightstream_server.cache import UnitCache
 from weightstream_server.catalog import Catalog
 from weightstream_server.health import (
@@ -68,6 +69,8 @@ class WeightStreamServer:
     liveness: Liveness
     # Shared by every stream; None when --cache-bytes is 0.
     cache: UnitCache | None = None
+    # The bulk transport's listening port; None when --data-port is 0.
+    data_port: DataPort | None = None
 
     @property
     def tls(self) -> bool:
@@ -77,6 +80,8 @@ class WeightStreamServer:
         if self.settings.shm_dir is not None:
             remove_stale_segments(self.settings.shm_dir)
         self.grpc_server.start()
+        if self.data_port is not None:
+            self.data_port.start()
         self.readiness.mark_serving()
         self.liveness.mark_started()
         if self.cache is not None and self.settings.preload:
@@ -95,6 +100,13 @@ class WeightStreamServer:
         security = ("mutual TLS" if self.settings.tls_client_ca else "TLS") if self.tls else "plaintext"
         auth = "bearer tokens" if self.tokens is not None else "no authentication"
         logger.info("gRPC serving %s on %s:%d (%s, %s)", served, self.settings.host, self.port, security, auth)
+        if self.data_port is not None:
+            logger.info(
+                "data port %d for bulk streams (%s, announced as %s)",
+                self.data_port.port,
+                security,
+                advertised_host(self.settings) or "the host of each client's target",
+            )
 
     def drain(self, timeout: float) -> int:
         """Refuse new streams, report NOT_SERVING, wait up to timeout s for streams in flight; how many remain."""
@@ -108,6 +120,8 @@ class WeightStreamServer:
         self.health.refresh()
         self.liveness.mark_stopped()
         self.grpc_server.stop(grace).wait()
+        if self.data_port is not None:
+            self.data_port.close()
         self.pool.close()
 
 
@@ -204,6 +218,17 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     streams = Streams(settings, catalog, pool, stats, readiness, StreamSlots(settings.max_streams), cache)
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
     shm_servicer.add_to_server(shm_servicer.SharedMemoryServicer(streams), server)
+    data_port = None
+    if settings.data_port:
+        tls = None
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            client_ca = str(settings.tls_client_ca) if settings.tls_client_ca is not None else None
+            tls = server_context(str(settings.tls_cert), str(settings.tls_key), client_ca)
+        try:
+            data_port = DataPort(settings.host, settings.data_port, tls, stats)
+        except OSError as exc:
+            raise OSError(f"could not bind the data port {settings.host}:{settings.data_port}: {exc.strerror}") from exc
+    bulk_servicer.add_to_server(bulk_servicer.BulkServicer(streams, data_port, advertised_host(settings)), server)
     health_servicer = ReadinessHealthServicer(readiness)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection lets grpcurl and similar tools call the server without the .proto files.
@@ -229,6 +254,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         workers,
         Liveness(workers),
         cache,
+        data_port,
     )
 
 
@@ -268,6 +294,13 @@ def build_sources(settings: ServerSettings) -> list[Source]:
         client, probe_client = make_client(settings), make_client(settings, probe=True)
         sources.extend(S3Source(bucket, client, probe_client) for bucket in settings.s3_buckets)
     return sources
+
+
+def advertised_host(settings: ServerSettings) -> str:
+    """The host bulk streams announce: --data-advertise, else --host unless it means every interface, else ""."""
+    if settings.data_advertise:
+        return settings.data_advertise
+    return "" if settings.host in ("", "0.0.0.0", "::", "[::]") else settings.host
 
 
 def _host_for_grpc(host: str) -> str:

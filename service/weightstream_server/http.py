@@ -70,6 +70,7 @@ class ServerStatus(BaseModel):
     version: str
     uptime_s: float
     grpc_port: int
+    data_port: int = Field(description="port of the bulk data connections (transport tcp); 0 when off")
     tls: bool = Field(description="gRPC is served over TLS")
     auth: bool = Field(description="gRPC calls and /status, /metrics need a bearer token")
     draining: bool
@@ -79,6 +80,9 @@ class ServerStatus(BaseModel):
     bytes_served_total: int = Field(description="tensor bytes handed to gRPC for sending")
     storage_bytes_read_total: int = Field(description="tensor bytes read from storage")
     errors_total: dict[str, int] = Field(description="RPCs that ended in an error, by gRPC status code name")
+    data_connections_refused_total: int = Field(
+        description="connections to the data port closed without a valid ticket (garbage, silence, wrong peer)"
+    )
     sources: list[SourceStatus]
     models: dict[str, ModelStatus] = Field(description="per-model counters, by model id")
     cache: CacheStatus | None = Field(description="the shared cache; null when --cache-bytes is 0")
@@ -142,6 +146,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
             version=__version__,
             uptime_s=snap.uptime_s,
             grpc_port=server.port,
+            data_port=server.data_port.port if server.data_port is not None else 0,
             tls=server.tls,
             auth=tokens is not None,
             draining=report.draining,
@@ -151,6 +156,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
             bytes_served_total=snap.bytes_served_total,
             storage_bytes_read_total=snap.storage_bytes_read_total,
             errors_total=snap.errors_total,
+            data_connections_refused_total=snap.data_connections_refused_total,
             sources=[_source(s) for s in report.sources],
             models={m: ModelStatus(streams=c.streams, bytes_served=c.bytes_served) for m, c in snap.models.items()},
             cache=CacheStatus(**dataclasses.asdict(server.cache.snapshot())) if server.cache is not None else None,

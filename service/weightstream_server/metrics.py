@@ -63,6 +63,11 @@ class StatsCollector(Collector):
         for code, count in sorted(s.errors_total.items()):
             errors.add_metric([code], count)
         yield errors
+        yield CounterMetricFamily(
+            PREFIX + "data_connections_refused",
+            "Connections to the data port closed without being admitted (no valid ticket, garbage, silence).",
+            value=s.data_connections_refused_total,
+        )
         if self._cache is not None:
             yield from _cache_metrics(self._cache.snapshot())
         buckets = [(_bound(le), count) for le, count in zip(DURATION_BUCKETS_S, s.duration_counts, strict=True)]

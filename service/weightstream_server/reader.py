@@ -243,6 +243,26 @@ def page_cached(manifest: Manifest, plan: ReadPlan, samples: int = 32) -> bool:
 
 
 @dataclass(frozen=True)
+class UnitChunks:
+    """One read unit of a plan without gathers, cut into its chunks: each chunk's file offset and place."""
+
+    file_index: int
+    length: int
+    chunks: list[tuple[int, ChunkPlace]]
+
+
+def unit_chunks(plan: ReadPlan) -> Iterator[UnitChunks]:
+    """The read units of plan (see reads_directly), file after file, each with its chunks in order."""
+    for file_plan in plan.files:
+        for offset, length, unit in zip(file_plan.offsets, file_plan.sizes, file_plan.places, strict=True):
+            chunks = [
+                (offset + start, ChunkPlace(unit.place.tensor, unit.place.offset + start, piece))
+                for start, piece in wire.split_range(0, length, plan.chunk_bytes)
+            ]
+            yield UnitChunks(file_plan.file_index, length, chunks)
+
+
+@dataclass(frozen=True)
 class DirectRead:
     """One chunk of a local file: start(address) reads its place.length bytes to address and gives
     their CRC32C: at once when the page cache holds them, else as a future of a read on the
@@ -283,17 +303,15 @@ class DirectReader:
 
     def reads(self) -> Iterator[DirectRead]:
         """Every chunk of the plan, file after file, each unit's chunks in order."""
-        manifest, plan = self._manifest, self._plan
-        for file_plan in plan.files:
-            source = manifest.files[file_plan.file_index]
-            fd = self._files.fd(file_plan.file_index)
-            check = functools.partial(self._files.check_unchanged, file_plan.file_index)
-            for offset, length, unit in zip(file_plan.offsets, file_plan.sizes, file_plan.places, strict=True):
-                for start, piece in wire.split_range(0, length, plan.chunk_bytes):
-                    place = ChunkPlace(unit.place.tensor, unit.place.offset + start, piece)
-                    chunk = _ChunkRead(fd, offset + start, piece, manifest.model, source.name, place.tensor, check)
-                    yield DirectRead(place, functools.partial(self._start, chunk))
-                self._on_read(length)
+        manifest = self._manifest
+        for unit in unit_chunks(self._plan):
+            source = manifest.files[unit.file_index]
+            fd = self._files.fd(unit.file_index)
+            check = functools.partial(self._files.check_unchanged, unit.file_index)
+            for file_offset, place in unit.chunks:
+                chunk = _ChunkRead(fd, file_offset, place.length, manifest.model, source.name, place.tensor, check)
+                yield DirectRead(place, functools.partial(self._start, chunk))
+            self._on_read(unit.length)
 
     def _start(self, chunk: _ChunkRead, address: int) -> int | Future[int]:
         # What the page cache holds is copied here and now: a thread handoff costs more than the

@@ -9,7 +9,9 @@ and an environment, a flag beating its variable and the variable beating the def
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,8 @@ _EXPECTED = {
     "byte_size": "a byte size (for example 16GiB, 512MiB or 1073741824)",
 }
 _BYTE_SIZE = TypeAdapter(ByteSize)
+# A DNS name: dot-separated labels of letters, digits and inner hyphens.
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*")
 
 
 def _byte_count(value: object) -> object:
@@ -94,6 +98,15 @@ class ServerSettings(BaseSettings):
     grpc_port: int = Field(default=50051, description="gRPC port; 0 picks a free port")
     http_port: int = Field(
         default=8080, description="REST port for /healthz, /readyz, /status and /metrics; 0 turns it off"
+    )
+    data_port: int = Field(
+        default=50052,
+        description="TCP port of the bulk data connections for clients on other hosts (transport tcp); 0 turns it off",
+    )
+    data_advertise: str | None = Field(
+        default=None,
+        description="host clients dial for the data port (a pod's IP); none: --host when it names one address, "
+        "else the host of the client's own target",
     )
     max_streams: int = Field(default=16, description="concurrent streams before RESOURCE_EXHAUSTED")
     read_ahead_bytes: ByteCount = Field(
@@ -178,6 +191,10 @@ class ServerSettings(BaseSettings):
             problems.append(f"grpc_port {self.grpc_port} is not a port number")
         if not 0 <= self.http_port <= 65535:
             problems.append(f"http_port {self.http_port} is not a port number")
+        if not 0 <= self.data_port <= 65535:
+            problems.append(f"data_port {self.data_port} is not a port number")
+        if self.data_advertise is not None and not _is_host(self.data_advertise):
+            problems.append(f"data_advertise {self.data_advertise!r} is not a host name or address")
         if self.max_streams < 1:
             problems.append(f"max_streams must be at least 1, not {self.max_streams}")
         if not wire.MIN_CHUNK_BYTES <= self.chunk_bytes <= wire.MAX_CHUNK_BYTES:
@@ -243,6 +260,15 @@ class ServerSettings(BaseSettings):
             return cls(**values)
         except ValidationError as exc:
             raise ValueError(_describe(exc, origins)) from None
+
+
+def _is_host(text: str) -> bool:
+    """Whether text is a bare host: a DNS name, an IPv4 or an IPv6 address (no port, no scheme)."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return _HOST_NAME.fullmatch(text) is not None
 
 
 def env_name(field_name: str) -> str:

@@ -35,6 +35,7 @@ class StatsSnapshot:
     bytes_served_total: int
     storage_bytes_read_total: int
     errors_total: dict[str, int]
+    data_connections_refused_total: int
     models: dict[str, ModelCounts]
     streams_ended: int
     duration_counts: tuple[int, ...]
@@ -57,6 +58,7 @@ class ServerStats:
         self._bytes_served = 0
         self._storage_bytes_read = 0
         self._errors: Counter[str] = Counter()
+        self._data_refused = 0
         self._model_streams: Counter[str] = Counter()
         self._model_bytes: Counter[str] = Counter()
         # One count per bucket, the last for streams longer than the largest bound.
@@ -96,6 +98,11 @@ class ServerStats:
         with self._lock:
             self._errors[code_name] += 1
 
+    def data_connection_refused(self) -> None:
+        """Count a connection the data port closed without admitting it."""
+        with self._lock:
+            self._data_refused += 1
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait up to timeout seconds for every stream to end; whether none is left."""
         deadline = time.monotonic() + timeout
@@ -121,6 +128,7 @@ class ServerStats:
                 bytes_served_total=self._bytes_served,
                 storage_bytes_read_total=self._storage_bytes_read,
                 errors_total=dict(self._errors),
+                data_connections_refused_total=self._data_refused,
                 models={
                     model: ModelCounts(self._model_streams[model], self._model_bytes[model])
                     for model in sorted(self._model_streams)

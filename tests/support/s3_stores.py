@@ -129,6 +129,7 @@ def s3_settings(store: S3Process, **overrides: object) -> ServerSettings:
         "host": LOOPBACK,
         "grpc_port": 0,
         "http_port": 0,
+        "data_port": 0,
         "s3_buckets": (S3_BUCKET, "ws-missing-bucket"),
         "s3_endpoint": store.endpoint,
         "s3_region": REGION,

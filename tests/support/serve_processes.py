@@ -33,14 +33,20 @@ STOP_TIMEOUT_S = 20.0
 def start_serve(
     args: Sequence[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.Popen[bytes]:
-    """Start `weightstream serve ARGS` with its output appended to log; env defaults to clean_env()."""
+    """Start `weightstream serve ARGS` with its output appended to log; env defaults to clean_env().
+
+    The data port is off (WEIGHTSTREAM_DATA_PORT=0) unless args or env set it: servers of the suite
+    must not all bind its default port.
+    """
+    env = dict(env or clean_env())
+    env.setdefault("WEIGHTSTREAM_DATA_PORT", "0")
     with log.open("ab") as sink:
         return subprocess.Popen(
             [*weightstream_cmd(), "serve", *args],
             stdin=subprocess.DEVNULL,
             stdout=sink,
             stderr=subprocess.STDOUT,
-            env=env or clean_env(),
+            env=env,
             cwd=cwd,
         )
 

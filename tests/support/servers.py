@@ -23,8 +23,9 @@ CHANGE_TIMEOUT_S = 5.0
 
 
 def loopback_settings(**values: object) -> ServerSettings:
-    """ServerSettings of values, listening on 127.0.0.1 with gRPC and REST on port 0 unless values say otherwise."""
-    given: dict[str, object] = {"host": LOOPBACK, "grpc_port": 0, "http_port": 0}
+    """ServerSettings of values, listening on 127.0.0.1 with gRPC and REST on port 0 and no data port
+    (clients fall back to gRPC) unless values say otherwise."""
+    given: dict[str, object] = {"host": LOOPBACK, "grpc_port": 0, "http_port": 0, "data_port": 0}
     given.update(values)
     return ServerSettings(**given)  # type: ignore[arg-type]
 

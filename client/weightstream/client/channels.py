@@ -11,6 +11,7 @@ try found no server waits for its channel to connect before the next (wait_ready
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 import weakref
@@ -22,6 +23,7 @@ from weightstream import wire
 from weightstream.client import replicas
 from weightstream.client.options import SHM_DIR_ENV
 from weightstream.client.transports.base import StreamCancel, Transport
+from weightstream.client.transports.bulk import BulkTransport, Fallback
 from weightstream.client.transports.grpc_stream import GrpcTransport
 from weightstream.client.transports.shared_memory import SharedMemoryTransport
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
@@ -29,7 +31,7 @@ from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 # Transports a client may be asked for.
-TRANSPORTS = ("auto", "grpc", "shm")
+TRANSPORTS = ("auto", "grpc", "shm", "tcp")
 # How often wait_ready looks whether the stream it waits for was stopped meanwhile.
 _READY_POLL_S = 0.25
 
@@ -79,12 +81,26 @@ def channel_credentials(
     )
 
 
+def data_tls_context(
+    tls: bool, ca_file: str | Path | None, client_cert: str | Path | None, client_key: str | Path | None
+) -> ssl.SSLContext | None:
+    """The bulk data connection's TLS context, from the channel's PEM files (None for plaintext)."""
+    if not tls:
+        return None
+    context = ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if client_cert is not None and client_key is not None:
+        context.load_cert_chain(str(client_cert), str(client_key))
+    return context
+
+
 class Channels:
     """One client's channels to channel_target, made on first use, and the transport of each stream.
 
     metadata goes with every call (the bearer token). transport is one of TRANSPORTS: "auto" uses
-    shared memory when the server proves it sees shm_dir and gRPC otherwise, "shm" insists on
-    shared memory, "grpc" never tries it.
+    shared memory when the server proves it sees shm_dir, else the server's data port (the bulk
+    transport), and gRPC when neither can be used; "shm" insists on shared memory, "tcp" on the
+    data port, "grpc" tries neither. data_tls wraps data connections when the channel runs TLS.
 
     Thread-safe: any thread may ask for a channel, the stub or a transport; each is made once
     (again after replace), and shared memory is negotiated once (on the main channel). close()
@@ -99,6 +115,7 @@ class Channels:
         metadata: tuple[tuple[str, str], ...],
         transport: str,
         shm_dir: Path | None,
+        data_tls: ssl.SSLContext | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
@@ -109,6 +126,8 @@ class Channels:
         self._credentials = credentials
         self._kind = transport
         self._shm_dir = shm_dir
+        self._data_tls = data_tls
+        self._bulk_fallback = Fallback()
         self._lock = threading.Lock()
         self._channels: list[grpc.Channel] = []
         self._stub: pb_grpc.WeightStreamServiceStub | None = None
@@ -149,6 +168,15 @@ class Channels:
         made: Transport
         if grant and self._shm_dir is not None:
             made = SharedMemoryTransport(self.channel(index), self._shm_dir, max_ring_bytes=grant)
+        elif self._kind in ("auto", "tcp"):
+            host = replicas.target_host(self._channel_target)
+            made = BulkTransport(
+                self.channel(index),
+                target_host=host,
+                tls=self._data_tls,
+                server_hostname=host or None,
+                fallback=self._bulk_fallback if self._kind == "auto" else None,
+            )
         else:
             made = GrpcTransport(self.channel(index))
         with self._lock:
@@ -215,7 +243,7 @@ class Channels:
 
         "auto" falls back to gRPC (negotiate logs why, once); "shm" raises instead.
         """
-        if self._kind == "grpc":
+        if self._kind in ("grpc", "tcp"):
             return 0
         with self._shm_lock:
             if self._shm_grant is None:

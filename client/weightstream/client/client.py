@@ -18,7 +18,7 @@ import torch
 
 from weightstream import wire
 from weightstream.client import replicas
-from weightstream.client.channels import Channels, channel_credentials
+from weightstream.client.channels import Channels, channel_credentials, data_tls_context
 from weightstream.client.errors import NotFoundError, UnavailableError, WeightStreamError, translated
 from weightstream.client.fetch import FetchReport, fetch
 from weightstream.client.files import RemoteFiles
@@ -84,9 +84,10 @@ class WeightStreamClient:
     retry says how broken streams are resumed and how long GetManifest is retried on UNAVAILABLE
     (see RetryPolicy; on by default); None fails at the first error and turns the idle-stream
     deadline off. transport chooses the data path: "auto" (the default) uses shared memory when the
-    server proves it sees shm_dir (default: the environment variable WEIGHTSTREAM_SHM_DIR) and
-    gRPC otherwise; "shm" insists on shared memory; "grpc" never tries it. The environment is read
-    once, here (options.ClientOptions).
+    server proves it sees shm_dir (default: the environment variable WEIGHTSTREAM_SHM_DIR), else a
+    bulk TCP connection to the server's data port (TLS with the same files when tls=True), and gRPC
+    when neither can be used (one INFO line says why); "shm" and "tcp" insist on theirs; "grpc"
+    tries neither. The environment is read once, here (options.ClientOptions).
     """
 
     def __init__(
@@ -127,6 +128,7 @@ class WeightStreamClient:
             metadata=metadata,
             transport=transport,
             shm_dir=Path(shm_dir) if shm_dir is not None else self._options.shm_dir,
+            data_tls=data_tls_context(tls, ca_file, client_cert, client_key),
         )
         self._files = RemoteFiles(self._channels, self.target, chunk_bytes=chunk_bytes, timeout=timeout)
         self._retry = retry

@@ -44,6 +44,11 @@ class RangeSet:
         self.covered += new
         return new
 
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether any byte of [start, end) has landed."""
+        i = bisect.bisect_right(self._ends, start)
+        return i < len(self._starts) and self._starts[i] < end
+
     def missing(self) -> list[tuple[int, int]]:
         """The ranges not yet landed, in order."""
         gaps = []

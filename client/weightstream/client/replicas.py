@@ -72,3 +72,21 @@ def _family(address: str) -> str | None:
         return "ipv4" if ipaddress.ip_address(host).version == 4 else "ipv6"
     except ValueError:
         return None
+
+
+def target_host(channel: str) -> str:
+    """The host of a channel target (the first address of several), as a bulk stream dials it; "" for unix sockets."""
+    if channel.startswith("unix:"):
+        return ""
+    for scheme in ("ipv4:", "ipv6:"):
+        if channel.startswith(scheme):
+            channel = channel[len(scheme) :]
+    if "://" in channel:
+        channel = channel.split("://", 1)[1]
+        channel = channel.split("/", 1)[1] if "/" in channel else channel
+    first = channel.split(",", 1)[0]
+    if first.startswith("["):
+        return first[1:].split("]", 1)[0]
+    if first.count(":") > 1:  # a bare IPv6 address without a port
+        return first
+    return first.rsplit(":", 1)[0] if ":" in first else first

@@ -48,7 +48,7 @@ from weightstream.client.retry import (
     permanent_connect_error,
     reached_no_server,
 )
-from weightstream.client.transports.base import ChunkRef, StreamCancel, Transport
+from weightstream.client.transports.base import ChunkRef, StreamCancel, Transport, TransportError
 from weightstream.client.transports.call_reader import CANCEL_GRACE_S, StreamAbandoned
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -225,7 +225,7 @@ class _Stream:
                 self.stop.on_cancel(functools.partial(cancel.cancel, STOPPED))
                 try:
                     yield from self._attempt(transport, cancel)
-                except (grpc.RpcError, StreamAbandoned) as exc:
+                except (grpc.RpcError, StreamAbandoned, TransportError) as exc:
                     if not self.pending:
                         break  # every byte landed and was checked; only the stream's end was lost
                     delay, reached = self._retry_delay(exc, cancel, transport)
@@ -253,7 +253,7 @@ class _Stream:
         config = self.session.config
         watchdog = config.watchdog
         watch = watchdog.watch(cancel) if watchdog is not None else None
-        batches = transport.stream(self._request(), config.channels.metadata, cancel)
+        batches = transport.stream(self._request(), config.channels.metadata, cancel, self._landing)
         try:
             while True:
                 # The transport may give the last batch's memory back now (a slot to the server).
@@ -313,16 +313,34 @@ class _Stream:
                 f"{size} bytes (stated {chunk.length}) does not fit its {info.nbytes} bytes"
             )
         if wire.crc32c_at(chunk.address, size) != chunk.crc32c:
-            raise IntegrityError(
+            error = IntegrityError(
                 f"model {self.model!r}: tensor {chunk.tensor!r}: CRC32C mismatch in the chunk at offset "
                 f"{chunk.offset} ({size} bytes); the data was corrupted in transit"
             )
+            if chunk.in_place:
+                # Its bytes lie in the tensor, but its range stays missing: the resume asks for it again.
+                raise TransportError(error)
+            raise error
         if not size:
             return None
         dest = self.session.destination(chunk.tensor)
-        self.placers.for_tensor(dest.buffer).place(dest, chunk.offset, chunk.address, size, chunk.region)
+        if not chunk.in_place:
+            self.placers.for_tensor(dest.buffer).place(dest, chunk.offset, chunk.address, size, chunk.region)
         dest.written = True
         return dest, dest.landed.add(chunk.offset, end)
+
+    def _landing(self, tensor: str, offset: int, length: int) -> int | None:
+        """Where a transport may receive these bytes of tensor directly: host memory of its destination
+        that holds no checked byte yet; None otherwise (the chunk then comes through the transport's
+        own buffer and is placed as usual). The destination counts as written from here on."""
+        info = self.infos.get(tensor)
+        if info is None or not length or offset + length > info.nbytes:
+            return None
+        dest = self.session.destination(tensor)
+        if dest.buffer.device.type != "cpu" or dest.landed.overlaps(offset, offset + length):
+            return None
+        dest.written = True
+        return int(dest.buffer.data_ptr()) + offset
 
     def _request(self) -> pb.StreamTensorsRequest:
         """The request for what has not landed: whole pending tensors, or their missing ranges once begun."""
@@ -349,7 +367,7 @@ class _Stream:
         )
 
     def _retry_delay(
-        self, exc: grpc.RpcError | StreamAbandoned, cancel: StreamCancel, transport: Transport
+        self, exc: grpc.RpcError | StreamAbandoned | TransportError, cancel: StreamCancel, transport: Transport
     ) -> tuple[float, bool]:
         """(seconds to wait, whether the try reached a server) after exc ended the try cancel stops.
 
@@ -360,6 +378,9 @@ class _Stream:
         """
         code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
         details = (exc.details() if isinstance(exc, grpc.Call) else None) or ""
+        if isinstance(exc, TransportError):
+            # A broken data connection or a chunk that failed its check there: resumed like UNAVAILABLE.
+            code, details = grpc.StatusCode.UNAVAILABLE, exc.error.message
         abandoned = isinstance(exc, StreamAbandoned)
         idle = cancel.reason == IDLE or abandoned
         if self.stop.reason is not None:
@@ -373,18 +394,26 @@ class _Stream:
         replaced = code == grpc.StatusCode.CANCELLED and self.session.config.channels.replaced(transport)
         retryable = idle or replaced or (code in RETRYABLE_CODES and not permanent_connect_error(details))
         if self.outage is None or not retryable:
+            if isinstance(exc, TransportError):
+                raise exc.error from exc
             raise exc
         retry = self.session.config.retry
         assert retry is not None
         what = f"no message for {retry.idle_timeout:g} s" if idle else code.name
+        if isinstance(exc, TransportError):
+            what = exc.error.message
         if abandoned:
             what += f", and the call had not ended {CANCEL_GRACE_S:g} s after its cancel"
-        reached = not (code == grpc.StatusCode.UNAVAILABLE and reached_no_server(details))
+        reached = isinstance(exc, TransportError) or not (
+            code == grpc.StatusCode.UNAVAILABLE and reached_no_server(details)
+        )
         delay = self.outage.next_delay(reached=reached)
         missing = self._missing_bytes()
         if delay is None:
             error: WeightStreamError
-            if isinstance(exc, grpc.RpcError) and not idle:
+            if isinstance(exc, TransportError):
+                error = exc.error
+            elif isinstance(exc, grpc.RpcError) and not idle:
                 error = from_rpc_error(exc, target)
             else:
                 error = UnavailableError(f"from {target}: {what}", code=grpc.StatusCode.UNAVAILABLE)

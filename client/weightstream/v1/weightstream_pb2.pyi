@@ -248,3 +248,19 @@ class StreamTensorsSharedResponse(_message.Message):
     slot_bytes: int
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
     def __init__(self, segment_socket: _Optional[str] = ..., ticket: _Optional[bytes] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class StreamTensorsBulkRequest(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: StreamTensorsRequest
+    def __init__(self, request: _Optional[_Union[StreamTensorsRequest, _Mapping]] = ...) -> None: ...
+
+class StreamTensorsBulkResponse(_message.Message):
+    __slots__ = ("data_host", "data_port", "ticket")
+    DATA_HOST_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    data_host: str
+    data_port: int
+    ticket: bytes
+    def __init__(self, data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...

@@ -64,6 +64,11 @@ class WeightStreamServiceStub:
                 request_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedRequest.SerializeToString,
                 response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedResponse.FromString,
                 _registered_method=True)
+        self.StreamTensorsBulk = channel.unary_stream(
+                '/weightstream.v1.WeightStreamService/StreamTensorsBulk',
+                request_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkRequest.SerializeToString,
+                response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkResponse.FromString,
+                _registered_method=True)
 
 
 class WeightStreamServiceServicer:
@@ -117,6 +122,17 @@ class WeightStreamServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamTensorsBulk(self, request, context):
+        """Bulk transport, for clients on other hosts: StreamTensors with the bytes on a plain TCP (or TLS)
+        connection to the server's data port, and this call as its control plane. The first and only
+        message announces where to connect and the one-time ticket that admits the connection; the
+        chunks then travel on that connection (framing in weightstream/bulk_protocol.py), and the call's
+        status says how the stream ended. FAILED_PRECONDITION when the server has no data port.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightStreamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +165,11 @@ def add_WeightStreamServiceServicer_to_server(servicer, server):
                     servicer.StreamTensorsShared,
                     request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedRequest.FromString,
                     response_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedResponse.SerializeToString,
+            ),
+            'StreamTensorsBulk': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamTensorsBulk,
+                    request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkRequest.FromString,
+                    response_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +334,33 @@ class WeightStreamService:
             '/weightstream.v1.WeightStreamService/StreamTensorsShared',
             weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedRequest.SerializeToString,
             weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsSharedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamTensorsBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightstream.v1.WeightStreamService/StreamTensorsBulk',
+            weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkRequest.SerializeToString,
+            weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkResponse.FromString,
             options,
             channel_credentials,
             insecure,

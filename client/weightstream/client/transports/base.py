@@ -1,12 +1,18 @@
 """How chunk bytes reach the client: the small protocol every data transport implements.
 
 A transport runs one StreamTensors request and yields batches of ChunkRef: each chunk's fields and
-the address where its bytes lie in this process's memory (inside a received gRPC message, or
-inside a shared-memory slot). The client checks and places every chunk of a batch before it asks
-for the next one; a batch's addresses stay valid until then, and no longer. Closing the generator
-cancels the stream and frees what the transport holds. gRPC errors propagate as grpc.RpcError; the
-load session (session.py) decides whether to resume, and errors.translated turns them into the
-client's exceptions.
+the address where its bytes lie in this process's memory (inside a received gRPC message, inside a
+shared-memory slot, or already in their destination). The client checks and places every chunk of
+a batch before it asks for the next one; a batch's addresses stay valid until then, and no longer.
+Closing the generator cancels the stream and frees what the transport holds. gRPC errors propagate
+as grpc.RpcError, a broken data connection as TransportError; the load session (session.py)
+decides whether to resume, and errors.translated turns them into the client's exceptions.
+
+Receiving in place: a transport that reads bytes from a socket may ask the load where a chunk's
+bytes belong (land(tensor, offset, length) -> address or None) before it reads them, read them
+there, and hand them over as a ChunkRef with in_place set; the load then checks their CRC32C
+where they lie and copies nothing. land answers None where the bytes must not go straight in (no
+such tensor, out of bounds, a device tensor, or a range that already holds checked bytes).
 
 Cancelling from another thread: a transport registers how to stop its stream (for gRPC,
 call.cancel) with the StreamCancel it is given; the client's idle watchdog and the thread that
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from weightstream.client.cuda_host import HostRegion
+from weightstream.client.errors import WeightStreamError
 from weightstream.v1 import weightstream_pb2 as pb
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["WeightStreamService"]
@@ -52,6 +59,20 @@ class ChunkRef:
     # placer then copies from it to the device directly, and the batch's memory must outlive the
     # copy until Placers.settle().
     region: HostRegion | None = None
+    # The bytes were received at their destination, at the address land() gave (see the module docstring).
+    in_place: bool = False
+
+
+# land(tensor, offset, length): where those bytes may be received directly, or None.
+Landing = Callable[[str, int, int], int | None]
+
+
+class TransportError(Exception):
+    """A data connection failed in a way a resume can mend; error is what the load raises if it cannot."""
+
+    def __init__(self, error: WeightStreamError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class StreamCancel:
@@ -89,9 +110,15 @@ Batches = Generator[Sequence[ChunkRef], None, None]
 class Transport(Protocol):
     """One data path: runs a StreamTensors request and yields its chunks in batches (see the module docstring)."""
 
-    # Reported in LoadReport.transport: "grpc" or "shm".
-    name: str
+    @property
+    def name(self) -> str:
+        """Reported in LoadReport.transport: "grpc", "shm" or "tcp" (the one its streams now use)."""
+        ...
 
     def stream(
-        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
+        self,
+        request: pb.StreamTensorsRequest,
+        metadata: Sequence[tuple[str, str]],
+        cancel: StreamCancel,
+        land: Landing | None = None,
     ) -> Batches: ...

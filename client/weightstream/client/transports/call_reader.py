@@ -104,6 +104,25 @@ class CallReader(Generic[Message]):
             assert not isinstance(item, _Marker)
             return item
 
+    def outcome(self, timeout: float) -> BaseException | None:
+        """Wait up to timeout s for the call to end, dropping its messages; what it raised, or None if it ended OK.
+
+        TimeoutError when it has not ended by then.
+        """
+        deadline = time.monotonic() + timeout
+        while not self._ended:
+            try:
+                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"the call had not ended {timeout:g} s later") from None
+            if item is _END:
+                self._ended = True
+                return None
+            if isinstance(item, BaseException):
+                self._ended = True
+                return item
+        return None
+
     def close(self) -> None:
         """Stop handing messages over; a helper thread still waiting in the call leaves once the call ends."""
         self._closed = True

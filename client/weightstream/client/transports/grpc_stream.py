@@ -21,7 +21,7 @@ import grpc
 
 from weightstream import framing
 from weightstream.client.errors import IntegrityError
-from weightstream.client.transports.base import Batches, ChunkRef, StreamCancel, method_path
+from weightstream.client.transports.base import Batches, ChunkRef, Landing, StreamCancel, method_path
 from weightstream.client.transports.call_reader import CallReader
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -41,7 +41,11 @@ class GrpcTransport:
         )
 
     def stream(
-        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
+        self,
+        request: pb.StreamTensorsRequest,
+        metadata: Sequence[tuple[str, str]],
+        cancel: StreamCancel,
+        land: Landing | None = None,
     ) -> Batches:
         """Chunks of request, one batch per message; a batch's addresses lie inside that message."""
         call = self._method(request, metadata=tuple(metadata))

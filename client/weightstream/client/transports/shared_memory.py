@@ -37,7 +37,7 @@ import grpc
 from weightstream import shm_protocol, wire
 from weightstream.client import cuda_host
 from weightstream.client.errors import FailedPreconditionError, IntegrityError
-from weightstream.client.transports.base import Batches, ChunkRef, StreamCancel, method_path
+from weightstream.client.transports.base import Batches, ChunkRef, Landing, StreamCancel, method_path
 from weightstream.client.transports.call_reader import CallReader
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -136,7 +136,11 @@ class SharedMemoryTransport:
         return cls(channel, directory, max_ring_bytes=response.max_ring_bytes)
 
     def stream(
-        self, request: pb.StreamTensorsRequest, metadata: Sequence[tuple[str, str]], cancel: StreamCancel
+        self,
+        request: pb.StreamTensorsRequest,
+        metadata: Sequence[tuple[str, str]],
+        cancel: StreamCancel,
+        land: Landing | None = None,
     ) -> Batches:
         """Chunks of request, one batch per filled slot; the slot is returned when the next batch is asked for."""
         slots, slot_bytes = self._ring(request)
