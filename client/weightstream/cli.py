@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weightstream import __version__
+from weightstream import __version__, wire
 
 if TYPE_CHECKING:
     from weightstream.client import WeightStreamClient
@@ -110,6 +110,13 @@ def _add_connection_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", metavar="FILE", help="PEM CA bundle to verify the server (default: system roots)")
     parser.add_argument("--tls-cert", metavar="FILE", help="PEM client certificate, for mutual TLS (with --tls-key)")
     parser.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--transport",
+        choices=wire.TRANSPORTS,
+        default="auto",
+        help="data path: auto (shared memory where WEIGHTSTREAM_SHM_DIR works, else the server's data port, "
+        "else gRPC), shm, tcp or grpc (default auto)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             client_cert=args.tls_cert,
             client_key=args.tls_key,
             progress=not getattr(args, "no_progress", False),
+            transport=args.transport,
         ) as client:
             if args.command == "manifest":
                 return _manifest(client, args)
@@ -227,8 +235,8 @@ def _load(client: WeightStreamClient, args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     print(
         f"loaded {args.model} from {args.target} to {args.device}: {count} tensors, {nbytes:,d} bytes in "
-        f"{seconds:.3f} s, {nbytes / seconds / 1e9 if seconds else 0:.2f} GB/s (every chunk CRC32C-verified, "
-        "every tensor complete)"
+        f"{seconds:.3f} s, {nbytes / seconds / 1e9 if seconds else 0:.2f} GB/s over {client.transport} (every chunk "
+        "CRC32C-verified, every tensor complete)"
     )
     return 0
 

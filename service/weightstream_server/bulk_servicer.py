@@ -77,10 +77,10 @@ class BulkServicer:
     """StreamTensorsBulk. Safe to call from many threads.
 
     data_port is None when the server has none (every call is then FAILED_PRECONDITION);
-    advertise is the host announced to clients ("" lets them dial their own target's host).
+    advertise is the (host, port) announced to clients (host "": they dial their own target's host).
     """
 
-    def __init__(self, streams: Streams, data_port: DataPort | None, advertise: str) -> None:
+    def __init__(self, streams: Streams, data_port: DataPort | None, advertise: tuple[str, int]) -> None:
         self._streams = streams
         self._port = data_port
         self._advertise = advertise
@@ -102,9 +102,8 @@ class BulkServicer:
             plan = session.plan_reads(chunk_bytes)
             pending = port.tickets.issue(peer_host(session.peer), _call_certificate(context, port))
             try:
-                yield pb.StreamTensorsBulkResponse(
-                    data_host=self._advertise, data_port=port.port, ticket=pending.ticket
-                )
+                host, announced = self._advertise
+                yield pb.StreamTensorsBulkResponse(data_host=host, data_port=announced, ticket=pending.ticket)
                 conn = _wait_for_connection(pending, context)
             finally:
                 conn = port.tickets.withdraw(pending)

@@ -31,7 +31,7 @@ from weightstream_server.health import (
 from weightstream_server.preload import start_preload
 from weightstream_server.reader import StreamerPool
 from weightstream_server.rpc import HeldCallLimit
-from weightstream_server.settings import ServerSettings
+from weightstream_server.settings import ServerSettings, split_host_port
 from weightstream_server.shm_segments import remove_stale_segments
 from weightstream_server.source import LocalSource, Source
 from weightstream_server.stats import ServerStats
@@ -105,7 +105,7 @@ class WeightStreamServer:
                 "data port %d for bulk streams (%s, announced as %s)",
                 self.data_port.port,
                 security,
-                advertised_host(self.settings) or "the host of each client's target",
+                _advertised_text(self.settings, self.data_port.port),
             )
 
     def drain(self, timeout: float) -> int:
@@ -228,7 +228,9 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             data_port = DataPort(settings.host, settings.data_port, tls, stats)
         except OSError as exc:
             raise OSError(f"could not bind the data port {settings.host}:{settings.data_port}: {exc.strerror}") from exc
-    bulk_servicer.add_to_server(bulk_servicer.BulkServicer(streams, data_port, advertised_host(settings)), server)
+    host, port = advertised(settings)
+    announced = (host, port if port is not None else (data_port.port if data_port is not None else 0))
+    bulk_servicer.add_to_server(bulk_servicer.BulkServicer(streams, data_port, announced), server)
     health_servicer = ReadinessHealthServicer(readiness)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection lets grpcurl and similar tools call the server without the .proto files.
@@ -296,11 +298,17 @@ def build_sources(settings: ServerSettings) -> list[Source]:
     return sources
 
 
-def advertised_host(settings: ServerSettings) -> str:
-    """The host bulk streams announce: --data-advertise, else --host unless it means every interface, else ""."""
+def advertised(settings: ServerSettings) -> tuple[str, int | None]:
+    """The host (and port, if another) bulk streams announce: --data-advertise, else --host unless it
+    means every interface, else "" (the client dials its own target's host)."""
     if settings.data_advertise:
-        return settings.data_advertise
-    return "" if settings.host in ("", "0.0.0.0", "::", "[::]") else settings.host
+        return split_host_port(settings.data_advertise)
+    return ("" if settings.host in ("", "0.0.0.0", "::", "[::]") else settings.host), None
+
+
+def _advertised_text(settings: ServerSettings, bound: int) -> str:
+    host, port = advertised(settings)
+    return f"{host or 'the host of each client target'}:{port or bound}"
 
 
 def _host_for_grpc(host: str) -> str:

@@ -105,8 +105,8 @@ class ServerSettings(BaseSettings):
     )
     data_advertise: str | None = Field(
         default=None,
-        description="host clients dial for the data port (a pod's IP); none: --host when it names one address, "
-        "else the host of the client's own target",
+        description="HOST or HOST:PORT clients dial for the data port (a pod's IP; a port where a NAT or proxy "
+        "maps it); none: --host when it names one address, else the host of the client's own target",
     )
     max_streams: int = Field(default=16, description="concurrent streams before RESOURCE_EXHAUSTED")
     read_ahead_bytes: ByteCount = Field(
@@ -193,8 +193,11 @@ class ServerSettings(BaseSettings):
             problems.append(f"http_port {self.http_port} is not a port number")
         if not 0 <= self.data_port <= 65535:
             problems.append(f"data_port {self.data_port} is not a port number")
-        if self.data_advertise is not None and not _is_host(self.data_advertise):
-            problems.append(f"data_advertise {self.data_advertise!r} is not a host name or address")
+        if self.data_advertise is not None:
+            try:
+                split_host_port(self.data_advertise)
+            except ValueError as exc:
+                problems.append(f"data_advertise: {exc}")
         if self.max_streams < 1:
             problems.append(f"max_streams must be at least 1, not {self.max_streams}")
         if not wire.MIN_CHUNK_BYTES <= self.chunk_bytes <= wire.MAX_CHUNK_BYTES:
@@ -260,6 +263,26 @@ class ServerSettings(BaseSettings):
             return cls(**values)
         except ValidationError as exc:
             raise ValueError(_describe(exc, origins)) from None
+
+
+def split_host_port(text: str) -> tuple[str, int | None]:
+    """HOST, HOST:PORT or [IPv6]:PORT as (host, port or None); ValueError says what is wrong."""
+    host, port = text, None
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"{text!r} is not HOST or HOST:PORT")
+            port = rest[1:]
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    if not _is_host(host):
+        raise ValueError(f"{host!r} is not a host name or address")
+    if port is None:
+        return host, None
+    if not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{port!r} in {text!r} is not a port number")
+    return host, int(port)
 
 
 def _is_host(text: str) -> bool:

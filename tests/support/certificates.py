@@ -24,10 +24,13 @@ class Pki:
     server_key: Path
     client_cert: Path
     client_key: Path
+    # A second client of the same CA: trusted as much as the first, but not the first.
+    other_client_cert: Path
+    other_client_key: Path
 
 
 def make_pki(folder: Path, name: str = "test") -> Pki:
-    """A fresh CA under folder, and a server and a client certificate it signed."""
+    """A fresh CA under folder, and a server and two client certificates it signed."""
     folder.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"weightstream {name} CA")])
@@ -60,24 +63,32 @@ def make_pki(folder: Path, name: str = "test") -> Pki:
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    client_key = ec.generate_private_key(ec.SECP256R1())
-    client_cert = (
-        _builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "inference-node")]), ca_name, client_key)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
+    clients = []
+    for common_name in ("inference-node", "other-node"):
+        client_key = ec.generate_private_key(ec.SECP256R1())
+        client_cert = (
+            _builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]), ca_name, client_key)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        clients.append((client_cert, client_key))
     pki = Pki(
         folder / "ca.pem",
         folder / "server.pem",
         folder / "server.key",
         folder / "client.pem",
         folder / "client.key",
+        folder / "other-client.pem",
+        folder / "other-client.key",
     )
     pki.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     pki.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
     pki.server_key.write_bytes(_key_pem(server_key))
-    pki.client_cert.write_bytes(client_cert.public_bytes(serialization.Encoding.PEM))
-    pki.client_key.write_bytes(_key_pem(client_key))
+    for (cert, key), (cert_path, key_path) in zip(
+        clients, ((pki.client_cert, pki.client_key), (pki.other_client_cert, pki.other_client_key)), strict=True
+    ):
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(_key_pem(key))
     return pki
 
 

@@ -30,8 +30,7 @@ from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-# Transports a client may be asked for.
-TRANSPORTS = ("auto", "grpc", "shm", "tcp")
+TRANSPORTS = wire.TRANSPORTS
 # How often wait_ready looks whether the stream it waits for was stopped meanwhile.
 _READY_POLL_S = 0.25
 

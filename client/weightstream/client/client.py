@@ -151,6 +151,11 @@ class WeightStreamClient:
     ) -> None:
         self.close()
 
+    @property
+    def transport(self) -> str:
+        """The data path this client's streams use now: "shm", "tcp" or "grpc" (negotiated on first use)."""
+        return self._channels.transport(0).name
+
     def close(self) -> None:
         self._channels.close()
         if self._watchdog is not None:
@@ -362,7 +367,7 @@ class WeightStreamClient:
             time.perf_counter() - started,
             missing or [],
             unexpected or [],
-            transport=self._channels.transport(0).name,
+            transport=self.transport,
             retries=session.retries,
             resent_bytes=session.resent_bytes,
         )

@@ -18,7 +18,7 @@ Configuration is `model_loader_extra_config` (`--model-loader-extra-config` on `
 | tls       |                        | connect over TLS (default false)                                |
 | ca_file   |                        | PEM CA bundle for TLS (default: the system's roots)             |
 | shm_dir   | WEIGHTSTREAM_SHM_DIR   | shared-memory directory the server also sees (same pod or host) |
-| transport |                        | "auto" (default: shared memory where it works), "shm", "grpc"   |
+| transport |                        | "auto" (default: shm, else tcp, else grpc), "shm", "tcp", "grpc"|
 
 vLLM's `model` folder then holds only config.json and the tokenizer: no weights are downloaded
 or staged on disk. Each rank receives only its own bytes: weight_plan.plan_loads runs the model's
@@ -57,7 +57,7 @@ logger = logging.getLogger("vllm.weightstream")
 
 LOAD_FORMAT = "weightstream"
 _KEYS = frozenset({"target", "model", "token", "tls", "ca_file", "shm_dir", "transport"})
-_TRANSPORTS = ("auto", "shm", "grpc")
+_TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 # Parameters built from a quantization config, never read from a checkpoint (as in vLLM's own check).
 _CONFIG_BUILT_PARAMS = ("input_scale_ub",)
 
