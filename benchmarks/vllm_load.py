@@ -1,12 +1,13 @@
-"""vLLM's weight loading with load_format="weightstream" (gRPC and shared memory) against its safetensors loader.
+"""vLLM's weight loading with load_format="weightstream" (gRPC, the data port, shared memory) against safetensors.
 
 A random float32 Llama (head size 64; the default is about 410 MB) is written as safetensors shards
 under a temp folder and served by `weightstream serve` in its own process, with a shared-memory
-directory. Then vLLM (CPU build, in .venv-vllm) is started --runs times with each loader at each
-tensor-parallel size, interleaved: weightstream over gRPC and over shared memory, from a folder
+directory and a data port. Then vLLM (CPU build, in .venv-vllm) is started --runs times with each
+loader at each tensor-parallel size, interleaved: weightstream over gRPC, over the bulk data
+connection (transport tcp, the network path) and over shared memory, from a folder
 holding only config.json and the tokenizer; safetensors from the folder with the weights (the page
 cache warm after the first read). Each run greedy-generates the same prompts, and the token ids of
-the three loaders must agree at each size (TP=2 is compared with TP=2: splitting the matrix
+the loaders must agree at each size (TP=2 is compared with TP=2: splitting the matrix
 products changes the order of float additions).
 
 Per run it records each loader's own load_weights time from vLLM's log, the slowest rank's
@@ -31,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.support.ports import free_ports
 from tests.support.vllm_runs import (
     EngineRun,
     ensure_vllm_venv,
@@ -43,7 +45,11 @@ from weightstream.bench import serve_weightstream
 
 MODEL = "vllm-bench"
 BASELINE = "safetensors"
-TRANSPORT = {"weightstream-grpc": "transport grpc", "weightstream-shm": "transport shm"}
+TRANSPORT = {
+    "weightstream-grpc": "transport grpc",
+    "weightstream-tcp": "transport tcp",
+    "weightstream-shm": "transport shm",
+}
 
 
 def main() -> None:
@@ -65,10 +71,13 @@ def main() -> None:
         config_folder = Path(tmp) / "configs" / MODEL
         write_config_folder(config_folder, config)
         print(f"checkpoint: {nbytes / 1e6:.1f} MB float32, hidden {args.hidden}, {args.layers} layers", flush=True)
-        with serve_weightstream(root, 4 * 1024 * 1024, ["--shm-dir", shm_dir]) as (_process, port):
+        data_port = free_ports(1)[0]
+        extra = ["--shm-dir", shm_dir, "--data-port", str(data_port)]
+        with serve_weightstream(root, 4 * 1024 * 1024, extra) as (_process, port):
             target = f"127.0.0.1:{port}"
             loaders: dict[str, tuple[Path, str, dict[str, object]]] = {
                 "weightstream-grpc": (config_folder, "weightstream", {"target": target, "transport": "grpc"}),
+                "weightstream-tcp": (config_folder, "weightstream", {"target": target, "transport": "tcp"}),
                 "weightstream-shm": (config_folder, "weightstream", {"target": target, "shm_dir": shm_dir}),
                 BASELINE: (root / MODEL, "safetensors", {}),
             }

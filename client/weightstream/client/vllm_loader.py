@@ -47,6 +47,7 @@ from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
+from weightstream import wire
 from weightstream.client.client import WeightStreamClient
 from weightstream.client.options import MODEL_ENV, TARGET_ENV, ClientOptions
 from weightstream.client.weight_plan import plan_loads
@@ -57,7 +58,6 @@ logger = logging.getLogger("vllm.weightstream")
 
 LOAD_FORMAT = "weightstream"
 _KEYS = frozenset({"target", "model", "token", "tls", "ca_file", "shm_dir", "transport"})
-_TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 # Parameters built from a quantization config, never read from a checkpoint (as in vLLM's own check).
 _CONFIG_BUILT_PARAMS = ("input_scale_ub",)
 
@@ -97,8 +97,8 @@ class LoaderSettings:
             raise ValueError(f"no weightstream model id: set model_loader_extra_config['model'] or {MODEL_ENV}")
         token = _text(extra, "token") or options.token
         transport = _text(extra, "transport") or "auto"
-        if transport not in _TRANSPORTS:
-            raise ValueError(f"model_loader_extra_config['transport'] must be one of {_TRANSPORTS}, not {transport!r}")
+        if transport not in wire.TRANSPORTS:
+            raise ValueError(f"model_loader_extra_config['transport'] must be one of {wire.TRANSPORTS}, not {transport!r}")
         shm_dir = _text(extra, "shm_dir") or (str(options.shm_dir) if options.shm_dir else None)
         return cls(
             target=target,
