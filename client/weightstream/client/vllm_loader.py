@@ -98,7 +98,9 @@ class LoaderSettings:
         token = _text(extra, "token") or options.token
         transport = _text(extra, "transport") or "auto"
         if transport not in wire.TRANSPORTS:
-            raise ValueError(f"model_loader_extra_config['transport'] must be one of {wire.TRANSPORTS}, not {transport!r}")
+            raise ValueError(
+                f"model_loader_extra_config['transport'] must be one of {wire.TRANSPORTS}, not {transport!r}"
+            )
         shm_dir = _text(extra, "shm_dir") or (str(options.shm_dir) if options.shm_dir else None)
         return cls(
             target=target,
