@@ -24,6 +24,7 @@ from tests.support.certificates import Pki, make_pki
 from tests.support.checkpoints import expected_piece, load_folder, skeleton, write_model
 from tests.support.faults import CuttingProxy
 from tests.support.ports import LOOPBACK, free_ports
+from tests.support.s3_stores import S3_BUCKET, S3Process, s3_settings, upload_folder
 from tests.support.serve_processes import Supervisor
 from tests.support.servers import eventually, loopback_settings, running, serving
 from weightstream import bulk_protocol
@@ -91,6 +92,7 @@ def test_load_into_lands_every_chunk_in_place_and_bit_exact(
     monkeypatch.setattr(bulk._Buffer, "address", property(no_buffer))
     module = _module(state)
     before = dict(module.named_parameters())
+    served = server.stats.snapshot().bytes_served_total
     with WeightStreamClient(_target(server), progress=False, transport="tcp") as client:
         first = client.load_into(module, MODEL)
         kept = len(bulk_servicer._chunk_checksums)
@@ -100,6 +102,7 @@ def test_load_into_lands_every_chunk_in_place_and_bit_exact(
     assert first.transport == second.transport == "tcp"
     assert first.bytes == second.bytes == sum(t.numel() * 4 for t in state.values())
     assert kept >= TENSORS
+    assert server.stats.snapshot().bytes_served_total - served == first.bytes + second.bytes
     _assert_loaded(module, state)
     assert all(p is before[n] for n, p in module.named_parameters())
 
@@ -434,6 +437,38 @@ def test_hostile_connections_to_the_data_port_cost_a_line_each_and_nothing_else(
             module = _module(state)
             assert client.load_into(module, MODEL).transport == "tcp"
         _assert_loaded(module, state)
+
+
+def test_a_ticket_shown_to_another_replica_is_refused_and_the_load_goes_over_grpc(
+    root: Path, state: dict[str, torch.Tensor], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replica a announces replica b's data port, as a Service in front of both would route it."""
+    caplog.set_level(logging.INFO, logger=bulk.logger.name)
+    with serving(loopback_settings(model_root=root, data_port=free_ports(1)[0])) as b:
+        assert b.data_port is not None
+        wrong = f"{LOOPBACK}:{b.data_port.port}"
+        with serving(loopback_settings(model_root=root, data_port=free_ports(1)[0], data_advertise=wrong)) as a:
+            with WeightStreamClient(_target(a), progress=False) as client:
+                module = _module(state)
+                report = client.load_into(module, MODEL)
+            # The abandoned bulk stream ends as soon as it notices its client cancelled it.
+            eventually(lambda: a.stats.snapshot().active_streams == 0, "the abandoned bulk stream ended")
+        assert b.stats.snapshot().data_connections_refused_total == 1
+    assert report.transport == "grpc"
+    _assert_loaded(module, state)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data port not used")]
+    assert len(lines) == 1 and "refused the ticket" in lines[0], lines
+
+
+@pytest.mark.slow
+def test_s3_models_over_the_data_port(s3_store: S3Process, root: Path, state: dict[str, torch.Tensor]) -> None:
+    upload_folder(s3_store.client(), root / MODEL, S3_BUCKET, "bulk/model")
+    with serving(s3_settings(s3_store, data_port=free_ports(1)[0])) as s:
+        with WeightStreamClient(_target(s), progress=False, transport="tcp") as client:
+            module = _module(state)
+            report = client.load_into(module, f"s3://{S3_BUCKET}/bulk/model")
+    assert report.transport == "tcp"
+    _assert_loaded(module, state)
 
 
 def test_data_advertise_is_host_or_host_and_port() -> None:
