@@ -1,7 +1,8 @@
-"""The CUDA paths of load_into, measured on a GPU: pinned staging ring, registered shared-memory slots.
+"""The CUDA paths of load_into, measured on a GPU: pinned staging ring, registered slots and buffers.
 
 Loads a Llama-shaped checkpoint straight into a module whose parameters live on cuda:0, over
-loopback gRPC (slot-free: message -> pinned staging -> device) and over the shared-memory
+loopback gRPC (slot-free: message -> pinned staging -> device), over the data port (transport tcp:
+socket -> the stream's buffer, registered with CUDA -> device) and over the shared-memory
 transport twice: with its ring registered with CUDA (slot -> device, one DMA copy) and with
 registration turned off (slot -> pinned staging -> device). Each path's last load goes into
 parameters filled with random bytes first and is checked bit for bit against the checkpoint. The
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -99,13 +101,18 @@ def main() -> int:
             )
 
         os.environ["WEIGHTSTREAM_SHM_DIR"] = shm_dir
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            data_port = probe.getsockname()[1]
         with (
-            serve_weightstream(root, 4 << 20) as (_server, port),
+            serve_weightstream(root, 4 << 20, ["--data-port", str(data_port)]) as (_server, port),
+            WeightStreamClient(f"127.0.0.1:{port}", progress=False, transport="tcp") as tcp_client,
             WeightStreamClient(f"127.0.0.1:{port}", progress=False, transport="grpc") as grpc_client,
             WeightStreamClient(f"127.0.0.1:{port}", progress=False, transport="shm", shm_dir=shm_dir) as shm,
         ):
             measure("safetensors load_file(cuda:0) + load_state_dict", safetensors_load)
             measure("weightstream load_into over gRPC (pinned staging)", lambda: grpc_client.load_into(module, "m"))
+            measure("weightstream load_into over tcp (registered buffer)", lambda: tcp_client.load_into(module, "m"))
             measure("weightstream load_into over shm (registered slots)", lambda: shm.load_into(module, "m"))
             with registration_off():
                 measure("weightstream load_into over shm (pinned staging)", lambda: shm.load_into(module, "m"))
