@@ -2,7 +2,7 @@
 # The weightstream server image: `weightstream serve`, configured by WEIGHTSTREAM_* variables.
 #
 #   docker build -t weightstream:dev .
-#   docker run --rm -p 50051:50051 -p 8080:8080 -v "$PWD/models:/models:ro" weightstream:dev
+#   docker run --rm -p 50051:50051 -p 50052:50052 -p 8080:8080 -v "$PWD/models:/models:ro" weightstream:dev
 #
 # Build arguments:
 #   PYTHON_IMAGE     base of both stages; any Debian-like image with python3 (>= 3.10) and its venv module.
@@ -45,6 +45,8 @@ COPY --from=build /opt/weightstream /opt/weightstream
 # HOST=0.0.0.0: the server's default (127.0.0.1) would be unreachable from outside the container,
 # including by Docker's and Kubernetes' health checks. /cache is the only place the server process
 # writes (library caches, temporary files), so the root filesystem can be mounted read-only.
+# DATA_PORT is the bulk data port of clients on other hosts (transport tcp); it runs TLS with the gRPC
+# port's certificates when those are set, and 0 turns it off.
 ENV PATH=/opt/weightstream/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -54,9 +56,10 @@ ENV PATH=/opt/weightstream/bin:$PATH \
     WEIGHTSTREAM_HOST=0.0.0.0 \
     WEIGHTSTREAM_MODEL_ROOT=/models \
     WEIGHTSTREAM_GRPC_PORT=50051 \
+    WEIGHTSTREAM_DATA_PORT=50052 \
     WEIGHTSTREAM_HTTP_PORT=8080
 VOLUME ["/models", "/cache"]
-EXPOSE 50051 8080
+EXPOSE 50051 50052 8080
 USER 10001:10001
 WORKDIR /cache
 # Liveness only (/healthz): /readyz also fails while a store is unreachable, which is no reason to

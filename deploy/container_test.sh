@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the server image with podman from a locally made Debian base (no registry needed), serves a
-# demo checkpoint from it and loads it through the client on the host; `make container-test`.
+# demo checkpoint from it and loads it through the client on the host, over the data port;
+# `make container-test`.
 #
 # Needs podman and debootstrap (apt-get install podman runc debootstrap), root, and the project's
 # venv (PYTHON). The flags are those that work inside a VM without a full container host: vfs
@@ -58,17 +59,18 @@ echo "== serve a demo checkpoint from the image"
 "$PYTHON" -c "import sys; from pathlib import Path; from weightstream.demo import llama_like_state_dict, save_sharded; \
 save_sharded(llama_like_state_dict(layers=2), Path(sys.argv[1]) / 'demo-llama', shards=2)" "$work/models"
 chmod -R a+rX "$work/models"
-ports=$("$PYTHON" -c "import socket; s=[socket.socket() for _ in range(2)]; [x.bind(('127.0.0.1', 0)) for x in s]; \
+ports=$("$PYTHON" -c "import socket; s=[socket.socket() for _ in range(3)]; [x.bind(('127.0.0.1', 0)) for x in s]; \
 print(' '.join(str(x.getsockname()[1]) for x in s))")
-read -r grpc_port http_port <<<"$ports"
+read -r grpc_port data_port http_port <<<"$ports"
 # As Kubernetes runs it: read-only root, no capabilities, the image's non-root user. Without systemd,
 # podman logs that it cannot schedule the HEALTHCHECK's timer; the check is run by hand below. With
 # host networking the image's 0.0.0.0 would be every interface of this machine, for a plaintext,
-# token-less server: it listens on loopback only.
+# token-less server: it listens on loopback only, the data port included (which the server then
+# announces as 127.0.0.1).
 container=$("${PODMAN[@]}" run -d --network host "${LIMITS[@]}" --read-only --cap-drop ALL \
     --security-opt no-new-privileges -v "$work/models:/models:ro" -e WEIGHTSTREAM_HOST=127.0.0.1 \
-    -e "WEIGHTSTREAM_GRPC_PORT=$grpc_port" -e "WEIGHTSTREAM_HTTP_PORT=$http_port" -e WEIGHTSTREAM_DRAIN_SECONDS=5 \
-    "$IMAGE")
+    -e "WEIGHTSTREAM_GRPC_PORT=$grpc_port" -e "WEIGHTSTREAM_DATA_PORT=$data_port" \
+    -e "WEIGHTSTREAM_HTTP_PORT=$http_port" -e WEIGHTSTREAM_DRAIN_SECONDS=5 "$IMAGE")
 ready=""
 for _ in $(seq 60); do
     if "$PYTHON" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=1)" \
@@ -86,8 +88,10 @@ user=$("${PODMAN[@]}" exec "$container" id -u)
 "${PODMAN[@]}" healthcheck run "$container" >/dev/null 2>&1 \
     || "${PODMAN[@]}" exec "$container" python3 -c "import os, urllib.request; \
 urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ['WEIGHTSTREAM_HTTP_PORT'], timeout=2)"
-"$PYTHON" -m weightstream load demo-llama --target "127.0.0.1:$grpc_port" --no-progress
+# --transport tcp: the tensors must come over the data port; a fallback to gRPC would hide a broken one.
+"$PYTHON" -m weightstream load demo-llama --target "127.0.0.1:$grpc_port" --transport tcp --no-progress
 "${PODMAN[@]}" stop -t 20 "$container" >/dev/null
 code=$("${PODMAN[@]}" inspect "$container" --format '{{.State.ExitCode}}')
 [ "$code" = 0 ] || { echo "the server exited with $code after SIGTERM, not 0" >&2; "${PODMAN[@]}" logs "$container" >&2; exit 1; }
-echo "container test passed: image $IMAGE built, served from a read-only root as uid 10001, drained on SIGTERM"
+echo "container test passed: image $IMAGE built, served from a read-only root as uid 10001 over gRPC and the" \
+    "data port, drained on SIGTERM"

@@ -1,4 +1,5 @@
-"""deploy/container_test.sh, checked offline: it parses, and the server it runs is reachable from loopback only.
+"""deploy/container_test.sh, checked offline: it parses, the server it runs is reachable from loopback only,
+and its load goes over the data port.
 
 The script needs root, podman and debootstrap and takes minutes, so it is not run here: its text
 is checked (bash -n, shellcheck where installed, and the podman command lines it gives).
@@ -7,11 +8,14 @@ is checked (bash -n, shellcheck where installed, and the podman command lines it
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from weightstream.cli import build_parser
 
 SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "container_test.sh"
 
@@ -46,3 +50,19 @@ def test_clean_up_removes_the_containers_volumes() -> None:
     assert removals
     for line in removals:
         assert re.search(r"\brm (-f -v|-v -f|-fv|-vf)\b", line), line
+
+
+def test_the_load_goes_over_a_data_port_of_its_own() -> None:
+    """The container gets a free data port, picked with the gRPC and REST ports so that the three differ,
+    and the load asks for the data port (--transport tcp), so that a fallback to gRPC fails the test."""
+    (run,) = _podman_calls("run")
+    assert '-e "WEIGHTSTREAM_DATA_PORT=$data_port"' in run, run
+    text = SCRIPT.read_text()
+    count = re.search(r"ports=\$\(.*for _ in range\((\d+)\)", text)
+    names = re.search(r"read -r ([a-z_ ]+) <<<\"\$ports\"", text)
+    assert count is not None and names is not None
+    assert names.group(1).split() == ["grpc_port", "data_port", "http_port"] and int(count.group(1)) == 3
+    (load,) = [line for line in text.splitlines() if "-m weightstream load" in line]
+    argv = shlex.split(load)
+    args = build_parser().parse_args(argv[argv.index("weightstream") + 1 :])
+    assert args.transport == "tcp" and args.target == "127.0.0.1:$grpc_port"

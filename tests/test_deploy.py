@@ -27,6 +27,7 @@ import yaml
 from tests.support.deploy_checks import (
     CLIENT_SHM_ENV,
     COMPOSE_FILE,
+    DATA_ADVERTISE_ENV,
     DOCKERFILE,
     KUBERNETES_VERSIONS,
     OVERLAYS,
@@ -34,6 +35,7 @@ from tests.support.deploy_checks import (
     Container,
     all_problems,
     compose_containers,
+    compose_published,
     compose_schema,
     dockerfile,
     env_example,
@@ -46,9 +48,11 @@ from tests.support.deploy_checks import (
     problems_of,
     server_settings,
 )
+from tests.support.ports import free_ports
 from tests.support.s3_stores import S3RVER_KEY, S3Process
 from tests.support.servers import serving
 from weightstream.demo import llama_like_state_dict
+from weightstream_server.settings import ServerSettings
 
 # --- Kubernetes ---------------------------------------------------------------------------------
 
@@ -100,6 +104,12 @@ def test_sidecar_is_native_and_shares_memory_with_the_engine(built: dict[str, li
     assert engine.mounts.get(str(settings.shm_dir)) == server.mounts[str(settings.shm_dir)]
     host, _, port = engine.env["WEIGHTSTREAM_TARGET"].rpartition(":")
     assert host in ("127.0.0.1", "localhost") and int(port) == settings.grpc_port
+    # The data port serves the engine over loopback (its target's host); other pods reach neither it nor gRPC.
+    assert settings.data_port and server.ports.get("data") == settings.data_port
+    assert settings.data_advertise is None
+    (policy,) = (d for d in built["sidecar"] if d["kind"] == "NetworkPolicy")
+    opened = {p.get("port") for rule in policy["spec"]["ingress"] for p in rule.get("ports", [{}])}
+    assert opened.isdisjoint({None, settings.grpc_port, settings.data_port, "grpc", "data"}), opened
     token = pods[server.where]["volumes"]
     assert any("serviceAccountToken" in s for v in token if "projected" in v for s in v["projected"]["sources"])
     assert {"AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE"} <= set(server.env)
@@ -121,6 +131,19 @@ def test_shared_service_has_its_parts(built: dict[str, list[dict[str, Any]]]) ->
     containers, _ = pod_containers(docs, "shared")
     settings = server_settings(next(c for c in containers if c.is_server))
     assert settings.token_file is not None, "the shared service needs tokens"
+
+
+def test_shared_service_announces_each_pods_own_ip_for_the_data_port(built: dict[str, list[dict[str, Any]]]) -> None:
+    docs = built["shared"]
+    containers, _ = pod_containers(docs, "shared")
+    server = next(c for c in containers if c.is_server)
+    settings = server_settings(server)
+    assert settings.data_port == ServerSettings.model_fields["data_port"].default
+    assert server.ports["data"] == settings.data_port
+    assert server.field_refs[DATA_ADVERTISE_ENV] == "status.podIP"
+    for service in (d for d in docs if d["kind"] == "Service"):
+        ports = {p["name"]: p for p in service["spec"]["ports"]}
+        assert ports["data"]["port"] == settings.data_port and ports["data"]["targetPort"] == "data", service
 
 
 def shared_problems(built: dict[str, list[dict[str, Any]]], change: Any) -> list[str]:
@@ -170,6 +193,85 @@ def test_checker_rejects_wrong_probes_and_a_short_grace(built: dict[str, list[di
     assert any("cannot reach a server on host 127.0.0.1" in p for p in shared_problems(built, loopback))
 
 
+def test_checker_rejects_a_data_port_the_manifests_do_not_carry(built: dict[str, list[dict[str, Any]]]) -> None:
+    def config(docs: list[dict[str, Any]]) -> dict[str, str]:
+        data: dict[str, str] = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+        return data
+
+    def headless_without_it(docs: list[dict[str, Any]], _pod: dict[str, Any], _c: dict[str, Any]) -> None:
+        headless = next(d for d in docs if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None")
+        headless["spec"]["ports"] = [p for p in headless["spec"]["ports"] if p["name"] != "data"]
+
+    def another_port(docs: list[dict[str, Any]], _pod: dict[str, Any], _c: dict[str, Any]) -> None:
+        config(docs)["WEIGHTSTREAM_DATA_PORT"] = "50053"
+
+    def off(docs: list[dict[str, Any]], _pod: dict[str, Any], c: dict[str, Any]) -> None:
+        config(docs)["WEIGHTSTREAM_DATA_PORT"] = "0"
+        del c["env"]
+
+    problems = shared_problems(built, headless_without_it)
+    assert any("Service/weightstream-headless does not carry the data port 50052" in p for p in problems), problems
+    problems = shared_problems(built, another_port)
+    assert any("the data port 50053 is not among the container's ports" in p for p in problems), problems
+    assert any("Service/weightstream does not carry the data port 50053" in p for p in problems), problems
+    # With the data port off, nothing needs to carry it or announce it.
+    assert shared_problems(built, off) == []
+
+
+def test_checker_rejects_a_shared_data_address(built: dict[str, list[dict[str, Any]]]) -> None:
+    def unset(_docs: list[dict[str, Any]], _pod: dict[str, Any], c: dict[str, Any]) -> None:
+        del c["env"]
+
+    def service_name(_docs: list[dict[str, Any]], _pod: dict[str, Any], c: dict[str, Any]) -> None:
+        c["env"] = [{"name": DATA_ADVERTISE_ENV, "value": "weightstream"}]
+
+    def node_ip(_docs: list[dict[str, Any]], _pod: dict[str, Any], c: dict[str, Any]) -> None:
+        advertise = next(e for e in c["env"] if e["name"] == DATA_ADVERTISE_ENV)
+        advertise["valueFrom"]["fieldRef"]["fieldPath"] = "status.hostIP"
+
+    for change, said in (
+        (unset, "not 'unset'"),
+        (service_name, "not 'weightstream'"),
+        (node_ip, "fieldRef status.hostIP"),
+    ):
+        problems = shared_problems(built, change)
+        assert len(problems) == 1 and f"{DATA_ADVERTISE_ENV} must be the pod's IP" in problems[0], problems
+        assert said in problems[0] and "Service/weightstream" in problems[0], problems
+
+
+def test_checker_requires_a_network_policy_to_treat_the_data_port_as_grpc(
+    built: dict[str, list[dict[str, Any]]],
+) -> None:
+    """The shared base has no NetworkPolicy (who its clients are is the cluster's to say); these add one."""
+    engines = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "inference"}}}
+
+    def policy(*ports: int | str) -> Any:
+        document = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": "weightstream", "namespace": "weightstream"},
+            "spec": {
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "weightstream"}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [engines], "ports": [{"port": port, "protocol": "TCP"} for port in ports]}],
+            },
+        }
+        kubernetes_validate.validate(document, KUBERNETES_VERSIONS[-1], strict=True)
+
+        def add(docs: list[dict[str, Any]], _pod: dict[str, Any], _c: dict[str, Any]) -> None:
+            docs.append(document)
+
+        return add
+
+    problems = shared_problems(built, policy("grpc", "http"))
+    assert len(problems) == 1, problems
+    assert "NetworkPolicy/weightstream lets" in problems[0] and "reach the gRPC port 50051" in problems[0]
+    assert "but not its data port 50052" in problems[0]
+    problems = shared_problems(built, policy(50052))
+    assert any("reach the data port 50052" in p and "but not its gRPC port" in p for p in problems), problems
+    assert shared_problems(built, policy("grpc", 50052)) == []
+
+
 # --- docker-compose -----------------------------------------------------------------------------
 
 
@@ -213,6 +315,11 @@ def test_compose_uses_only_what_the_server_accepts_and_starts_in_order() -> None
     namespace = parse_cli(client.argv, client.where)
     host, _, port = namespace.target.rpartition(":")
     assert host == "weightstream" and int(port) == settings.grpc_port
+    # No advertised host: the demo client dials its target's host (the service name) with the data port.
+    assert settings.data_port and settings.data_advertise is None
+    published = compose_published(services["weightstream"])
+    assert {settings.grpc_port, settings.data_port, settings.http_port} <= {target for _, _, target in published}
+    assert {host_ip for host_ip, _, _ in published} == {"127.0.0.1"}, published
     assert namespace.model.removeprefix("s3://").split("/")[0] in settings.s3_buckets
     assert services["demo-client"]["depends_on"]["weightstream"]["condition"] == "service_healthy"
 
@@ -227,6 +334,10 @@ def test_compose_checker_rejects_a_misspelt_variable_and_a_wrong_port() -> None:
     document["services"]["weightstream"]["environment"]["WEIGHTSTREAM_HTTP_PORT"] = "8081"
     problems = problems_of(compose_containers(document))
     assert any("probes HTTP port 8080, the server's REST port is 8081" in p for p in problems), problems
+    document = interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), env_example())
+    document["services"]["weightstream"]["environment"]["WEIGHTSTREAM_DATA_PORT"] = "50053"
+    problems = problems_of(compose_containers(document))
+    assert any("the data port 50053 is not among the container's ports" in p for p in problems), problems
 
 
 # --- Dockerfile ---------------------------------------------------------------------------------
@@ -238,7 +349,8 @@ def test_dockerfile_runs_the_server_as_configured() -> None:
     container = Container(where="Dockerfile", image="weightstream", argv=image.entrypoint[1:], env=image.env)
     settings = server_settings(container)
     assert settings.host == "0.0.0.0", "a server in a container must listen on every interface"
-    assert {settings.grpc_port, settings.http_port} <= set(image.exposed)
+    assert settings.data_port == ServerSettings.model_fields["data_port"].default
+    assert {settings.grpc_port, settings.data_port, settings.http_port} <= set(image.exposed)
     command = " ".join(image.healthcheck)
     assert "/healthz" in command and "WEIGHTSTREAM_HTTP_PORT" in command and f"'{settings.http_port}'" in command
     uid = image.user.split(":")[0]
@@ -279,7 +391,7 @@ def test_compose_steps_run_against_a_real_s3_store(s3_store: S3Process, tmp_path
 
     The upload job's script and the demo client's command line are run as the compose file gives
     them, and the server with the compose file's settings; only the addresses (minio:9000,
-    weightstream:50051) and ports are this machine's.
+    weightstream:50051) and ports are this machine's. The client's tensors come over the data port.
     """
     document = interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), env_example())
     services = document["services"]
@@ -295,11 +407,13 @@ def test_compose_steps_run_against_a_real_s3_store(s3_store: S3Process, tmp_path
     assert f"demo checkpoint ready: s3://{bucket}/{model}" in result.stdout
 
     server_container = next(c for c in compose_containers(document) if c.is_server)
+    (data_port,) = free_ports(1)
     settings = server_settings(server_container).model_copy(
         update={
             "host": "127.0.0.1",
             "grpc_port": 0,
             "http_port": 0,
+            "data_port": data_port,
             "s3_endpoint": s3_store.endpoint,
             "model_root": tmp_path,
         }
@@ -314,3 +428,4 @@ def test_compose_steps_run_against_a_real_s3_store(s3_store: S3Process, tmp_path
     total = sum(t.numel() * t.element_size() for t in state.values())
     assert f"loaded s3://{bucket}/{model}" in result.stdout
     assert f"{len(state)} tensors, {total:,d} bytes" in result.stdout, result.stdout
+    assert "over tcp" in result.stdout, result.stdout

@@ -5,7 +5,10 @@ variables interpolated, the Dockerfile's final stage is parsed; every container 
 Container. problems_of() parses a container's `weightstream` command line and WEIGHTSTREAM_*
 variables with the server's own parser and settings, and checks its probes, ports, drain time and
 mounts against what those settings say; security_problems() checks its security context and
-resources. tests/test_deploy.py runs the checks on the real files and on broken copies of them.
+resources. all_problems() adds what the other objects of an overlay must agree on: the Services and
+NetworkPolicies in front of a server carry its gRPC and data ports, and a server behind a Service or
+with several replicas announces its own pod IP for the data port. tests/test_deploy.py runs the
+checks on the real files and on broken copies of them.
 """
 
 from __future__ import annotations
@@ -58,6 +61,19 @@ GRPC_HEALTH_SERVICES = ("", SERVICE_NAME, LIVENESS_SERVICE_NAME)
 # The client reads this one when no shm_dir is passed (the same-host transport).
 CLIENT_SHM_ENV = "WEIGHTSTREAM_SHM_DIR"
 
+# The host a bulk stream tells its client to dial for the data port.
+DATA_ADVERTISE_ENV = ENV_PREFIX + "DATA_ADVERTISE"
+
+# The downward API's fields as a pod would see them: values of the right form, so that the settings
+# parse what a real pod gets (an address for status.podIP, not an empty string).
+FIELD_REF_VALUES = {
+    "status.podIP": "10.0.0.7",
+    "status.hostIP": "10.0.1.3",
+    "metadata.name": "weightstream-0",
+    "metadata.namespace": "weightstream",
+    "spec.nodeName": "node-0",
+}
+
 SERVER_FIELDS = set(ServerSettings.model_fields)
 
 
@@ -99,6 +115,8 @@ class Container:
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     mounts: dict[str, str] = field(default_factory=dict)  # mount path -> volume name
     spec: dict[str, Any] = field(default_factory=dict)  # the raw Kubernetes container
+    field_refs: dict[str, str] = field(default_factory=dict)  # env name -> downward API fieldPath
+    workload: dict[str, Any] = field(default_factory=dict)  # the raw Deployment (or other) holding the pod
 
     @property
     def is_server(self) -> bool:
@@ -229,13 +247,22 @@ def probe_problems(c: Container, settings: ServerSettings) -> list[str]:
             f"{c.where}: livenessProbe must be GET /healthz or gRPC health of {LIVENESS_SERVICE_NAME!r}, not {liveness}"
         )
     if c.ports:
-        for name, port in (("gRPC", settings.grpc_port), ("REST", settings.http_port)):
+        for name, port in server_ports(settings):
             if port not in c.ports.values():
                 problems.append(f"{c.where}: the {name} port {port} is not among the container's ports {c.ports}")
+    if settings.data_port and settings.data_port in (settings.grpc_port, settings.http_port):
+        problems.append(f"{c.where}: the data port {settings.data_port} is also the gRPC or the REST port")
     return problems
 
 
+def server_ports(settings: ServerSettings) -> list[tuple[str, int]]:
+    """The ports the server listens on, by what they are: gRPC, data (unless off) and REST (unless off)."""
+    ports = [("gRPC", settings.grpc_port), ("data", settings.data_port), ("REST", settings.http_port)]
+    return [(name, port) for name, port in ports if port or name == "gRPC"]
+
+
 def resolve_port(c: Container, port: int | str) -> int | None:
+    """A port given by number or by the name of one of c's ports (as probes, Services and NetworkPolicies give it)."""
     if isinstance(port, int):
         return port
     return c.ports.get(port)
@@ -316,12 +343,16 @@ def pod_containers(docs: list[dict[str, Any]], label: str) -> tuple[list[Contain
                         env.update(config_maps[source["configMapRef"]["name"]])
                     else:
                         env.update(secrets[source["secretRef"]["name"]])
+                field_refs: dict[str, str] = {}
                 for item in spec.get("env", []):
                     ref = item.get("valueFrom", {})
                     if "configMapKeyRef" in ref:
                         env[item["name"]] = config_maps[ref["configMapKeyRef"]["name"]][ref["configMapKeyRef"]["key"]]
                     elif "secretKeyRef" in ref:
                         env[item["name"]] = "from-a-secret"
+                    elif "fieldRef" in ref:
+                        field_refs[item["name"]] = ref["fieldRef"]["fieldPath"]
+                        env[item["name"]] = FIELD_REF_VALUES.get(ref["fieldRef"]["fieldPath"], "from-a-field")
                     else:
                         env[item["name"]] = str(item.get("value", ""))
                 container = Container(
@@ -333,6 +364,8 @@ def pod_containers(docs: list[dict[str, Any]], label: str) -> tuple[list[Contain
                     probes={k: spec[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in spec},
                     mounts={m["mountPath"]: m["name"] for m in spec.get("volumeMounts", [])},
                     spec=spec,
+                    field_refs=field_refs,
+                    workload=doc,
                 )
                 containers.append(container)
                 pods[where] = pod
@@ -344,7 +377,133 @@ def all_problems(docs: list[dict[str, Any]], label: str) -> list[str]:
     problems = problems_of(containers, pods)
     for c in containers:
         problems += security_problems(c, pods[c.where])
+    for c in containers:
+        if not c.is_server:
+            continue
+        try:
+            settings = server_settings(c)
+        except ValueError:
+            continue  # problems_of has said why
+        problems += service_problems(c, settings, docs, label)
+        problems += network_policy_problems(c, settings, docs, label)
+        problems += advertise_problems(c, settings, docs)
     return problems
+
+
+def pod_labels(c: Container) -> dict[str, str]:
+    labels: dict[str, str] = c.workload.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
+    return labels
+
+
+def services_of(c: Container, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Services whose selector picks c's pods."""
+    labels = pod_labels(c)
+    return [
+        d
+        for d in docs
+        if d["kind"] == "Service" and d["spec"].get("selector") and d["spec"]["selector"].items() <= labels.items()
+    ]
+
+
+def service_problems(c: Container, settings: ServerSettings, docs: list[dict[str, Any]], label: str) -> list[str]:
+    """Each Service in front of c targets ports c has, among them the gRPC port and the data port (when on)."""
+    problems = []
+    for service in services_of(c, docs):
+        name = f"{label}: Service/{service['metadata']['name']}"
+        targets = set()
+        for port in service["spec"].get("ports", []):
+            target = port.get("targetPort", port["port"])
+            number = resolve_port(c, target)
+            if number is None:
+                problems.append(f"{name} targets port {target!r}, which {c.where} does not name ({c.ports})")
+            else:
+                targets.add(number)
+        for what, number in server_ports(settings):
+            if what != "REST" and number not in targets:
+                problems.append(f"{name} does not carry the {what} port {number} of {c.where}")
+    return problems
+
+
+def _allows(rule: dict[str, Any], c: Container, number: int) -> bool:
+    """Whether an ingress rule's ports let TCP through to c's port number (no ports: every port)."""
+    if "ports" not in rule:
+        return True
+    for entry in rule["ports"]:
+        if entry.get("protocol", "TCP") != "TCP":
+            continue
+        if "port" not in entry:
+            return True
+        port = entry["port"]
+        if isinstance(port, str):
+            if resolve_port(c, port) == number:
+                return True
+        elif port <= number <= entry.get("endPort", port):
+            return True
+    return False
+
+
+def _peers(policy: dict[str, Any], c: Container, number: int) -> set[str]:
+    """The sources a NetworkPolicy lets reach c's port number, each peer (pods, namespaces, an IP block) on its own."""
+    found: set[str] = set()
+    for rule in policy["spec"].get("ingress", []):
+        if _allows(rule, c, number):
+            # A rule without `from` admits every source.
+            found |= {json.dumps(peer, sort_keys=True) for peer in rule.get("from", [{"any": "source"}])}
+    return found
+
+
+def network_policy_problems(
+    c: Container, settings: ServerSettings, docs: list[dict[str, Any]], label: str
+) -> list[str]:
+    """A NetworkPolicy over c's pods lets the data port through from exactly the peers it lets reach gRPC.
+
+    Fewer would cost every load of those clients the data port's connect timeout before it falls
+    back to gRPC; more would open the port to clients that can never get a ticket for it.
+    """
+    if not settings.data_port:
+        return []
+    labels = pod_labels(c)
+    problems = []
+    for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        selector = policy["spec"].get("podSelector", {}).get("matchLabels", {})
+        if not selector.items() <= labels.items() or "Ingress" not in policy["spec"].get("policyTypes", ["Ingress"]):
+            continue
+        grpc_peers, data_peers = _peers(policy, c, settings.grpc_port), _peers(policy, c, settings.data_port)
+        name = f"{label}: NetworkPolicy/{policy['metadata']['name']}"
+        if grpc_peers - data_peers:
+            problems.append(
+                f"{name} lets {sorted(grpc_peers - data_peers)} reach the gRPC port {settings.grpc_port} of "
+                f"{c.where} but not its data port {settings.data_port}: their loads would wait for the data "
+                "port, then stream over gRPC"
+            )
+        if data_peers - grpc_peers:
+            problems.append(
+                f"{name} lets {sorted(data_peers - grpc_peers)} reach the data port {settings.data_port} of "
+                f"{c.where} but not its gRPC port {settings.grpc_port}, where tickets are issued"
+            )
+    return problems
+
+
+def advertise_problems(c: Container, settings: ServerSettings, docs: list[dict[str, Any]]) -> list[str]:
+    """A server with a data port behind a Service, or in several replicas, announces its own pod's IP.
+
+    The data connection must reach the replica that issued its ticket: through a Service (or any
+    one address shared by the replicas) it reaches whichever replica is picked, which refuses the
+    ticket, and every stream falls back to gRPC.
+    """
+    replicas = c.workload.get("spec", {}).get("replicas", 1)
+    services = [s["metadata"]["name"] for s in services_of(c, docs)]
+    if not settings.data_port or (not services and replicas <= 1):
+        return []
+    source = c.field_refs.get(DATA_ADVERTISE_ENV)
+    if source == "status.podIP":
+        return []
+    got = f"fieldRef {source}" if source else repr(c.env.get(DATA_ADVERTISE_ENV, "unset"))
+    return [
+        f"{c.where}: {DATA_ADVERTISE_ENV} must be the pod's IP (valueFrom.fieldRef.fieldPath: status.podIP), "
+        f"not {got}: behind {', '.join(f'Service/{s}' for s in services) or f'{replicas} replicas'}, a data "
+        "connection would reach replicas that did not issue its ticket"
+    ]
 
 
 # --- docker-compose -----------------------------------------------------------------------------
@@ -392,6 +551,21 @@ def interpolate(value: Any, variables: Mapping[str, str]) -> Any:
     return _VARIABLE.sub(replace, value)
 
 
+def compose_published(service: dict[str, Any]) -> list[tuple[str, str, int]]:
+    """A compose service's `ports` as (host IP, host port, container port); "" for what is not given."""
+    published = []
+    for entry in service.get("ports", []):
+        if isinstance(entry, dict):
+            host_ip, host_port, target = entry.get("host_ip", ""), str(entry.get("published", "")), entry["target"]
+        else:
+            # [HOST_IP:][HOST_PORT:]CONTAINER_PORT[/PROTOCOL]
+            *front, target = str(entry).split("/")[0].rsplit(":", 2)
+            host_ip, host_port = ["", ""][len(front) :] + front
+        first, _, last = str(target).partition("-")
+        published += [(host_ip, host_port, port) for port in range(int(first), int(last or first) + 1)]
+    return published
+
+
 def compose_containers(document: dict[str, Any]) -> list[Container]:
     image_env = dockerfile().env
     containers = []
@@ -420,7 +594,9 @@ def compose_containers(document: dict[str, Any]) -> list[Container]:
             found = re.search(r"http://(?:127\.0\.0\.1|localhost):(\d+)(/[a-z]*)", " ".join(test))
             if found and is_weightstream_image(image):
                 probes["healthcheck"] = {"httpGet": {"port": int(found.group(1)), "path": found.group(2)}}
-        containers.append(Container(where=where, image=image, argv=argv, env=env, probes=probes))
+        ports = {str(target): target for _, _, target in compose_published(service)}
+        ports |= {str(p).split("/")[0]: int(str(p).split("/")[0]) for p in service.get("expose", [])}
+        containers.append(Container(where=where, image=image, argv=argv, env=env, ports=ports, probes=probes))
     return containers
 
 
