@@ -47,11 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="measure every load path against the transport's ceilings",
+        help="measure every load path against the network ceiling",
         description="Generate (or take) a Llama-shaped checkpoint and load it every way, side by side: a raw TCP "
-        "transfer and a bare gRPC stream of the same bytes (the ceilings), safetensors load_file from the page "
-        "cache (the baseline), and weightstream's load_into, iter_tensors and load_state_dict over loopback. "
-        "Prints medians, spreads, ratios and peak RSS. Needs the server's dependencies.",
+        "transfer of the same bytes (sendfile from the page cache -> recv_into the destination: the ceiling), a "
+        "bare gRPC stream (a reference), safetensors load_file from the page cache (the baseline), and "
+        "weightstream's load_into over the data port (tcp) and gRPC, iter_tensors and load_state_dict, from the "
+        "page cache, from the server's RAM cache and over TLS. Prints medians, spreads, CPU seconds per GB of "
+        "client and server, ratios to the ceiling and peak RSS. Needs the server's dependencies.",
     )
     bench.add_argument("--gb", type=float, default=2.0, help="size of the generated checkpoint (default 2.0)")
     bench.add_argument("--checkpoint", type=Path, default=None, help="a model folder of *.safetensors to use instead")
@@ -60,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--streams", type=int, default=1, help="parallel streams per weightstream load (default 1)")
     bench.add_argument("--json", type=Path, default=None, help="write the raw figures to this file")
     bench.add_argument("--plot", type=Path, default=None, help="draw a bar chart to this PNG (needs matplotlib)")
+    bench.add_argument(
+        "--tables",
+        default="page cache,server cache,tls",
+        help="comma-separated tables to measure: page cache, server cache, tls (default: all three)",
+    )
 
     manifest = commands.add_parser("manifest", help="list a model's tensors")
     manifest.add_argument("model", help="model id, for example tiny-llama")
@@ -139,9 +146,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         from weightstream.bench import run_and_print
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return run_and_print(
-            args.gb, args.runs, args.chunk_bytes, args.checkpoint, args.json, args.plot, streams=args.streams
-        )
+        try:
+            return run_and_print(
+                args.gb,
+                args.runs,
+                args.chunk_bytes,
+                args.checkpoint,
+                args.json,
+                args.plot,
+                streams=args.streams,
+                tables=[t.strip() for t in args.tables.split(",") if t.strip()],
+            )
+        except ValueError as exc:
+            print(f"weightstream bench: {exc}", file=sys.stderr)
+            return 2
     if args.command == "demo":
         from weightstream.demo import run_demo
 
