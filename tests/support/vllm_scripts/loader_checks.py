@@ -46,10 +46,11 @@ def main() -> None:
     assert (settings.shm_dir, settings.transport) == ("/dev/shm/ws", "auto"), settings
     settings = LoaderSettings.resolve({"target": "a:1", "shm_dir": "/s", "transport": "grpc"}, "/x", environ={})
     assert (settings.shm_dir, settings.transport) == ("/s", "grpc"), settings
+    assert LoaderSettings.resolve({"target": "a:1", "transport": "tcp"}, "/x", environ={}).transport == "tcp"
     for extra, message in (
         ({}, "WEIGHTSTREAM_TARGET"),
         ({"target": "a:1", "tagret": 1}, "unknown keys"),
-        ({"target": "a:1", "transport": "tcp"}, "must be one of ('auto', 'shm', 'grpc'), not 'tcp'"),
+        ({"target": "a:1", "transport": "udp"}, "must be one of ('auto', 'grpc', 'shm', 'tcp'), not 'udp'"),
     ):
         try:
             LoaderSettings.resolve(extra, "/x", environ={})
