@@ -9,6 +9,7 @@ one kept checksum of the server made wrong for one look-up.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -469,6 +470,46 @@ def test_s3_models_over_the_data_port(s3_store: S3Process, root: Path, state: di
             report = client.load_into(module, f"s3://{S3_BUCKET}/bulk/model")
     assert report.transport == "tcp"
     _assert_loaded(module, state)
+
+
+def test_bulk_calls_cancelled_in_a_loop_leave_no_stream_and_no_ticket(
+    server: WeightStreamServer, state: dict[str, torch.Tensor]
+) -> None:
+    assert server.data_port is not None
+    for _ in range(20):
+        channel, call, announcement = _announce(_target(server))
+        assert len(announcement.ticket) == bulk_protocol.TICKET_BYTES
+        call.cancel()  # type: ignore[attr-defined]
+        channel.close()
+    eventually(lambda: server.stats.snapshot().active_streams == 0, "every cancelled stream ended")
+    eventually(lambda: len(server.data_port.tickets) == 0, "every ticket withdrawn")  # type: ignore[union-attr]
+    with WeightStreamClient(_target(server), progress=False, transport="tcp") as client:
+        module = _module(state)
+        assert client.load_into(module, MODEL).transport == "tcp"
+    _assert_loaded(module, state)
+
+
+def test_a_file_truncated_while_the_kernel_sends_it_ends_the_stream_not_the_server(tmp_path: Path) -> None:
+    """Cut short in place (same inode) while its pages go out by sendfile: the stream ends with an
+    error naming the change, the connection ends without its END frame, and the server serves on."""
+    state = write_model(tmp_path, MODEL, tensors=8, numel=NUMEL, seed=5)
+    path = tmp_path / MODEL / "model.safetensors"
+    with serving(loopback_settings(model_root=tmp_path, data_port=free_ports(1)[0])) as s:
+        with WeightStreamClient(_target(s), progress=False, transport="tcp") as client:
+            client.load_into(_module(state), MODEL)  # warms the page cache and keeps the CRC32Cs
+        channel, call, announcement = _announce(_target(s))
+        conn, answer = _hello(announcement.data_port, announcement.ticket)
+        assert answer == bulk_protocol.ADMITTED
+        time.sleep(0.5)  # the server fills the socket buffers and waits for room
+        os.truncate(path, path.stat().st_size // 2)
+        with conn, pytest.raises(AssertionError, match="without an END frame"):
+            _payload_bytes(conn)
+        with pytest.raises(grpc.RpcError) as ended:
+            list(call)
+        assert ended.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS)
+        assert "changed" in (ended.value.details() or "") or "early" in (ended.value.details() or "")
+        channel.close()
+        eventually(lambda: s.stats.snapshot().active_streams == 0, "the stream ended")
 
 
 def test_data_advertise_is_host_or_host_and_port() -> None:
