@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -31,6 +32,9 @@ import numpy as np
 from weightstream_server.read_plan import ChunkPlace
 
 UnitKey = tuple[str, int, str, int, int]  # path, file size, file fingerprint, offset, length
+# How long a stream waits for another stream's read of a unit before reading it itself: the other
+# stream moves at its own client's pace, and a stalled client must not stall everyone.
+SHARED_READ_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,30 @@ class UnitCache:
                 self._units[claim.key] = unit
                 self._resident += size
         claim.future.set_result(unit)
+
+    def get_or_read(self, key: UnitKey, read: Callable[[], np.ndarray]) -> tuple[CachedUnit, bool]:
+        """The unit of key: kept, read by another caller meanwhile (waited for up to SHARED_READ_WAIT_S),
+        or else read() here and published; and whether it was read here."""
+        claim = self.claim(key)
+        if claim.unit is not None:
+            return claim.unit, False
+        if not claim.leader:
+            assert claim.future is not None
+            try:
+                return claim.future.result(timeout=SHARED_READ_WAIT_S), False
+            except Exception:  # that read failed or took too long (FutureTimeout): read it here
+                claim = self.claim(key)
+                if claim.unit is not None:
+                    return claim.unit, False
+        try:
+            unit = CachedUnit.copy_of(read(), None)
+        except BaseException as exc:
+            if claim.leader:
+                self.abandon(claim, exc)
+            raise
+        if claim.leader:
+            self.publish(claim, unit)
+        return unit, True
 
     def abandon(self, claim: Claim, error: BaseException) -> None:
         """Give up a claim (the read failed or its stream ended); waiters then read the unit themselves."""

@@ -25,17 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from weightstream import wire
-from weightstream_server.cache import CachedUnit, Claim, UnitCache, UnitKey
+from weightstream_server.cache import SHARED_READ_WAIT_S, CachedUnit, Claim, UnitCache, UnitKey
 from weightstream_server.catalog import Manifest
 from weightstream_server.read_plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 from weightstream_server.reader import PooledStreamer, open_plan, read_units
 from weightstream_server.source import OpenFiles
 
 logger = logging.getLogger(__name__)
-
-# How long a stream waits for another stream's read of a unit before reading it itself: the other
-# stream moves at its own client's pace, and a stalled client must not stall everyone.
-SHARED_READ_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ ServerError
 ├── StorageUnauthenticated UNAUTHENTICATED   storage rejected the server's credentials
 ├── StorageUnavailable    UNAVAILABLE        storage failed in a way worth retrying
 ├── Draining              UNAVAILABLE        the server is shutting down and takes no new streams
-└── Unauthenticated       UNAUTHENTICATED    the call carries no valid bearer token
+├── Unauthenticated       UNAUTHENTICATED    the call carries no valid bearer token
+└── UpstreamError         the upstream's     the server this one reads from (--upstream) refused or
+                          own code           failed a call; the message names that tier first
 
 ClientGone (not a ServerError): the client cancelled or went away while its stream waited for it;
 the stream ends CANCELLED and nothing is sent.
@@ -124,6 +126,14 @@ class Unauthenticated(ServerError):
     pass
 
 
+class UpstreamError(ServerError):
+    """A call to the upstream server failed; it ends the client's call with the upstream's own code."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class ClientGone(Exception):
     """The client cancelled or went away while its stream waited for it (a free slot, an attach)."""
 
@@ -155,6 +165,8 @@ _CODES: dict[type[ServerError], grpc.StatusCode] = {
 
 def status_code(error: BaseException) -> grpc.StatusCode:
     """The gRPC status code a request that failed with error ends with."""
+    if isinstance(error, UpstreamError):
+        return error.code
     for cls in type(error).__mro__:
         code = _CODES.get(cls)
         if code is not None:

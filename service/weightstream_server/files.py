@@ -18,7 +18,10 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from weightstream import wire
+from weightstream_server.cache import UnitCache
 from weightstream_server.catalog import Catalog
 from weightstream_server.checksums import KeptChecksums
 from weightstream_server.errors import (
@@ -83,6 +86,7 @@ class FilePiece:
 
     read_before: bytes read from storage before this piece only for file_crc32c, never sent (the
     bytes before the offset, on the first piece of a read whose checksum was not yet known).
+    read: the bytes of data read from storage for this piece (0 when the cache had them).
     """
 
     offset: int
@@ -90,6 +94,7 @@ class FilePiece:
     crc32c: int
     file_crc32c: int | None
     read_before: int = 0
+    read: int = 0
 
 
 # Whole-file CRC32Cs by file version (path, size, fingerprint).
@@ -116,13 +121,24 @@ def list_files(catalog: Catalog, model: str) -> FileListing:
 
 
 def read_file(
-    catalog: Catalog, model: str, name: str, offset: int, revision: str, chunk_bytes: int
+    catalog: Catalog,
+    model: str,
+    name: str,
+    offset: int,
+    revision: str,
+    chunk_bytes: int,
+    *,
+    length: int = 0,
+    cache: UnitCache | None = None,
 ) -> Iterator[FilePiece]:
-    """The bytes of model's file name from offset, in pieces of at most chunk_bytes, in order.
+    """Model's file name from offset, length bytes (0: to the end), in pieces of at most chunk_bytes.
 
-    The whole-file CRC32C on the last piece covers bytes 0..offset as well, so that a client
-    resuming from a stale partial file notices: kept from an earlier read of the same version of
-    the file, or else computed here, reading (not sending) the bytes before offset.
+    A read to the end carries the whole-file CRC32C on its last piece, covering bytes 0..offset as
+    well, so that a client resuming from a stale partial file notices: kept from an earlier read of
+    the same version of the file, or else computed here, reading (not sending) the bytes before
+    offset. With a cache, the pieces of weight files are read through it, single-flight: servers
+    that read from this one (--upstream) and fill their disk caches at the same time read the
+    storage once.
     """
     check_file_name(model, name)
     listing = list_files(catalog, model)
@@ -130,32 +146,59 @@ def read_file(
         raise RevisionMismatch(
             f"model {model!r} changed: files revision {listing.revision}, the request expects {revision}"
         )
-    file = listing.get(name).file
+    listed = listing.get(name)
+    file = listed.file
     if offset > file.size:
         raise RangeOutOfBounds(f"model {model!r}: offset {offset} is past the end of {name!r} ({file.size} bytes)")
+    if length and offset + length > file.size:
+        raise RangeOutOfBounds(
+            f"model {model!r}: bytes {offset}..{offset + length} are past the end of {name!r} ({file.size} bytes)"
+        )
+    end = offset + length if length else file.size
+    to_end = end == file.size
     display = f"model {model!r}, file {name!r}"
+    through = cache if listed.kind is FileKind.WEIGHTS else None
     with OpenFiles(listing.source, model, {0: file}) as opened:
-        known = _checksums.get((file.path, file.size, file.fingerprint))
+        key = (file.path, file.size, file.fingerprint)
+        known = _checksums.get(key) if to_end else None
         crc = 0
         read_before = 0
-        if known is None:
-            for start, length in wire.split_range(0, offset, chunk_bytes):
-                crc = wire.crc32c_extend(crc, _read(opened, start, length, display))
+        if to_end and known is None:
+            for start, size in wire.split_range(0, offset, chunk_bytes):
+                crc = wire.crc32c_extend(crc, _read(opened, start, size, display))
             read_before = offset
-        pieces = list(wire.split_range(offset, file.size, chunk_bytes)) or [(offset, 0)]
-        for index, (start, length) in enumerate(pieces):
-            data = _read(opened, start, length, display) if length else b""
+        pieces = list(wire.split_range(offset, end, chunk_bytes)) or [(offset, 0)]
+        for index, (start, size) in enumerate(pieces):
+            data, read_here = _piece(opened, file, start, size, display, through)
             last = index == len(pieces) - 1
-            if known is None:
+            if to_end and known is None:
                 crc = wire.crc32c_extend(crc, data)
             whole: int | None = None
             if last:
                 # Before the last piece goes out: a file changed while it was read never ends a read OK.
                 opened.check_unchanged(0)
-                if known is None:
-                    _checksums.put((file.path, file.size, file.fingerprint), crc)
-                whole = crc if known is None else known
-            yield FilePiece(start, data, wire.crc32c(data), whole, read_before if index == 0 else 0)
+                if to_end and known is None:
+                    _checksums.put(key, crc)
+                if to_end:
+                    whole = crc if known is None else known
+            yield FilePiece(
+                start, data, wire.crc32c(data), whole, read_before if index == 0 else 0, size if read_here else 0
+            )
+
+
+def _piece(
+    opened: OpenFiles, file: SourceFile, start: int, size: int, display: str, cache: UnitCache | None
+) -> tuple[bytes, bool]:
+    """The bytes of one piece, and whether they were read from storage here (not taken from the cache)."""
+    if not size:
+        return b"", False
+    if cache is None:
+        return _read(opened, start, size, display), True
+    unit, read_here = cache.get_or_read(
+        (file.path, file.size, file.fingerprint, start, size),
+        lambda: np.frombuffer(_read(opened, start, size, display), dtype=np.uint8),
+    )
+    return unit.data.tobytes(), read_here
 
 
 def _read(opened: OpenFiles, start: int, length: int, display: str) -> bytes:

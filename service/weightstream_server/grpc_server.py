@@ -6,7 +6,7 @@ import logging
 import os
 import resource
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -21,6 +21,7 @@ from weightstream_server.auth import AuthInterceptor, TokenFile
 from weightstream_server.bulk_port import DataPort, server_context
 from weightstream_server.cache import UnitCache
 from weightstream_server.catalog import Catalog
+from weightstream_server.disk_cache import DiskCache
 from weightstream_server.health import (
     HEALTH_SERVICE_NAME,
     SERVICE_NAME,
@@ -36,6 +37,7 @@ from weightstream_server.shm_segments import remove_stale_segments
 from weightstream_server.source import LocalSource, Source
 from weightstream_server.stats import ServerStats
 from weightstream_server.stream_session import Streams, StreamSlots
+from weightstream_server.tiers import TieredSource, Tiers
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ class WeightStreamServer:
     cache: UnitCache | None = None
     # The bulk transport's listening port; None when --data-port is 0.
     data_port: DataPort | None = None
+    # The disk cache and the sources read from a tier above (--upstream, S3 behind --disk-cache).
+    tiers: Tiers = field(default_factory=Tiers)
 
     @property
     def tls(self) -> bool:
@@ -171,7 +175,10 @@ def configure_s3(settings: ServerSettings) -> None:
 def create_server(settings: ServerSettings) -> WeightStreamServer:
     """A gRPC server for settings, bound to settings.host:settings.grpc_port (0 picks a free port)."""
     configure_process(settings)
-    catalog = Catalog(build_sources(settings))
+    sources = build_sources(settings)
+    catalog = Catalog(sources)
+    tiered = tuple(source for source in sources if isinstance(source, TieredSource))
+    tiers = Tiers(next((s.cache for s in tiered if s.cache is not None), None), tiered)
     s3_credentials = None
     if settings.s3_buckets:
         configure_s3(settings)
@@ -257,6 +264,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         Liveness(workers),
         cache,
         data_port,
+        tiers,
     )
 
 
@@ -290,11 +298,19 @@ def build_sources(settings: ServerSettings) -> list[Source]:
         if not local.reachable():
             raise ValueError(f"model root {settings.model_root} is not a readable directory")
         sources.append(local)
+    disk_cache = DiskCache(settings.disk_cache, settings.disk_cache_bytes) if settings.disk_cache is not None else None
     if settings.s3_buckets:
         from weightstream_server.s3 import S3Source, make_client
 
         client, probe_client = make_client(settings), make_client(settings, probe=True)
-        sources.extend(S3Source(bucket, client, probe_client) for bucket in settings.s3_buckets)
+        for bucket in settings.s3_buckets:
+            s3 = S3Source(bucket, client, probe_client)
+            sources.append(TieredSource(s3, disk_cache) if disk_cache is not None else s3)
+    if settings.upstream is not None:
+        from weightstream_server.upstream import UpstreamSource
+
+        # Last: it claims every model id the sources before it do not.
+        sources.append(TieredSource(UpstreamSource(settings), disk_cache))
     return sources
 
 

@@ -66,6 +66,19 @@ class CacheStatus(BaseModel):
     evictions: int = Field(description="read units dropped to make room, least recently used first")
 
 
+class DiskCacheStatus(BaseModel):
+    directory: str = Field(description="--disk-cache")
+    capacity_bytes: int = Field(description="--disk-cache-bytes: the most file bytes kept (files being written count)")
+    resident_bytes: int = Field(description="bytes of the complete files held now")
+    files: int = Field(description="complete files held now")
+    filling: int = Field(description="files being written now, each served as it arrives")
+    hits: int = Field(description="lookups of a file that found its checked copy")
+    misses: int = Field(description="lookups of a file that found no copy (it is then read from above)")
+    evictions: int = Field(description="files removed to make room, least recently used first")
+    dropped: int = Field(description="copies found short, changed, failing their checksum or foreign, and removed")
+    bypassed: int = Field(description="files served from above uncached because they did not fit")
+
+
 class ServerStatus(BaseModel):
     version: str
     uptime_s: float
@@ -86,6 +99,10 @@ class ServerStatus(BaseModel):
     sources: list[SourceStatus]
     models: dict[str, ModelStatus] = Field(description="per-model counters, by model id")
     cache: CacheStatus | None = Field(description="the shared cache; null when --cache-bytes is 0")
+    disk_cache: DiskCacheStatus | None = Field(description="the disk cache; null without --disk-cache")
+    upstream_bytes_read_total: int = Field(
+        description="file bytes read from the tier above: the --upstream server, or S3 behind the disk cache"
+    )
 
 
 _UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
@@ -104,7 +121,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    registry = metrics.create_registry(server.stats, server.settings.max_streams, server.cache)
+    registry = metrics.create_registry(server.stats, server.settings.max_streams, server.cache, server.tiers)
     tokens = server.tokens
 
     def require_token(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
@@ -142,6 +159,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
         """Version, uptime, ports, stream and byte counters, errors by code, sources, per-model counters."""
         snap = server.stats.snapshot()
         report = server.readiness.report()
+        disk = server.tiers.cache
         return ServerStatus(
             version=__version__,
             uptime_s=snap.uptime_s,
@@ -160,6 +178,8 @@ def create_app(server: WeightStreamServer) -> FastAPI:
             sources=[_source(s) for s in report.sources],
             models={m: ModelStatus(streams=c.streams, bytes_served=c.bytes_served) for m, c in snap.models.items()},
             cache=CacheStatus(**dataclasses.asdict(server.cache.snapshot())) if server.cache is not None else None,
+            disk_cache=DiskCacheStatus(**dataclasses.asdict(disk.snapshot())) if disk is not None else None,
+            upstream_bytes_read_total=server.tiers.source_bytes_read,
         )
 
     @app.get(

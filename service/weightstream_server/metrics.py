@@ -15,7 +15,9 @@ from prometheus_client.registry import Collector
 
 from weightstream import __version__
 from weightstream_server.cache import CacheSnapshot, UnitCache
+from weightstream_server.disk_cache import DiskCacheSnapshot
 from weightstream_server.stats import DURATION_BUCKETS_S, ServerStats
+from weightstream_server.tiers import Tiers
 
 PREFIX = "weightstream_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -24,10 +26,11 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class StatsCollector(Collector):
     """Every weightstream_* metric, read from one ServerStats snapshot per scrape."""
 
-    def __init__(self, stats: ServerStats, max_streams: int, cache: UnitCache | None) -> None:
+    def __init__(self, stats: ServerStats, max_streams: int, cache: UnitCache | None, tiers: Tiers) -> None:
         self._stats = stats
         self._max_streams = max_streams
         self._cache = cache
+        self._tiers = tiers
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats.snapshot()
@@ -70,6 +73,14 @@ class StatsCollector(Collector):
         )
         if self._cache is not None:
             yield from _cache_metrics(self._cache.snapshot())
+        if self._tiers.sources:
+            yield CounterMetricFamily(
+                PREFIX + "upstream_bytes_read",
+                "File bytes read from the tier above (the --upstream server, or S3 behind the disk cache).",
+                value=self._tiers.source_bytes_read,
+            )
+        if self._tiers.cache is not None:
+            yield from _disk_cache_metrics(self._tiers.cache.snapshot())
         buckets = [(_bound(le), count) for le, count in zip(DURATION_BUCKETS_S, s.duration_counts, strict=True)]
         buckets.append(("+Inf", s.streams_ended))
         yield HistogramMetricFamily(
@@ -97,10 +108,31 @@ def _cache_metrics(c: CacheSnapshot) -> Iterator[Metric]:
     yield CounterMetricFamily(PREFIX + "cache_evictions", "Read units dropped to make room.", value=c.evictions)
 
 
-def create_registry(stats: ServerStats, max_streams: int, cache: UnitCache | None = None) -> CollectorRegistry:
+def _disk_cache_metrics(d: DiskCacheSnapshot) -> Iterator[Metric]:
+    disk = PREFIX + "disk_cache_"
+    yield GaugeMetricFamily(
+        disk + "capacity_bytes", "The most file bytes the disk cache keeps.", value=d.capacity_bytes
+    )
+    yield GaugeMetricFamily(
+        disk + "resident_bytes", "Bytes of complete files in the disk cache.", value=d.resident_bytes
+    )
+    yield GaugeMetricFamily(disk + "files", "Complete files in the disk cache.", value=d.files)
+    yield GaugeMetricFamily(disk + "filling", "Files being written into the disk cache.", value=d.filling)
+    yield CounterMetricFamily(disk + "hits", "Lookups that found a checked copy.", value=d.hits)
+    yield CounterMetricFamily(disk + "misses", "Lookups that found no copy.", value=d.misses)
+    yield CounterMetricFamily(disk + "evictions", "Files removed to make room.", value=d.evictions)
+    yield CounterMetricFamily(
+        disk + "dropped", "Copies found short, changed, failing their checksum or foreign.", value=d.dropped
+    )
+    yield CounterMetricFamily(disk + "bypassed", "Files served uncached because they did not fit.", value=d.bypassed)
+
+
+def create_registry(
+    stats: ServerStats, max_streams: int, cache: UnitCache | None = None, tiers: Tiers | None = None
+) -> CollectorRegistry:
     """A registry holding only this server's metrics."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(stats, max_streams, cache))
+    registry.register(StatsCollector(stats, max_streams, cache, tiers if tiers is not None else Tiers()))
     return registry
 
 

@@ -40,6 +40,7 @@ from weightstream_server.catalog import Manifest
 from weightstream_server.errors import CorruptCheckpoint, ServerError, StorageUnavailable, TooManyStreams
 from weightstream_server.read_plan import ChunkPlace, ReadPlan
 from weightstream_server.source import OpenFiles, file_error
+from weightstream_server.tiers import TieredSource
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,10 @@ def read_units(
     for this plan's reads and closed once the streamer is done with them.
     """
     if not plan.files:
+        return
+    if isinstance(manifest.source, TieredSource) and manifest.files[plan.files[0].file_index].local is None:
+        # Files of a tier above (an upstream server, S3 through the disk cache): read as they arrive.
+        yield from manifest.source.read_units(manifest.files, plan)
         return
     with contextlib.ExitStack() as stack:
         opened = files if files is not None else stack.enter_context(open_plan(manifest, plan))

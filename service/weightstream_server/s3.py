@@ -53,6 +53,8 @@ _UNAUTHENTICATED = {
     "AuthorizationHeaderMalformed",
 }
 _DATA_LOSS = {"InvalidRange"}
+# Bytes taken at a time from the body of a long GET (read_from).
+_PIECE_BYTES = 8 * 1024 * 1024
 
 
 def make_client(settings: ServerSettings, *, probe: bool = False) -> Any:
@@ -143,6 +145,17 @@ class S3Source:
             response = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
             data: bytes = response["Body"].read()
         return data
+
+    def read_from(self, file: SourceFile, start: int, length: int = 0) -> Iterator[tuple[bytes, int | None]]:
+        """(data, None) pieces of file from start, length bytes or to its end, from one ranged GET."""
+        key = file.path[len(S3_SCHEME) + len(self.bucket) + 1 :]
+        end = start + length if length else file.size
+        if end <= start:
+            return
+        with _translated(self.bucket, key):
+            response = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+            for piece in response["Body"].iter_chunks(_PIECE_BYTES):
+                yield piece, None
 
     def _read_index(
         self, model: str, location: S3Location, objects: dict[str, tuple[int, str]]

@@ -109,5 +109,8 @@ def listing_to_proto(listing: FileListing) -> pb.ListModelFilesResponse:
     return pb.ListModelFilesResponse(
         model=listing.model,
         revision=listing.revision,
-        files=[pb.ModelFile(name=f.file.name, size_bytes=f.file.size, kind=_KINDS[f.kind]) for f in listing.files],
+        files=[
+            pb.ModelFile(name=f.file.name, size_bytes=f.file.size, kind=_KINDS[f.kind], version=f.file.version)
+            for f in listing.files
+        ],
     )

@@ -165,6 +165,31 @@ class ServerSettings(BaseSettings):
     preload: Names = Field(
         default=(), description="read MODEL into the cache at start-up; /readyz waits (repeatable; env comma-separated)"
     )
+    upstream: str | None = Field(
+        default=None,
+        description="another weightstream server to serve the models this one does not hold: HOST:PORT, several "
+        "comma-separated, or a name such as dns:///weightstream-headless:50051 that resolves to its replicas",
+    )
+    upstream_token_file: Path | None = Field(
+        default=None, description="file whose first line is the bearer token sent to --upstream"
+    )
+    upstream_tls: bool = Field(default=False, description="connect to --upstream over TLS")
+    upstream_ca_file: Path | None = Field(
+        default=None, description="PEM CA bundle that signed --upstream's certificate; none: the system's roots"
+    )
+    upstream_client_cert: Path | None = Field(
+        default=None, description="PEM certificate shown to --upstream when it requires mutual TLS"
+    )
+    upstream_client_key: Path | None = Field(default=None, description="PEM private key of --upstream-client-cert")
+    disk_cache: Path | None = Field(
+        default=None,
+        description="directory of a disk cache of the model files read from S3 or --upstream, bit-identical, kept "
+        "across restarts; none: no disk cache",
+    )
+    disk_cache_bytes: ByteCount = Field(
+        default=64 * 1024 * 1024 * 1024,
+        description="bound of --disk-cache; least recently used files are evicted past it",
+    )
     shm_dir: Path | None = Field(
         default=None,
         description="directory shared with clients on the same host (a pod's emptyDir): turns the shared-memory "
@@ -208,11 +233,27 @@ class ServerSettings(BaseSettings):
             problems.append(f"read_ahead_bytes must be at least {wire.MAX_CHUNK_BYTES}, not {self.read_ahead_bytes}")
         if self.streamer_concurrency is not None and self.streamer_concurrency < 1:
             problems.append(f"streamer_concurrency must be at least 1, not {self.streamer_concurrency}")
-        if self.model_root is None and not self.s3_buckets:
+        if self.model_root is None and not self.s3_buckets and self.upstream is None:
             problems.append(
-                "nothing to serve: pass --model-root DIR (WEIGHTSTREAM_MODEL_ROOT) or --s3-bucket NAME "
-                "(WEIGHTSTREAM_S3_BUCKETS)"
+                "nothing to serve: pass --model-root DIR (WEIGHTSTREAM_MODEL_ROOT), --s3-bucket NAME "
+                "(WEIGHTSTREAM_S3_BUCKETS) or --upstream TARGET (WEIGHTSTREAM_UPSTREAM)"
             )
+        if self.upstream is not None and self.model_root is not None:
+            problems.append(
+                "--upstream and --model-root both claim plain model ids; pass one (S3 buckets may go with --upstream)"
+            )
+        if self.upstream is None and any(
+            v is not None for v in (self.upstream_token_file, self.upstream_ca_file, self.upstream_client_cert)
+        ):
+            problems.append("--upstream-token-file, --upstream-ca-file and --upstream-client-cert need --upstream")
+        if (self.upstream_client_cert is None) != (self.upstream_client_key is None):
+            problems.append("mutual TLS to the upstream needs both --upstream-client-cert and --upstream-client-key")
+        if self.upstream_client_cert is not None and not self.upstream_tls:
+            problems.append("--upstream-client-cert needs --upstream-tls")
+        if self.disk_cache_bytes < 1:
+            problems.append(f"disk_cache_bytes must be at least 1, not {self.disk_cache_bytes}")
+        if self.disk_cache is not None and self.upstream is None and not self.s3_buckets:
+            problems.append("--disk-cache keeps files read from S3 or --upstream; pass --s3-bucket or --upstream")
         if self.streamer_chunk_bytes is not None and self.streamer_chunk_bytes < 4096:
             problems.append(f"streamer_chunk_bytes must be at least 4096, not {self.streamer_chunk_bytes}")
         if self.s3_request_timeout_ms < 100:

@@ -204,11 +204,20 @@ class StreamSession:
         validation.check_chunk_bytes(request.max_chunk_bytes)
         chunk_bytes = validation.chunk_bytes(request.max_chunk_bytes, self._streams.settings.chunk_bytes)
         catalog = self._streams.catalog
-        pieces = read_file(catalog, request.model, request.file, request.offset, request.revision, chunk_bytes)
+        pieces = read_file(
+            catalog,
+            request.model,
+            request.file,
+            request.offset,
+            request.revision,
+            chunk_bytes,
+            length=request.length,
+            cache=self._streams.cache,
+        )
         for piece in pieces:
             self.read += piece.read_before
             yield piece
-            self.read += len(piece.data)
+            self.read += piece.read
 
     def count_read(self, nbytes: int) -> None:
         """Count bytes read from storage for this stream."""

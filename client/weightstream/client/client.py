@@ -165,6 +165,11 @@ class WeightStreamClient:
     def stub(self) -> pb_grpc.WeightStreamServiceStub:
         return self._channels.stub
 
+    @property
+    def channel(self) -> grpc.Channel:
+        """The main gRPC channel (made on first use), for calls this client does not wrap, such as health checks."""
+        return self._channels.channel(0)
+
     def manifest(self, model: str) -> Manifest:
         """Every tensor of model: name, dtype, shape, size and file; retried on UNAVAILABLE per the RetryPolicy.
 
@@ -218,10 +223,10 @@ class WeightStreamClient:
         return self._files.list_files(model)
 
     def read_file(
-        self, model: str, name: str, *, offset: int = 0, revision: str = ""
+        self, model: str, name: str, *, offset: int = 0, revision: str = "", length: int = 0
     ) -> Iterator[tuple[bytes, int | None]]:
         """(data, file_crc32c) pieces of model's file name from offset, each checked; see RemoteFiles.read_file."""
-        return self._files.read_file(model, name, offset=offset, revision=revision)
+        return self._files.read_file(model, name, offset=offset, revision=revision, length=length)
 
     def fetch(self, model: str, directory: str | Path, *, metadata_only: bool = False) -> FetchReport:
         """Download model's files into directory, resuming what an earlier fetch left; see client.fetch.fetch."""

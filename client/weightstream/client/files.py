@@ -32,16 +32,23 @@ class RemoteFiles:
         return files_from_proto(response)
 
     def read_file(
-        self, model: str, name: str, *, offset: int = 0, revision: str = ""
+        self, model: str, name: str, *, offset: int = 0, revision: str = "", length: int = 0
     ) -> Iterator[tuple[bytes, int | None]]:
         """Yield (data, file_crc32c) pieces of model's file name from offset, in order, each CRC32C-checked.
 
         file_crc32c is None except on the last piece, where it is the server's CRC32C of the whole
-        file from byte 0; a stream that ends without it raises IntegrityError. With revision, the
-        server refuses (FailedPreconditionError) if the model's files changed since that listing.
+        file from byte 0; a stream that ends without it raises IntegrityError. With length (not 0),
+        only that many bytes are read and no piece carries file_crc32c; fewer raise IntegrityError.
+        With revision, the server refuses (FailedPreconditionError) if the model's files changed
+        since that listing.
         """
         request = pb.ReadModelFileRequest(
-            model=model, file=name, offset=offset, revision=revision, max_chunk_bytes=self._chunk_bytes
+            model=model,
+            file=name,
+            offset=offset,
+            revision=revision,
+            max_chunk_bytes=self._chunk_bytes,
+            length=length,
         )
         where = f"model {model!r}, file {name!r}"
         expected = offset
@@ -59,9 +66,16 @@ class RemoteFiles:
                             f"({len(data)} bytes); the data was corrupted in transit"
                         )
                     expected += len(data)
+                    if length:
+                        if expected > offset + length:
+                            raise IntegrityError(f"{where}: received bytes past offset {offset + length}")
+                        finished = expected == offset + length
+                        yield data, None
+                        continue
                     finished = message.HasField("file_crc32c")
                     yield data, message.file_crc32c if finished else None
         finally:
             call.cancel()
         if not finished:
-            raise IntegrityError(f"{where}: the stream ended at offset {expected}, before the end of the file")
+            end = f"offset {offset + length}" if length else "the end of the file"
+            raise IntegrityError(f"{where}: the stream ended at offset {expected}, before {end}")

@@ -73,6 +73,8 @@ class ModelFile:
     name: str
     size: int
     kind: FileKind
+    # Changes whenever the content may have (a modification time, an ETag); "" from older servers.
+    version: str = ""
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ def files_from_proto(response: pb.ListModelFilesResponse) -> ModelFileList:
         kind = _KINDS.get(f.kind)
         if kind is None or not wire.is_plain_file_name(f.name):
             raise IntegrityError(f"model {response.model!r}: the server listed file {f.name[:80]!r} of kind {f.kind}")
-        files.append(ModelFile(f.name, f.size_bytes, kind))
+        files.append(ModelFile(f.name, f.size_bytes, kind, f.version))
     if len({f.name for f in files}) != len(files):
         raise IntegrityError(f"model {response.model!r}: the server listed a file twice")
     return ModelFileList(response.model, response.revision, tuple(files))

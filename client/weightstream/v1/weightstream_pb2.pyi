@@ -174,28 +174,32 @@ class ListModelFilesResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ...) -> None: ...
 
 class ModelFile(_message.Message):
-    __slots__ = ("name", "size_bytes", "kind")
+    __slots__ = ("name", "size_bytes", "kind", "version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     size_bytes: int
     kind: ModelFileKind
-    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., kind: _Optional[_Union[ModelFileKind, str]] = ...) -> None: ...
+    version: str
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., kind: _Optional[_Union[ModelFileKind, str]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ReadModelFileRequest(_message.Message):
-    __slots__ = ("model", "file", "offset", "revision", "max_chunk_bytes")
+    __slots__ = ("model", "file", "offset", "revision", "max_chunk_bytes", "length")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     model: str
     file: str
     offset: int
     revision: str
     max_chunk_bytes: int
-    def __init__(self, model: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., revision: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    length: int
+    def __init__(self, model: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., revision: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReadModelFileResponse(_message.Message):
     __slots__ = ("offset", "crc32c", "file_crc32c", "data")

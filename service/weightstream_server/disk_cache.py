@@ -1,0 +1,433 @@
+"""The node-local disk cache (--disk-cache DIR --disk-cache-bytes N): model files as read from a remote source.
+
+Layout: DIR/files/KEY is a file's bytes, bit-identical to the source's, and DIR/files/KEY.json what
+they are (the source path, size and version, and the CRC32C of the whole file); KEY is a digest of
+the path, size and version, so a file whose version changes at the source (a new ETag, a new
+modification time upstream) has another key and never hits an old copy. DIR/partial/ holds files
+being written (Fill), each renamed into DIR/files/ once complete and checked; whatever a process
+left in DIR/partial/ (it died mid-fill) is removed at start-up, never trusted.
+
+A cached file is checked before its bytes are first served by a process, and again whenever its
+identity on disk changes (inode, size, modification or change time): its size and its whole
+CRC32C must match its record. One that is short, changed, fails its checksum or has no record
+(a foreign file) is removed and read again from the source. DIR must be writable by the server
+only: whoever can write both a file and its record can make the server serve them.
+
+Bound: the bytes of complete files and of the files being written (counted at their full size from
+the start) stay within capacity_bytes; least recently used complete files are evicted to make room,
+and a file that does not fit even then is served from its source without being cached (a bypass).
+A stream still reading an evicted file keeps its descriptor, so its bytes stay on disk until it
+ends. Use order survives restarts (each record's modification time is its last use).
+
+Single-flight: one Fill per file at a time; every stream that wants the file's bytes meanwhile
+reads them from that fill as they arrive (a load never waits for a whole file), and the source is
+read once.
+
+Concurrency: every method of DiskCache and Fill may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import stat
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from weightstream import wire
+from weightstream_server.errors import CorruptCheckpoint, ServerError, StorageUnavailable, UpstreamError
+from weightstream_server.source import LocalFile, SourceFile
+
+logger = logging.getLogger(__name__)
+
+FILES = "files"
+PARTIAL = "partial"
+RECORD_SUFFIX = ".json"
+# Bytes read at a time to check a cached file's CRC32C.
+_CHECK_BLOCK_BYTES = 8 * 1024 * 1024
+# A reader waits this long for a fill that makes no progress before it gives up (UNAVAILABLE).
+FILL_STALL_S = 60.0
+# A fill that fails with an error worth retrying resumes where it stopped, this many times in a row.
+FILL_TRIES = 5
+# Codes of upstream errors a fill resumes after (a dropped connection, a restarting upstream).
+_RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+# (data, whole file's CRC32C or None) pieces of a file from an offset to its end.
+Fetch = Callable[[int], Iterator[tuple[bytes, "int | None"]]]
+
+
+@dataclass(frozen=True)
+class DiskCacheSnapshot:
+    directory: str
+    capacity_bytes: int
+    resident_bytes: int
+    files: int
+    filling: int
+    hits: int
+    misses: int
+    evictions: int
+    # Cached files found short, changed, failing their checksum or foreign, and removed.
+    dropped: int
+    # Files served from their source uncached because they did not fit.
+    bypassed: int
+
+
+@dataclass
+class _Entry:
+    size: int
+    path: str
+    version: str
+    crc32c: int
+
+
+def cache_key(file: SourceFile) -> str:
+    """The name a file's bytes are kept under: a digest of its source path, size and version."""
+    return hashlib.sha256(f"{file.path}\0{file.size}\0{file.version}".encode()).hexdigest()[:40]
+
+
+class DiskCache:
+    def __init__(self, directory: Path, capacity_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.capacity_bytes = capacity_bytes
+        self._files = self.directory / FILES
+        self._partial = self.directory / PARTIAL
+        for folder in (self.directory, self._files, self._partial):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._filling: dict[str, Fill] = {}
+        self._reserved = 0
+        self._resident = 0
+        # Identities (key, inode, size, mtime, ctime) of cached files whose checksum matched in this process.
+        self._checked: set[tuple[str, int, int, int, int]] = set()
+        self._hits = self._misses = self._evictions = self._dropped = self._bypassed = 0
+        self._load()
+
+    def lookup(self, file: SourceFile) -> SourceFile | None:
+        """The cached copy of file as a local file (checked, see the module doc), or None if there is none."""
+        key = cache_key(file)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.size != file.size or entry.version != file.version or entry.path != file.path:
+                self._misses += 1
+                return None
+        local = self._checked_copy(key, entry)
+        with self._lock:
+            if local is None:
+                self._misses += 1
+                return None
+            self._hits += 1
+            if key in self._entries:
+                self._entries.move_to_end(key)
+        with contextlib.suppress(OSError):
+            os.utime(self._files / f"{key}{RECORD_SUFFIX}")
+        return SourceFile(file.name, str(self._files / key), file.size, file.version, local)
+
+    def fill(self, file: SourceFile, fetch: Fetch) -> Fill | None:
+        """The fill that copies file into the cache (started now, or already running); None when it does not fit."""
+        key = cache_key(file)
+        with self._lock:
+            running = self._filling.get(key)
+            if running is not None:
+                return running
+            if not self._make_room(file.size):
+                self._bypassed += 1
+                logger.info(
+                    "disk cache: %s (%d bytes) does not fit in %d bytes; served from its source uncached",
+                    file.path,
+                    file.size,
+                    self.capacity_bytes,
+                )
+                return None
+            self._reserved += file.size
+            fill = Fill(self, key, file, fetch)
+            self._filling[key] = fill
+        fill.start()
+        return fill
+
+    def snapshot(self) -> DiskCacheSnapshot:
+        with self._lock:
+            return DiskCacheSnapshot(
+                str(self.directory),
+                self.capacity_bytes,
+                self._resident,
+                len(self._entries),
+                len(self._filling),
+                self._hits,
+                self._misses,
+                self._evictions,
+                self._dropped,
+                self._bypassed,
+            )
+
+    # -- fills report here --
+
+    def _finished(self, fill: Fill, partial: Path, crc32c: int) -> None:
+        """Keep a complete, checked fill: its record, then its bytes renamed into place."""
+        key = fill.key
+        record = {"path": fill.file.path, "size": fill.file.size, "version": fill.file.version, "crc32c": crc32c}
+        target = self._files / key
+        written = self._partial / f"{key}{RECORD_SUFFIX}"
+        try:
+            written.write_text(json.dumps(record))
+            os.replace(partial, target)
+            os.replace(written, self._files / f"{key}{RECORD_SUFFIX}")
+            kept = os.stat(target)
+        except OSError as exc:
+            logger.warning("disk cache: could not keep %s: %s", fill.file.path, exc)
+            self._forget_fill(fill)
+            self._remove(key)
+            return
+        with self._lock:
+            self._filling.pop(key, None)
+            self._reserved -= fill.file.size
+            self._entries[key] = _Entry(fill.file.size, fill.file.path, fill.file.version, crc32c)
+            self._resident += fill.file.size
+            self._checked.add((key, kept.st_ino, kept.st_size, kept.st_mtime_ns, kept.st_ctime_ns))
+        logger.info("disk cache: kept %s (%d bytes)", fill.file.path, fill.file.size)
+
+    def _failed(self, fill: Fill, partial: Path) -> None:
+        self._forget_fill(fill)
+        with contextlib.suppress(OSError):
+            partial.unlink()
+
+    def _forget_fill(self, fill: Fill) -> None:
+        with self._lock:
+            if self._filling.get(fill.key) is fill:
+                del self._filling[fill.key]
+                self._reserved -= fill.file.size
+
+    # -- inside --
+
+    def _load(self) -> None:
+        """Drop what a dead process left half-written, then take in the complete files, oldest use first."""
+        for name in os.listdir(self._partial):
+            with contextlib.suppress(OSError):
+                os.unlink(self._partial / name)
+        found: list[tuple[int, str, _Entry]] = []
+        names = set(os.listdir(self._files))
+        for name in names:
+            if name.endswith(RECORD_SUFFIX):
+                continue
+            entry = self._record(name) if f"{name}{RECORD_SUFFIX}" in names else None
+            if entry is None:
+                logger.warning("disk cache: %s has no valid record (a foreign or broken file); removed", name)
+                self._dropped += 1
+                self._remove(name)
+                continue
+            used = os.stat(self._files / f"{name}{RECORD_SUFFIX}").st_mtime_ns
+            found.append((used, name, entry))
+        for name in names:
+            if name.endswith(RECORD_SUFFIX) and name[: -len(RECORD_SUFFIX)] not in names:
+                self._remove(name[: -len(RECORD_SUFFIX)])
+        for _, key, entry in sorted(found):
+            self._entries[key] = entry
+            self._resident += entry.size
+        with self._lock:
+            self._make_room(0)
+        logger.info(
+            "disk cache %s: %d files, %d of %d bytes",
+            self.directory,
+            len(self._entries),
+            self._resident,
+            self.capacity_bytes,
+        )
+
+    def _record(self, key: str) -> _Entry | None:
+        """The record of key, if it is one this cache wrote for these bytes (its key matches its contents)."""
+        try:
+            record = json.loads((self._files / f"{key}{RECORD_SUFFIX}").read_text())
+            entry = _Entry(int(record["size"]), str(record["path"]), str(record["version"]), int(record["crc32c"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if cache_key(SourceFile("", entry.path, entry.size, entry.version)) != key:
+            return None
+        return entry
+
+    def _checked_copy(self, key: str, entry: _Entry) -> LocalFile | None:
+        """The cached file of key as a LocalFile, once its size and checksum are found right; else removed, None."""
+        path = self._files / key
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except OSError:
+            self._drop(key, "is gone")
+            return None
+        if not stat.S_ISREG(now.st_mode) or now.st_size != entry.size:
+            self._drop(key, f"is {now.st_size} bytes, not the {entry.size} of its record")
+            return None
+        identity = (key, now.st_ino, now.st_size, now.st_mtime_ns, now.st_ctime_ns)
+        with self._lock:
+            checked = identity in self._checked
+        if not checked:
+            crc = _crc_of(path, entry.size)
+            if crc != entry.crc32c:
+                self._drop(key, "fails its checksum")
+                return None
+            with self._lock:
+                self._checked.add(identity)
+        return LocalFile((str(self._files),), key, now.st_dev, now.st_ino, now.st_mtime_ns, now.st_ctime_ns)
+
+    def _drop(self, key: str, why: str) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return
+            self._resident -= entry.size
+            self._dropped += 1
+        logger.warning("disk cache: the copy of %s %s; removed, to be read again", entry.path, why)
+        self._remove(key)
+
+    def _make_room(self, size: int) -> bool:
+        """Evict least recently used files until size more bytes fit (under the lock); whether they do."""
+        if size > self.capacity_bytes:
+            return False
+        while self._resident + self._reserved + size > self.capacity_bytes and self._entries:
+            key, entry = self._entries.popitem(last=False)
+            self._resident -= entry.size
+            self._evictions += 1
+            self._remove(key)
+            logger.info("disk cache: evicted %s (%d bytes)", entry.path, entry.size)
+        return self._resident + self._reserved + size <= self.capacity_bytes
+
+    def _remove(self, key: str) -> None:
+        for name in (key, f"{key}{RECORD_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._files / name)
+
+
+class Fill:
+    """One file being copied from its source into the disk cache, its bytes readable as they arrive.
+
+    The copy runs on a thread of its own, resuming where it stopped after errors worth retrying
+    (FILL_TRIES in a row), and is checked at its end against the whole-file CRC32C the source gives
+    (an upstream server does; S3 does not, and the CRC32C of what was written is recorded). Readers
+    call read_into, which waits for the bytes it wants and reads them from the file being written;
+    a fill that failed raises its error to every reader, and the next stream starts a new fill.
+
+    Ownership: the file being written and its descriptor, until the fill is garbage-collected (readers
+    may still read a fill that has finished).
+    """
+
+    def __init__(self, cache: DiskCache, key: str, file: SourceFile, fetch: Fetch) -> None:
+        self.key = key
+        self.file = file
+        self._cache = cache
+        self._fetch = fetch
+        self._partial = cache._partial / f"{key}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}"
+        self._fd = os.open(self._partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        weakref.finalize(self, os.close, self._fd)
+        self._changed = threading.Condition()
+        self._done = 0
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name=f"weightstream-fill-{self.key[:8]}", daemon=True).start()
+
+    def read_into(self, offset: int, length: int, address: int) -> None:
+        """Copy length bytes of the file from offset to address, once they are written; raises the fill's error."""
+        end = offset + length
+        with self._changed:
+            while self._done < end and self._error is None:
+                before = self._done
+                self._changed.wait(FILL_STALL_S)
+                if self._done == before and self._error is None:
+                    raise StorageUnavailable(
+                        f"{self.file.path}: no byte arrived from the source for {FILL_STALL_S:.0f} s; try again"
+                    )
+            if self._error is not None and self._done < end:
+                raise self._error
+        done = 0
+        while done < length:
+            buffer = (ctypes.c_char * (length - done)).from_address(address + done)
+            n = os.preadv(self._fd, [buffer], offset + done)
+            if n <= 0:
+                raise CorruptCheckpoint(f"{self.file.path}: the disk cache's copy ended at {offset + done} bytes")
+            done += n
+
+    def read(self, offset: int, length: int) -> bytes:
+        data = bytearray(length)
+        if length:
+            self.read_into(offset, length, ctypes.addressof(ctypes.c_char.from_buffer(data)))
+        return bytes(data)
+
+    def _run(self) -> None:
+        crc = 0
+        source_crc: int | None = None
+        tries = 0
+        try:
+            while self._done < self.file.size:
+                before = self._done
+                try:
+                    for data, whole in self._fetch(self._done):
+                        _write_all(self._fd, data, self._done)
+                        crc = wire.crc32c_extend(crc, data)
+                        with self._changed:
+                            self._done += len(data)
+                            self._changed.notify_all()
+                        if whole is not None:
+                            source_crc = whole
+                    if self._done < self.file.size:
+                        raise StorageUnavailable(f"{self.file.path}: the source's stream ended at {self._done} bytes")
+                except (StorageUnavailable, UpstreamError) as exc:
+                    if isinstance(exc, UpstreamError) and exc.code not in _RETRY_CODES:
+                        raise
+                    tries = 0 if self._done > before else tries + 1
+                    if tries >= FILL_TRIES:
+                        raise
+                    logger.warning(
+                        "disk cache: filling %s failed at %d bytes (%s); resuming", self.file.path, self._done, exc
+                    )
+                    time.sleep(min(5.0, 0.2 * 2**tries))
+            if self._done != self.file.size:
+                raise CorruptCheckpoint(f"{self.file.path}: the source sent {self._done} bytes, not {self.file.size}")
+            if source_crc is not None and source_crc != crc:
+                raise CorruptCheckpoint(
+                    f"{self.file.path}: the whole file's CRC32C does not match what the source sent; not cached"
+                )
+        except BaseException as exc:
+            error = (
+                exc if isinstance(exc, ServerError) else StorageUnavailable(f"{self.file.path}: filling failed: {exc}")
+            )
+            logger.warning("disk cache: filling %s failed: %s", self.file.path, error)
+            with self._changed:
+                self._error = error
+                self._changed.notify_all()
+            self._cache._failed(self, self._partial)
+            return
+        self._cache._finished(self, self._partial, crc)
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def _crc_of(path: Path, size: int) -> int | None:
+    """The CRC32C of the file at path (read through), or None if it cannot be read whole."""
+    crc = 0
+    read = 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                block = f.read(_CHECK_BLOCK_BYTES)
+                if not block:
+                    break
+                crc = wire.crc32c_extend(crc, block)
+                read += len(block)
+    except OSError:
+        return None
+    return crc if read == size else None

@@ -1,0 +1,124 @@
+"""A remote source (an upstream server, or S3) behind this server's disk cache: where tiers meet.
+
+TieredSource is the Source the catalog sees for models this server reads from above it. A model
+whose files are all in the disk cache (checked, see disk_cache) resolves to those cached files as
+local files, and is then served exactly as a model under a model root: the streamer, direct reads
+into shared memory, sendfile on the data port. Any other model resolves to its remote files, and
+their bytes are read through the disk cache's fills (reader.read_units hands such plans to
+read_units here): every stream that wants a file meanwhile reads the one fill's bytes as they
+arrive. Without a disk cache, or for a file that does not fit in it, bytes are read from the source
+with ranged reads (single-flight only through the RAM cache, --cache-bytes).
+
+Counts: bytes read from the source above (fills and ranged reads), for /status and /metrics.
+
+Concurrency: safe to use from many threads, as its parts are.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from weightstream_server.disk_cache import DiskCache, Fill
+from weightstream_server.read_plan import ReadPlan
+from weightstream_server.source import ModelFiles, Source, SourceFile
+
+
+class RemoteSource(Source, Protocol):
+    """A source whose files can be read as a stream of pieces (S3Source, UpstreamSource)."""
+
+    def read_from(self, file: SourceFile, start: int, length: int = 0) -> Iterator[tuple[bytes, int | None]]:
+        """(data, whole file's CRC32C or None) pieces of file from start: length bytes, or to its end."""
+        ...
+
+
+class TieredSource:
+    def __init__(self, inner: RemoteSource, cache: DiskCache | None) -> None:
+        self.inner = inner
+        self.cache = cache
+        self._lock = threading.Lock()
+        self._source_bytes = 0
+
+    @property
+    def source_bytes_read(self) -> int:
+        """Bytes read from the source above this server, by fills and ranged reads."""
+        with self._lock:
+            return self._source_bytes
+
+    def claims(self, model: str) -> bool:
+        return self.inner.claims(model)
+
+    def describe(self) -> str:
+        if self.cache is None:
+            return self.inner.describe()
+        return f"{self.inner.describe()} through the disk cache {self.cache.directory}"
+
+    def reachable(self) -> bool:
+        return self.inner.reachable()
+
+    def resolve(self, model: str) -> ModelFiles:
+        located = self.inner.resolve(model)
+        if self.cache is None:
+            return located
+        cached = [self.cache.lookup(f) for f in located.files]
+        if all(c is not None for c in cached):
+            return ModelFiles(model, tuple(c for c in cached if c is not None), located.weight_map)
+        return located
+
+    def companion_files(self, model: str) -> tuple[SourceFile, ...]:
+        return self.inner.companion_files(model)
+
+    def read_range(self, file: SourceFile, start: int, length: int) -> bytes:
+        """Bytes of a remote file (a header, for a manifest): from its fill, or a ranged read."""
+        length = max(0, min(length, file.size - start))
+        fill = self._fill(file)
+        if fill is not None:
+            return fill.read(start, length)
+        if not length:
+            return b""
+        return b"".join(data for data, _ in self._counted(self.inner.read_from(file, start, length)))
+
+    def read_units(self, files: Sequence[SourceFile], plan: ReadPlan) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Yield (index in plan.files, index of the unit, its bytes as flat uint8) per read unit of a plan
+        of remote files, file after file; each tensor is a view into one buffer, valid until the next
+        item is taken. Fills of every file of the plan start at once, so that they read in parallel."""
+        largest = max(max(fp.sizes) for fp in plan.files)
+        buffer = torch.empty(largest, dtype=torch.uint8)
+        fills = [self._fill(files[fp.file_index]) for fp in plan.files]
+        for file_id, (file_plan, fill) in enumerate(zip(plan.files, fills, strict=True)):
+            file = files[file_plan.file_index]
+            for index, (offset, size) in enumerate(zip(file_plan.offsets, file_plan.sizes, strict=True)):
+                view = buffer[:size]
+                if fill is not None:
+                    fill.read_into(offset, size, view.data_ptr())
+                else:
+                    view.copy_(torch.frombuffer(bytearray(self.read_range(file, offset, size)), dtype=torch.uint8))
+                yield file_id, index, view
+
+    def _fill(self, file: SourceFile) -> Fill | None:
+        if self.cache is None or file.local is not None:
+            return None
+        return self.cache.fill(file, lambda offset: self._counted(self.inner.read_from(file, offset)))
+
+    def _counted(self, pieces: Iterator[tuple[bytes, int | None]]) -> Iterator[tuple[bytes, int | None]]:
+        for data, whole in pieces:
+            with self._lock:
+                self._source_bytes += len(data)
+            yield data, whole
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """What a server reads from the tiers above it: its disk cache (None without one) and its tiered sources."""
+
+    cache: DiskCache | None = None
+    sources: tuple[TieredSource, ...] = ()
+
+    @property
+    def source_bytes_read(self) -> int:
+        """Bytes read from the tiers above (an upstream server, S3 behind the disk cache)."""
+        return sum(source.source_bytes_read for source in self.sources)
