@@ -137,6 +137,14 @@ class DiskCache:
     def fill(self, file: SourceFile, fetch: Fetch) -> Fill | None:
         """The fill that copies file into the cache (started now, or already running); None when it does not fit."""
         key = cache_key(file)
+        cached = self.lookup(file)
+        if cached is not None:
+            try:
+                fd = os.open(cached.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                pass  # evicted since: fill it again
+            else:
+                return Fill(self, key, file, fetch, fd)
         with self._lock:
             running = self._filling.get(key)
             if running is not None:
@@ -319,16 +327,21 @@ class Fill:
     may still read a fill that has finished).
     """
 
-    def __init__(self, cache: DiskCache, key: str, file: SourceFile, fetch: Fetch) -> None:
+    def __init__(self, cache: DiskCache, key: str, file: SourceFile, fetch: Fetch, complete: int | None = None) -> None:
+        """A fill to start() into a new partial file; or, given complete (a descriptor of the file's
+        checked copy in the cache), one that is done already and only reads."""
         self.key = key
         self.file = file
         self._cache = cache
         self._fetch = fetch
         self._partial = cache._partial / f"{key}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}"
-        self._fd = os.open(self._partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        if complete is None:
+            self._fd = os.open(self._partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        else:
+            self._fd = complete
         weakref.finalize(self, os.close, self._fd)
         self._changed = threading.Condition()
-        self._done = 0
+        self._done = 0 if complete is None else file.size
         self._error: BaseException | None = None
 
     def start(self) -> None:
