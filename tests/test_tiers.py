@@ -29,7 +29,7 @@ from tests.support.s3_stores import REGION, S3_BUCKET, S3Process, upload_folder
 from tests.support.serve_processes import ServerProcess, serve_process, start_serve, wait_http_ready
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import NotFoundError, UnavailableError, WeightStreamClient
-from weightstream_server import WeightStreamServer
+from weightstream_server import WeightStreamServer, create_server
 from weightstream_server.disk_cache import FILES, RECORD_SUFFIX, cache_key
 from weightstream_server.upstream import UPSTREAM_SCHEME
 
@@ -205,7 +205,13 @@ def test_an_upstream_file_name_is_never_a_cache_path(upstream: WeightStreamServe
         # The upstream refuses the id; nothing is written outside the cache directory.
         with pytest.raises(Exception, match=r"invalid model id|INVALID_ARGUMENT"):
             c.manifest("../escape")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["files", "partial"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["files", "lock", "partial"]
+
+
+def test_one_disk_cache_directory_serves_one_server(upstream: WeightStreamServer, tmp_path: Path) -> None:
+    """A second server's start-up would remove the first's files being written: it is refused."""
+    with _tier(upstream, tmp_path), pytest.raises(ValueError, match="in use by another weightstream server"):
+        create_server(loopback_settings(upstream=f"{LOOPBACK}:{upstream.port}", disk_cache=tmp_path))
 
 
 # -- every tier a process: s3rver -> shared -> sidecars -> clients --

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import json
 import logging
@@ -53,6 +54,11 @@ logger = logging.getLogger(__name__)
 
 FILES = "files"
 PARTIAL = "partial"
+LOCK_FILE = "lock"
+# Files copied from the source at once; more wait for a turn.
+FILLS_AT_ONCE = 4
+# After a write to the disk cache failed, files are served uncached for this long.
+UNWRITABLE_S = 60.0
 RECORD_SUFFIX = ".json"
 # Bytes read at a time to check a cached file's CRC32C.
 _CHECK_BLOCK_BYTES = 8 * 1024 * 1024
@@ -104,6 +110,17 @@ class DiskCache:
         self._partial = self.directory / PARTIAL
         for folder in (self.directory, self._files, self._partial):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # One server per directory: another's start-up would remove this one's files being written.
+        self._lock_fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ValueError(f"disk cache {self.directory} is in use by another weightstream server") from None
+        # Fills copying at once; the others wait for a turn (an upstream limits its streams too).
+        self._turns = threading.BoundedSemaphore(FILLS_AT_ONCE)
+        # After a failed write (a full disk), files are served uncached until then (time.monotonic()).
+        self._unwritable_until = 0.0
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._filling: dict[str, Fill] = {}
@@ -149,6 +166,9 @@ class DiskCache:
             running = self._filling.get(key)
             if running is not None:
                 return running
+            if time.monotonic() < self._unwritable_until:
+                self._bypassed += 1
+                return None
             if not self._make_room(file.size):
                 self._bypassed += 1
                 logger.info(
@@ -163,6 +183,11 @@ class DiskCache:
             self._filling[key] = fill
         fill.start()
         return fill
+
+    def close(self) -> None:
+        """Let another server use the directory (fills still running go on writing until they end)."""
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
 
     def snapshot(self) -> DiskCacheSnapshot:
         with self._lock:
@@ -205,8 +230,11 @@ class DiskCache:
             self._checked.add((key, kept.st_ino, kept.st_size, kept.st_mtime_ns, kept.st_ctime_ns))
         logger.info("disk cache: kept %s (%d bytes)", fill.file.path, fill.file.size)
 
-    def _failed(self, fill: Fill, partial: Path) -> None:
+    def _failed(self, fill: Fill, partial: Path, *, unwritable: bool) -> None:
         self._forget_fill(fill)
+        if unwritable:
+            with self._lock:
+                self._unwritable_until = time.monotonic() + UNWRITABLE_S
         with contextlib.suppress(OSError):
             partial.unlink()
 
@@ -343,9 +371,10 @@ class Fill:
         self._changed = threading.Condition()
         self._done = 0 if complete is None else file.size
         self._error: BaseException | None = None
+        self._copying = False
 
     def start(self) -> None:
-        threading.Thread(target=self._run, name=f"weightstream-fill-{self.key[:8]}", daemon=True).start()
+        threading.Thread(target=self._take_turn, name=f"weightstream-fill-{self.key[:8]}", daemon=True).start()
 
     def read_into(self, offset: int, length: int, address: int) -> None:
         """Copy length bytes of the file from offset to address, once they are written; raises the fill's error."""
@@ -354,7 +383,8 @@ class Fill:
             while self._done < end and self._error is None:
                 before = self._done
                 self._changed.wait(FILL_STALL_S)
-                if self._done == before and self._error is None:
+                # A fill still waiting for its turn is not stalled.
+                if self._done == before and self._error is None and self._copying:
                     raise StorageUnavailable(
                         f"{self.file.path}: no byte arrived from the source for {FILL_STALL_S:.0f} s; try again"
                     )
@@ -374,6 +404,12 @@ class Fill:
             self.read_into(offset, length, ctypes.addressof(ctypes.c_char.from_buffer(data)))
         return bytes(data)
 
+    def _take_turn(self) -> None:
+        with self._cache._turns:
+            with self._changed:
+                self._copying = True
+            self._run()
+
     def _run(self) -> None:
         crc = 0
         source_crc: int | None = None
@@ -383,7 +419,14 @@ class Fill:
                 before = self._done
                 try:
                     for data, whole in self._fetch(self._done):
-                        _write_all(self._fd, data, self._done)
+                        if self._done + len(data) > self.file.size:
+                            raise CorruptCheckpoint(
+                                f"{self.file.path}: the source sent more than {self.file.size} bytes"
+                            )
+                        try:
+                            _write_all(self._fd, data, self._done)
+                        except OSError as exc:
+                            raise _Unwritable(f"{self.file.path}: writing the disk cache failed: {exc}") from exc
                         crc = wire.crc32c_extend(crc, data)
                         with self._changed:
                             self._done += len(data)
@@ -409,16 +452,19 @@ class Fill:
                     f"{self.file.path}: the whole file's CRC32C does not match what the source sent; not cached"
                 )
         except BaseException as exc:
-            error = (
-                exc if isinstance(exc, ServerError) else StorageUnavailable(f"{self.file.path}: filling failed: {exc}")
-            )
+            failed = f"{self.file.path}: filling failed: {exc}"
+            error = exc if isinstance(exc, ServerError) else StorageUnavailable(failed)
             logger.warning("disk cache: filling %s failed: %s", self.file.path, error)
             with self._changed:
                 self._error = error
                 self._changed.notify_all()
-            self._cache._failed(self, self._partial)
+            self._cache._failed(self, self._partial, unwritable=isinstance(exc, _Unwritable))
             return
         self._cache._finished(self, self._partial, crc)
+
+
+class _Unwritable(StorageUnavailable):
+    """The disk cache could not be written (a full disk, an I/O error): files are served uncached a while."""
 
 
 def _write_all(fd: int, data: bytes, offset: int) -> None:

@@ -127,6 +127,7 @@ class WeightStreamServer:
         if self.data_port is not None:
             self.data_port.close()
         self.pool.close()
+        self.tiers.close()
 
 
 def configure_process(settings: ServerSettings) -> None:

@@ -99,6 +99,11 @@ class TieredSource:
                     view.copy_(torch.frombuffer(bytearray(self.read_range(file, offset, size)), dtype=torch.uint8))
                 yield file_id, index, view
 
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
     def _fill(self, file: SourceFile) -> Fill | None:
         if self.cache is None or file.local is not None:
             return None
@@ -122,3 +127,9 @@ class Tiers:
     def source_bytes_read(self) -> int:
         """Bytes read from the tiers above (an upstream server, S3 behind the disk cache)."""
         return sum(source.source_bytes_read for source in self.sources)
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+        if self.cache is not None:
+            self.cache.close()
