@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from weightstream.client import WeightStreamClient
 from weightstream.client.errors import WeightStreamError
 from weightstream.client.manifest import FileKind, ModelFileList
+from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ModelNotFound, UpstreamError
-from weightstream_server.health import SERVICE_NAME
 from weightstream_server.settings import ServerSettings
 from weightstream_server.source import ModelFiles, SourceFile
 
@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 # What SourceFile.path of an upstream file starts with: upstream:<model>/<file name>.
 UPSTREAM_SCHEME = "upstream:"
+# The service whose health the upstream reports (grpc.health.v1).
+_SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["WeightStreamService"].full_name
 # Readiness asks the upstream's health service with this deadline.
 PROBE_TIMEOUT_S = 2.0
 # Listings and manifests are short calls; a stalled upstream fails them within this.
@@ -76,7 +78,7 @@ class UpstreamSource:
         stub = health_pb2_grpc.HealthStub(self._client.channel)
         try:
             answer = stub.Check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=PROBE_TIMEOUT_S, metadata=self._metadata
+                health_pb2.HealthCheckRequest(service=_SERVICE_NAME), timeout=PROBE_TIMEOUT_S, metadata=self._metadata
             )
         except grpc.RpcError:
             return False
