@@ -36,11 +36,14 @@ LABEL org.opencontainers.image.title="weightstream" \
       org.opencontainers.image.description="gRPC weight-streaming server for LLM inference" \
       org.opencontainers.image.licenses="Apache-2.0"
 # A fixed numeric user, so that Kubernetes' runAsNonRoot can check it without a passwd lookup.
+# /var/cache/weightstream is where the deployments put the disk cache (WEIGHTSTREAM_DISK_CACHE, off
+# unless set): the server's own and no one else's, which a named volume mounted there inherits.
 RUN groupadd --gid 10001 weightstream \
     && useradd --uid 10001 --gid weightstream --no-create-home --home-dir /cache \
        --shell /usr/sbin/nologin weightstream \
-    && mkdir -p /models /cache \
-    && chown weightstream:weightstream /cache
+    && mkdir -p /models /cache /var/cache/weightstream \
+    && chown weightstream:weightstream /cache /var/cache/weightstream \
+    && chmod 0700 /var/cache/weightstream
 COPY --from=build /opt/weightstream /opt/weightstream
 # HOST=0.0.0.0: the server's default (127.0.0.1) would be unreachable from outside the container,
 # including by Docker's and Kubernetes' health checks. /cache is the only place the server process

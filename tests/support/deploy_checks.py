@@ -4,11 +4,15 @@ The kustomize overlays are rendered with `kubectl kustomize`, the compose file i
 variables interpolated, the Dockerfile's final stage is parsed; every container becomes a
 Container. problems_of() parses a container's `weightstream` command line and WEIGHTSTREAM_*
 variables with the server's own parser and settings, and checks its probes, ports, drain time and
-mounts against what those settings say; security_problems() checks its security context and
-resources. all_problems() adds what the other objects of an overlay must agree on: the Services and
-NetworkPolicies in front of a server carry its gRPC and data ports, and a server behind a Service or
-with several replicas announces its own pod IP for the data port. tests/test_deploy.py runs the
-checks on the real files and on broken copies of them.
+mounts against what those settings say, its disk cache against its volume, and that a server with an
+upstream and no bucket carries no S3 credentials (in compose, that its upstream is another service's
+gRPC port); security_problems() checks its security context and resources. all_problems() adds what
+the other objects of an overlay must agree on: the Services and NetworkPolicies in front of a server
+carry its gRPC and data ports, a server behind a Service or with several replicas announces its own
+pod IP for the data port, and an upstream names the headless Service and gRPC port of a server of
+the cluster (the overlays applied together) whose token and TLS settings it meets, through the
+NetworkPolicies on both sides. tests/test_deploy.py runs the checks on the real files and on broken
+copies of them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import ast
 import contextlib
 import difflib
 import io
+import ipaddress
 import json
 import re
 import shlex
@@ -26,6 +31,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -35,8 +41,9 @@ import pytest
 import yaml
 
 from weightstream.cli import build_parser
+from weightstream.client.replicas import channel_target
 from weightstream_server.health import LIVENESS_SERVICE_NAME, SERVICE_NAME
-from weightstream_server.settings import ENV_PREFIX, ServerSettings
+from weightstream_server.settings import ENV_PREFIX, ServerSettings, env_name, split_host_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,6 +83,44 @@ FIELD_REF_VALUES = {
 
 SERVER_FIELDS = set(ServerSettings.model_fields)
 
+# Where the AWS SDKs (boto3's and the Run:ai streamer's) find credentials in a container's environment.
+AWS_CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_PROFILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+)
+
+# Audiences of the projected ServiceAccount tokens AWS exchanges for credentials (IRSA, EKS Pod Identity).
+AWS_TOKEN_AUDIENCES = ("sts.amazonaws.com", "pods.eks.amazonaws.com")
+
+# On EKS, a ServiceAccount so annotated gets S3 credentials injected into every container of its pods.
+IRSA_ANNOTATION = "eks.amazonaws.com/role-arn"
+
+# Kubernetes quantity suffixes (sizeLimit, ephemeral-storage) as multipliers.
+_QUANTITY_SUFFIXES = {
+    "": 1,
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+    "Pi": 1 << 50,
+    "Ei": 1 << 60,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+}
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+
 
 def tool(name: str) -> str:
     """A command-line tool from the project's venv (make test installs them), else from PATH."""
@@ -113,10 +158,12 @@ class Container:
     env: dict[str, str]
     ports: dict[str, int] = field(default_factory=dict)
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    mounts: dict[str, str] = field(default_factory=dict)  # mount path -> volume name
-    spec: dict[str, Any] = field(default_factory=dict)  # the raw Kubernetes container
+    mounts: dict[str, str] = field(default_factory=dict)  # mount path -> volume name (compose: its source)
+    read_only: set[str] = field(default_factory=set)  # the mount paths mounted read-only
+    spec: dict[str, Any] = field(default_factory=dict)  # the raw Kubernetes container (compose: service)
     field_refs: dict[str, str] = field(default_factory=dict)  # env name -> downward API fieldPath
     workload: dict[str, Any] = field(default_factory=dict)  # the raw Deployment (or other) holding the pod
+    host: str = ""  # the name other containers reach it by (a compose service's), if it has one
 
     @property
     def is_server(self) -> bool:
@@ -182,7 +229,11 @@ def suggest(name: str, known: set[str]) -> str:
 
 
 def problems_of(containers: list[Container], pods: Mapping[str, dict[str, Any]] | None = None) -> list[str]:
-    """Everything wrong with these containers, one sentence each; pods maps a container's where to its pod."""
+    """Everything wrong with these containers, one sentence each.
+
+    pods maps a container's where to its pod (Kubernetes); without it the containers are the services
+    of one compose file, which reach each other by their names.
+    """
     problems: list[str] = []
     client_names = client_env_names()
     for c in containers:
@@ -203,8 +254,15 @@ def problems_of(containers: list[Container], pods: Mapping[str, dict[str, Any]] 
             problems.append(str(exc))
             continue
         problems += probe_problems(c, settings)
-        if pods is not None:
-            problems += pod_problems(c, settings, pods[c.where])
+        pod = pods[c.where] if pods is not None else None
+        if pod is not None:
+            problems += pod_problems(c, settings, pod)
+        # The containers that could write to the same volumes: a pod's others, or every other service.
+        siblings = [x for x in containers if x is not c and (pods is None or pods[x.where] is pod)]
+        problems += disk_cache_problems(c, settings, siblings, pod)
+        problems += upstream_credential_problems(c, settings, pod)
+        if pods is None:
+            problems += compose_upstream_problems(c, settings, containers)
     return problems
 
 
@@ -282,15 +340,242 @@ def pod_problems(c: Container, settings: ServerSettings, pod: dict[str, Any]) ->
             f"{c.where}: terminationGracePeriodSeconds {grace} does not exceed the preStop sleep ({sleep:g} s) plus "
             f"the server's drain ({settings.drain_seconds:g} s): streams in flight would be killed"
         )
+    readiness = c.probes.get("readinessProbe", {})
+    follows_stores = readiness.get("httpGet", {}).get("path") == "/readyz" or (
+        "grpc" in readiness and readiness["grpc"].get("service", "") in ("", SERVICE_NAME)
+    )
+    if c.spec.get("restartPolicy") == "Always" and follows_stores:
+        problems.append(
+            f"{c.where}: a native sidecar's readiness probe counts in its pod's readiness; on /readyz or gRPC "
+            "health it takes the engine's pod out of its Services whenever the server's store does not answer"
+        )
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
-    for label, path in (("token file", settings.token_file), ("shared-memory dir", settings.shm_dir)):
-        if path is not None and not any(str(path).startswith(m.rstrip("/") + "/") or str(path) == m for m in c.mounts):
+    for label, path in (
+        ("token file", settings.token_file),
+        ("shared-memory dir", settings.shm_dir),
+        ("upstream token file", settings.upstream_token_file),
+        ("upstream CA file", settings.upstream_ca_file),
+        ("upstream client certificate", settings.upstream_client_cert),
+        ("upstream client key", settings.upstream_client_key),
+    ):
+        if path is not None and mount_of(c, str(path)) is None:
             problems.append(f"{c.where}: the {label} {path} is on no mounted volume ({sorted(c.mounts)})")
     if settings.shm_dir is not None:
         volume = volumes.get(c.mounts.get(str(settings.shm_dir), ""), {})
         empty_dir = volume.get("emptyDir") or {}
         if empty_dir.get("medium") != "Memory" or "sizeLimit" not in empty_dir:
             problems.append(f"{c.where}: {settings.shm_dir} must be an emptyDir with medium Memory and a sizeLimit")
+    return problems
+
+
+def mount_of(c: Container, path: str) -> str | None:
+    """The mount path of c's volume that holds path (the deepest), or None when path is on none of them."""
+    holding = [m for m in c.mounts if path == m or path.startswith(m.rstrip("/") + "/")]
+    return max(holding, key=len, default=None)
+
+
+def quantity(text: str | int) -> Decimal:
+    """A Kubernetes quantity (72Gi, 100G, 1.5Ti, 1073741824) as a number of bytes."""
+    found = _QUANTITY.fullmatch(str(text).strip())
+    if found is None:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity")
+    return Decimal(found.group(1)) * _QUANTITY_SUFFIXES[found.group(2) or ""]
+
+
+def disk_cache_problems(
+    c: Container, settings: ServerSettings, siblings: list[Container], pod: dict[str, Any] | None
+) -> list[str]:
+    """WEIGHTSTREAM_DISK_CACHE is a writable volume of c's own, on disk, with room for WEIGHTSTREAM_DISK_CACHE_BYTES.
+
+    The server serves what it finds there as the files it read, so nothing else may write there: no
+    other container of the pod (or other compose service) mounts the volume writable.
+    """
+    if settings.disk_cache is None:
+        return []
+    path = str(settings.disk_cache)
+    mount = mount_of(c, path)
+    if mount is None:
+        return [
+            f"{c.where}: the disk cache {path} (WEIGHTSTREAM_DISK_CACHE) is on no mounted volume ({sorted(c.mounts)}): "
+            "it would be in the container's own filesystem, read-only here, and gone with the container"
+        ]
+    problems = []
+    volume = c.mounts[mount]
+    if mount in c.read_only:
+        problems.append(f"{c.where}: the disk cache {path} is on {mount}, which is mounted read-only")
+    if volume not in ("", "tmpfs"):
+        writers = [s.where for s in siblings if any(v == volume and m not in s.read_only for m, v in s.mounts.items())]
+        if writers:
+            problems.append(
+                f"{c.where}: the disk cache's volume {volume} is mounted writable in {', '.join(writers)} too: the "
+                "server serves what it finds there, so only the server may write to it"
+            )
+    if pod is None:
+        if volume == "tmpfs":
+            problems.append(f"{c.where}: the disk cache {path} is on a tmpfs, which is memory, not disk")
+        return problems
+    spec = next(v for v in pod.get("volumes", []) if v["name"] == volume)
+    return problems + disk_cache_volume_problems(c, settings, spec)
+
+
+def disk_cache_volume_problems(c: Container, settings: ServerSettings, volume: dict[str, Any]) -> list[str]:
+    """The disk cache's Kubernetes volume holds WEIGHTSTREAM_DISK_CACHE_BYTES on disk, writable by the server."""
+    name, bound = f"{c.where}: the disk cache's volume {volume['name']}", settings.disk_cache_bytes
+    if "emptyDir" in volume:
+        empty_dir = volume["emptyDir"] or {}
+        if empty_dir.get("medium") == "Memory":
+            return [f"{name} is a Memory emptyDir: the cache would be RAM counted against the pod's memory"]
+        if "sizeLimit" not in empty_dir:
+            return [f"{name} is an emptyDir without a sizeLimit: set one of at least {bound} bytes (the cache's bound)"]
+        problems = []
+        limit = quantity(empty_dir["sizeLimit"])
+        if limit < bound:
+            problems.append(
+                f"{name} has sizeLimit {empty_dir['sizeLimit']}, less than WEIGHTSTREAM_DISK_CACHE_BYTES ({bound} "
+                "bytes): kubelet evicts the whole pod when the cache grows past the limit"
+            )
+        requested = c.spec.get("resources", {}).get("requests", {}).get("ephemeral-storage")
+        if requested is None or quantity(requested) < limit:
+            problems.append(
+                f"{c.where} requests ephemeral-storage {requested or 'none'}, less than the disk cache's sizeLimit "
+                f"{empty_dir['sizeLimit']}: the scheduler may pick a node without that much disk, and under disk "
+                "pressure kubelet evicts first the pods that use more than they requested"
+            )
+        return problems
+    if "hostPath" in volume:
+        kind = volume["hostPath"].get("type", "")
+        if kind != "Directory":
+            return [
+                f"{name} is a hostPath of type {kind or 'unset'}, not Directory: make the directory on each node for "
+                "uid 10001 with mode 0700; kubelet would make it root's, which the server cannot write (fsGroup "
+                "does not apply to hostPath)"
+            ]
+        return []
+    if "ephemeral" in volume:
+        claim = volume["ephemeral"].get("volumeClaimTemplate", {}).get("spec", {})
+        storage = claim.get("resources", {}).get("requests", {}).get("storage")
+        if storage is None or quantity(storage) < bound:
+            return [f"{name} requests storage {storage or 'none'}, less than WEIGHTSTREAM_DISK_CACHE_BYTES ({bound})"]
+        return []
+    read_only = [k for k in ("configMap", "secret", "projected", "downwardAPI") if k in volume]
+    if read_only:
+        return [f"{name} is a {read_only[0]} volume, which is read-only"]
+    return []  # a persistentVolumeClaim (its size is the claim's) or another kind these checks do not know
+
+
+def upstream_credential_problems(c: Container, settings: ServerSettings, pod: dict[str, Any] | None) -> list[str]:
+    """A server that reads from an upstream, and from no bucket itself, carries no S3 settings or credentials.
+
+    The upstream's tier holds those; in a server that reads through it they would only let its pod,
+    and whatever else runs there, read the buckets directly. (A server may serve buckets of its own
+    besides its upstream, WEIGHTSTREAM_S3_BUCKETS; it then needs their credentials.)
+    """
+    if settings.upstream is None or settings.s3_buckets:
+        return []
+    carried = [name for name in AWS_CREDENTIAL_ENV if name in c.env]
+    carried += sorted(
+        env_name(name)
+        for name in SERVER_FIELDS
+        if name.startswith("s3_") and getattr(settings, name) != ServerSettings.model_fields[name].default
+    )
+    if pod is not None:
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for volume in (volumes.get(name, {}) for name in c.mounts.values()):
+            for source in volume.get("projected", {}).get("sources", []):
+                if source.get("serviceAccountToken", {}).get("audience") in AWS_TOKEN_AUDIENCES:
+                    carried.append(f"the web-identity token of volume {volume['name']}")
+    if not carried:
+        return []
+    return [
+        f"{c.where}: reads from its upstream ({settings.upstream}) and no bucket, yet carries S3 settings or "
+        f"credentials ({', '.join(carried)}): the upstream's tier holds them, a server reading through it needs none"
+    ]
+
+
+def upstream_targets(upstream: str) -> list[tuple[str, int | None]]:
+    """The (host, port) pairs an --upstream names: HOST:PORT, several comma-separated, or a gRPC dns: name.
+
+    ValueError when the client would refuse the target (several that are not all IP literals of one
+    family) or one is not a host; [] for a unix: socket.
+    """
+    channel_target(upstream)
+    text = upstream.strip()
+    if text.startswith("unix:"):
+        return []
+    if text.startswith("dns:"):
+        # dns:NAME, dns:///NAME or dns://AUTHORITY/NAME (AUTHORITY: the DNS server to ask).
+        name = text[len("dns:") :]
+        names = [name[2:].partition("/")[2] if name.startswith("//") else name]
+    else:
+        names = [n.strip() for n in text.removeprefix("ipv4:").removeprefix("ipv6:").split(",") if n.strip()]
+    return [split_host_port(name) for name in names]
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def upstream_security_problems(
+    c: Container, settings: ServerSettings, upstream: Container, upstream_settings: ServerSettings
+) -> list[str]:
+    """c's upstream token and TLS settings meet what its upstream server requires of its callers."""
+    problems = []
+    if upstream_settings.token_file is not None and settings.upstream_token_file is None:
+        problems.append(
+            f"{c.where}: its upstream {upstream.where} requires a bearer token (WEIGHTSTREAM_TOKEN_FILE); set "
+            "WEIGHTSTREAM_UPSTREAM_TOKEN_FILE to a file holding one"
+        )
+    if upstream_settings.tls_cert is not None and not settings.upstream_tls:
+        problems.append(
+            f"{c.where}: its upstream {upstream.where} serves TLS; set WEIGHTSTREAM_UPSTREAM_TLS (and "
+            "WEIGHTSTREAM_UPSTREAM_CA_FILE for a private authority)"
+        )
+    if upstream_settings.tls_cert is None and settings.upstream_tls:
+        problems.append(
+            f"{c.where}: WEIGHTSTREAM_UPSTREAM_TLS is on, but its upstream {upstream.where} serves plaintext: "
+            "every call would fail its handshake"
+        )
+    if upstream_settings.tls_client_ca is not None and (
+        settings.upstream_client_cert is None or settings.upstream_client_key is None
+    ):
+        problems.append(
+            f"{c.where}: its upstream {upstream.where} requires a client certificate (mutual TLS); set "
+            "WEIGHTSTREAM_UPSTREAM_CLIENT_CERT and WEIGHTSTREAM_UPSTREAM_CLIENT_KEY"
+        )
+    return problems
+
+
+def compose_upstream_problems(c: Container, settings: ServerSettings, containers: list[Container]) -> list[str]:
+    """A compose server's upstream names another service that runs the server, at its gRPC port."""
+    if settings.upstream is None:
+        return []
+    try:
+        targets = upstream_targets(settings.upstream)
+    except ValueError as exc:
+        return [f"{c.where}: WEIGHTSTREAM_UPSTREAM {settings.upstream!r}: {exc}"]
+    problems = []
+    for host, port in targets:
+        if "." in host or _is_address(host):
+            continue  # outside the compose file: nothing here to check it against
+        found = next((x for x in containers if x.host == host), None)
+        if found is None or not found.is_server:
+            what = "names no service" if found is None else "names a service that does not run `weightstream serve`"
+            problems.append(f"{c.where}: the upstream {host} {what} of the compose file")
+            continue
+        try:
+            upstream_settings = server_settings(found)
+        except ValueError:
+            continue  # said where found itself is checked
+        if port is None:
+            problems.append(f"{c.where}: the upstream {host} names no port (gRPC would dial 443)")
+        elif port != upstream_settings.grpc_port:
+            grpc_port = upstream_settings.grpc_port
+            problems.append(f"{c.where}: the upstream {host}:{port} is not the gRPC port {grpc_port} of {found.where}")
+        problems += upstream_security_problems(c, settings, found, upstream_settings)
     return problems
 
 
@@ -355,14 +640,19 @@ def pod_containers(docs: list[dict[str, Any]], label: str) -> tuple[list[Contain
                         env[item["name"]] = FIELD_REF_VALUES.get(ref["fieldRef"]["fieldPath"], "from-a-field")
                     else:
                         env[item["name"]] = str(item.get("value", ""))
+                argv = weightstream_argv(spec.get("command"), spec.get("args"), spec["image"])
+                if argv is not None and argv[:1] == ["serve"] and is_weightstream_image(spec["image"]):
+                    # The image's ENV is the server's too, beneath what the manifest sets (compose alike).
+                    env = {**dockerfile().env, **env}
                 container = Container(
                     where=where,
                     image=spec["image"],
-                    argv=weightstream_argv(spec.get("command"), spec.get("args"), spec["image"]),
+                    argv=argv,
                     env=env,
                     ports={p.get("name", str(p["containerPort"])): p["containerPort"] for p in spec.get("ports", [])},
                     probes={k: spec[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in spec},
                     mounts={m["mountPath"]: m["name"] for m in spec.get("volumeMounts", [])},
+                    read_only={m["mountPath"] for m in spec.get("volumeMounts", []) if m.get("readOnly")},
                     spec=spec,
                     field_refs=field_refs,
                     workload=doc,
@@ -372,7 +662,13 @@ def pod_containers(docs: list[dict[str, Any]], label: str) -> tuple[list[Contain
     return containers, pods
 
 
-def all_problems(docs: list[dict[str, Any]], label: str) -> list[str]:
+def all_problems(
+    docs: list[dict[str, Any]], label: str, cluster: Mapping[str, list[dict[str, Any]]] | None = None
+) -> list[str]:
+    """Everything wrong with one overlay's docs; cluster: every overlay's docs by label, as applied together.
+
+    Upstreams are looked for in the cluster (by default, this overlay alone).
+    """
     containers, pods = pod_containers(docs, label)
     problems = problems_of(containers, pods)
     for c in containers:
@@ -387,7 +683,9 @@ def all_problems(docs: list[dict[str, Any]], label: str) -> list[str]:
         problems += service_problems(c, settings, docs, label)
         problems += network_policy_problems(c, settings, docs, label)
         problems += advertise_problems(c, settings, docs)
-    return problems
+        problems += service_account_problems(c, settings, pods[c.where], docs)
+        problems += upstream_problems(c, settings, cluster if cluster is not None else {label: docs})
+    return list(dict.fromkeys(problems))
 
 
 def pod_labels(c: Container) -> dict[str, str]:
@@ -424,18 +722,18 @@ def service_problems(c: Container, settings: ServerSettings, docs: list[dict[str
     return problems
 
 
-def _allows(rule: dict[str, Any], c: Container, number: int) -> bool:
-    """Whether an ingress rule's ports let TCP through to c's port number (no ports: every port)."""
+def _allows(rule: dict[str, Any], c: Container | None, number: int, protocol: str = "TCP") -> bool:
+    """Whether a rule's ports let protocol through to port number of c (no ports: every port); named ports are c's."""
     if "ports" not in rule:
         return True
     for entry in rule["ports"]:
-        if entry.get("protocol", "TCP") != "TCP":
+        if entry.get("protocol", "TCP") != protocol:
             continue
         if "port" not in entry:
             return True
         port = entry["port"]
         if isinstance(port, str):
-            if resolve_port(c, port) == number:
+            if c is not None and resolve_port(c, port) == number:
                 return True
         elif port <= number <= entry.get("endPort", port):
             return True
@@ -506,6 +804,200 @@ def advertise_problems(c: Container, settings: ServerSettings, docs: list[dict[s
     ]
 
 
+def service_account_problems(
+    c: Container, settings: ServerSettings, pod: dict[str, Any], docs: list[dict[str, Any]]
+) -> list[str]:
+    """A server with an upstream and no bucket runs under a ServiceAccount that EKS does not give S3 credentials."""
+    if settings.upstream is None or settings.s3_buckets:
+        return []
+    name = pod.get("serviceAccountName", "default")
+    for account in docs:
+        if account["kind"] == "ServiceAccount" and account["metadata"]["name"] == name:
+            if IRSA_ANNOTATION in account["metadata"].get("annotations", {}):
+                return [
+                    f"{c.where}: reads from its upstream and no bucket, yet its ServiceAccount/{name} has "
+                    f"{IRSA_ANNOTATION}: EKS "
+                    "injects that role's S3 credentials into every container of the pod"
+                ]
+    return []
+
+
+def namespace_of(doc: dict[str, Any]) -> str:
+    namespace: str = doc["metadata"].get("namespace", "default")
+    return namespace
+
+
+def matches(selector: dict[str, Any], labels: Mapping[str, str]) -> bool:
+    """Whether a label selector (matchLabels and matchExpressions; {} selects everything) selects labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def namespace_labels(namespace: str, cluster: list[dict[str, Any]]) -> dict[str, str]:
+    """A namespace's labels: its Namespace object's, if the cluster's docs have it, and the one Kubernetes sets."""
+    labels: dict[str, str] = {}
+    for doc in cluster:
+        if doc["kind"] == "Namespace" and doc["metadata"]["name"] == namespace:
+            labels.update(doc["metadata"].get("labels", {}))
+    return {**labels, "kubernetes.io/metadata.name": namespace}
+
+
+def admits(peer: dict[str, Any], policy: dict[str, Any], pod: Container, cluster: list[dict[str, Any]]) -> bool:
+    """Whether a NetworkPolicy peer (a `from` or `to` entry) takes in pod's pods; an ipBlock is taken to."""
+    if "ipBlock" in peer:
+        return True  # which addresses pods get is the cluster's; nothing here says
+    if "namespaceSelector" in peer:
+        if not matches(peer["namespaceSelector"], namespace_labels(namespace_of(pod.workload), cluster)):
+            return False
+    elif namespace_of(pod.workload) != namespace_of(policy):
+        return False
+    return matches(peer.get("podSelector", {}), pod_labels(pod))
+
+
+def policy_types(policy: dict[str, Any]) -> list[str]:
+    """A NetworkPolicy's policyTypes as the API server defaults them."""
+    given: list[str] | None = policy["spec"].get("policyTypes")
+    return given or ["Ingress", *(["Egress"] if "egress" in policy["spec"] else [])]
+
+
+def policies_over(pod: Container, kind: str, cluster: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The NetworkPolicies that select pod's pods and restrict their traffic of kind (Ingress or Egress)."""
+    return [
+        d
+        for d in cluster
+        if d["kind"] == "NetworkPolicy"
+        and namespace_of(d) == namespace_of(pod.workload)
+        and matches(d["spec"].get("podSelector", {}), pod_labels(pod))
+        and kind in policy_types(d)
+    ]
+
+
+def cluster_service(host: str, namespace: str, cluster: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(namespace, name) of the Service an in-cluster DNS name names, seen from namespace; None for other names.
+
+    NAME (in namespace), NAME.NAMESPACE for a namespace of the cluster, and NAME.NAMESPACE.svc[.DOMAIN].
+    """
+    labels = host.split(".")
+    namespaces = {namespace_of(d) for d in cluster}
+    namespaces |= {d["metadata"]["name"] for d in cluster if d["kind"] == "Namespace"}
+    if len(labels) == 1:
+        return namespace, labels[0]
+    if len(labels) == 2 and labels[1] in namespaces:
+        return labels[1], labels[0]
+    if len(labels) >= 3 and labels[2] == "svc":
+        return labels[1], labels[0]
+    return None
+
+
+def upstream_problems(c: Container, settings: ServerSettings, cluster: Mapping[str, list[dict[str, Any]]]) -> list[str]:
+    """c's upstream names a headless Service of the cluster at the gRPC port of the servers it selects.
+
+    Headless, so that its DNS name resolves to every ready replica (a Service's one virtual IP would
+    put all of c's reads on one connection to one replica); and c meets those servers' token and TLS
+    requirements and may reach their gRPC port through the NetworkPolicies on both sides.
+    """
+    if settings.upstream is None:
+        return []
+    try:
+        targets = upstream_targets(settings.upstream)
+    except ValueError as exc:
+        return [f"{c.where}: WEIGHTSTREAM_UPSTREAM {settings.upstream!r}: {exc}"]
+    every = [doc for docs in cluster.values() for doc in docs]
+    problems = []
+    for host, port in targets:
+        named = None if _is_address(host) else cluster_service(host, namespace_of(c.workload), every)
+        if named is None:
+            continue  # outside the cluster: nothing here to check it against
+        service = next(
+            (
+                d
+                for d in every
+                if d["kind"] == "Service" and d["metadata"]["name"] == named[1] and namespace_of(d) == named[0]
+            ),
+            None,
+        )
+        if service is None:
+            problems.append(f"{c.where}: the upstream {host} names Service {named[0]}/{named[1]}, which no overlay has")
+            continue
+        name = f"Service {named[0]}/{named[1]}"
+        if service["spec"].get("clusterIP") != "None":
+            problems.append(
+                f"{c.where}: the upstream {host} names {name}, which is not headless (clusterIP: None): its one "
+                "virtual IP would put every read on one connection to one replica"
+            )
+        if port is None:
+            problems.append(f"{c.where}: the upstream {host} names no port (gRPC would dial 443)")
+            continue
+        entry = next((p for p in service["spec"].get("ports", []) if p["port"] == port), None)
+        if entry is None:
+            ports = [p["port"] for p in service["spec"].get("ports", [])]
+            problems.append(f"{c.where}: the upstream {host}:{port}: {name} has no port {port} (its ports: {ports})")
+            continue
+        servers = [
+            (label, server)
+            for label, docs in cluster.items()
+            for server in pod_containers(docs, label)[0]
+            if server.is_server
+            and namespace_of(server.workload) == named[0]
+            and service["spec"].get("selector")
+            and matches({"matchLabels": service["spec"]["selector"]}, pod_labels(server))
+        ]
+        if not servers:
+            problems.append(f"{c.where}: the upstream {host} names {name}, which selects no weightstream server")
+        for _, server in servers:
+            try:
+                upstream_settings = server_settings(server)
+            except ValueError:
+                continue  # said where the server itself is checked
+            target = entry.get("targetPort", entry["port"])
+            grpc_port = upstream_settings.grpc_port
+            if resolve_port(server, target) != grpc_port:
+                problems.append(
+                    f"{c.where}: the upstream {host}:{port} leads to port {target!r} of {server.where}, not its gRPC "
+                    f"port {grpc_port}"
+                )
+                continue
+            problems += upstream_security_problems(c, settings, server, upstream_settings)
+            for policy in policies_over(c, "Egress", every):
+                rules = policy["spec"].get("egress", [])
+                if not any(
+                    _allows(rule, server, grpc_port)
+                    and (not rule.get("to") or any(admits(p, policy, server, every) for p in rule["to"]))
+                    for rule in rules
+                ):
+                    problems.append(
+                        f"NetworkPolicy/{policy['metadata']['name']} keeps {c.where} from the gRPC port {grpc_port} of "
+                        f"its upstream {server.where}: every read from the upstream would time out"
+                    )
+                if not _is_address(host) and not any(_allows(rule, None, 53, "UDP") for rule in rules):
+                    problems.append(
+                        f"NetworkPolicy/{policy['metadata']['name']} keeps {c.where} from DNS (UDP port 53): its "
+                        f"upstream {host} would not resolve"
+                    )
+            for policy in policies_over(server, "Ingress", every):
+                if not any(
+                    _allows(rule, server, grpc_port)
+                    and (not rule.get("from") or any(admits(p, policy, c, every) for p in rule["from"]))
+                    for rule in policy["spec"].get("ingress", [])
+                ):
+                    problems.append(
+                        f"NetworkPolicy/{policy['metadata']['name']} keeps {c.where} off the gRPC port {grpc_port} of "
+                        f"its upstream {server.where}"
+                    )
+    return problems
+
+
 # --- docker-compose -----------------------------------------------------------------------------
 
 
@@ -566,6 +1058,28 @@ def compose_published(service: dict[str, Any]) -> list[tuple[str, str, int]]:
     return published
 
 
+def compose_mounts(service: dict[str, Any]) -> tuple[dict[str, str], set[str]]:
+    """A compose service's mounts as (mount path -> source, the read-only paths); source "tmpfs" for memory,
+    "" for an anonymous volume."""
+    mounts, read_only = {}, set()
+    for entry in service.get("volumes", []):
+        if isinstance(entry, dict):
+            source = "tmpfs" if entry.get("type") == "tmpfs" else str(entry.get("source", ""))
+            target, ro = entry["target"], bool(entry.get("read_only"))
+        else:
+            # [SOURCE:]TARGET[:MODE]
+            parts = str(entry).split(":")
+            source, target = (parts[0], parts[1]) if len(parts) > 1 else ("", parts[0])
+            ro = "ro" in ",".join(parts[2:]).split(",")
+        mounts[target] = source
+        if ro:
+            read_only.add(target)
+    tmpfs = service.get("tmpfs", [])
+    for entry in [tmpfs] if isinstance(tmpfs, str) else tmpfs:
+        mounts[entry.split(":")[0]] = "tmpfs"
+    return mounts, read_only
+
+
 def compose_containers(document: dict[str, Any]) -> list[Container]:
     image_env = dockerfile().env
     containers = []
@@ -596,7 +1110,21 @@ def compose_containers(document: dict[str, Any]) -> list[Container]:
                 probes["healthcheck"] = {"httpGet": {"port": int(found.group(1)), "path": found.group(2)}}
         ports = {str(target): target for _, _, target in compose_published(service)}
         ports |= {str(p).split("/")[0]: int(str(p).split("/")[0]) for p in service.get("expose", [])}
-        containers.append(Container(where=where, image=image, argv=argv, env=env, ports=ports, probes=probes))
+        mounts, read_only = compose_mounts(service)
+        containers.append(
+            Container(
+                where=where,
+                image=image,
+                argv=argv,
+                env=env,
+                ports=ports,
+                probes=probes,
+                mounts=mounts,
+                read_only=read_only,
+                spec=service,
+                host=name,
+            )
+        )
     return containers
 
 
