@@ -7,10 +7,13 @@ modification time upstream) has another key and never hits an old copy. DIR/part
 being written (Fill), each renamed into DIR/files/ once complete and checked; whatever a process
 left in DIR/partial/ (it died mid-fill) is removed at start-up, never trusted.
 
-A cached file is checked before its bytes are first served by a process, and again whenever its
-identity on disk changes (inode, size, modification or change time): its size and its whole
-CRC32C must match its record. One that is short, changed, fails its checksum or has no record
-(a foreign file) is removed and read again from the source. DIR must be writable by the server
+A cached file is checked before its bytes are first served, and again whenever its identity on
+disk changes (device, inode, size, modification or change time): its size and its whole CRC32C
+must match its record. The record keeps the identity the file had when its checksum last matched,
+so a restarted server trusts an untouched file without reading it; any write to the file, a
+rename onto it or a truncation changes that identity (a change time cannot be set back). One
+that is short, changed, fails its checksum or has no record (a foreign file) is removed and read
+again from the source. DIR must be writable by the server
 only: whoever can write both a file and its record can make the server serve them.
 
 Bound: the bytes of complete files and of the files being written (counted at their full size from
@@ -95,6 +98,13 @@ class _Entry:
     path: str
     version: str
     crc32c: int
+    # The file's identity on disk (device, inode, size, modification and change time) when its
+    # checksum last matched; a later process trusts a file that still has it without reading it.
+    checked: tuple[int, ...] | None = None
+
+    def record(self) -> str:
+        fields = {"path": self.path, "size": self.size, "version": self.version, "crc32c": self.crc32c}
+        return json.dumps({**fields, "checked": list(self.checked) if self.checked is not None else None})
 
 
 def cache_key(file: SourceFile) -> str:
@@ -126,8 +136,8 @@ class DiskCache:
         self._filling: dict[str, Fill] = {}
         self._reserved = 0
         self._resident = 0
-        # Identities (key, inode, size, mtime, ctime) of cached files whose checksum matched in this process.
-        self._checked: set[tuple[str, int, int, int, int]] = set()
+        # (key, identity) of cached files whose checksum matched in this process.
+        self._checked: set[tuple[str, tuple[int, ...]]] = set()
         self._hits = self._misses = self._evictions = self._dropped = self._bypassed = 0
         self._load()
 
@@ -209,14 +219,14 @@ class DiskCache:
     def _finished(self, fill: Fill, partial: Path, crc32c: int) -> None:
         """Keep a complete, checked fill: its record, then its bytes renamed into place."""
         key = fill.key
-        record = {"path": fill.file.path, "size": fill.file.size, "version": fill.file.version, "crc32c": crc32c}
         target = self._files / key
-        written = self._partial / f"{key}{RECORD_SUFFIX}"
+        entry = _Entry(fill.file.size, fill.file.path, fill.file.version, crc32c)
         try:
-            written.write_text(json.dumps(record))
+            # The record last: a file without one is removed at the next start.
             os.replace(partial, target)
-            os.replace(written, self._files / f"{key}{RECORD_SUFFIX}")
             kept = os.stat(target)
+            entry.checked = _identity(kept)
+            self._write_record(key, entry)
         except OSError as exc:
             logger.warning("disk cache: could not keep %s: %s", fill.file.path, exc)
             self._forget_fill(fill)
@@ -225,9 +235,9 @@ class DiskCache:
         with self._lock:
             self._filling.pop(key, None)
             self._reserved -= fill.file.size
-            self._entries[key] = _Entry(fill.file.size, fill.file.path, fill.file.version, crc32c)
+            self._entries[key] = entry
             self._resident += fill.file.size
-            self._checked.add((key, kept.st_ino, kept.st_size, kept.st_mtime_ns, kept.st_ctime_ns))
+            self._checked.add((key, _identity(kept)))
         logger.info("disk cache: kept %s (%d bytes)", fill.file.path, fill.file.size)
 
     def _failed(self, fill: Fill, partial: Path, *, unwritable: bool) -> None:
@@ -285,7 +295,10 @@ class DiskCache:
         try:
             record = json.loads((self._files / f"{key}{RECORD_SUFFIX}").read_text())
             entry = _Entry(int(record["size"]), str(record["path"]), str(record["version"]), int(record["crc32c"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            checked = record.get("checked")
+            if checked is not None:
+                entry.checked = tuple(int(v) for v in checked)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         if cache_key(SourceFile("", entry.path, entry.size, entry.version)) != key:
             return None
@@ -302,17 +315,25 @@ class DiskCache:
         if not stat.S_ISREG(now.st_mode) or now.st_size != entry.size:
             self._drop(key, f"is {now.st_size} bytes, not the {entry.size} of its record")
             return None
-        identity = (key, now.st_ino, now.st_size, now.st_mtime_ns, now.st_ctime_ns)
+        identity = _identity(now)
         with self._lock:
-            checked = identity in self._checked
+            checked = (key, identity) in self._checked or entry.checked == identity
         if not checked:
             crc = _crc_of(path, entry.size)
             if crc != entry.crc32c:
                 self._drop(key, "fails its checksum")
                 return None
-            with self._lock:
-                self._checked.add(identity)
+            entry.checked = identity
+            with contextlib.suppress(OSError):
+                self._write_record(key, entry)
+        with self._lock:
+            self._checked.add((key, identity))
         return LocalFile((str(self._files),), key, now.st_dev, now.st_ino, now.st_mtime_ns, now.st_ctime_ns)
+
+    def _write_record(self, key: str, entry: _Entry) -> None:
+        written = self._partial / f"{key}{RECORD_SUFFIX}"
+        written.write_text(entry.record())
+        os.replace(written, self._files / f"{key}{RECORD_SUFFIX}")
 
     def _drop(self, key: str, why: str) -> None:
         with self._lock:
@@ -461,6 +482,10 @@ class Fill:
             self._cache._failed(self, self._partial, unwritable=isinstance(exc, _Unwritable))
             return
         self._cache._finished(self, self._partial, crc)
+
+
+def _identity(now: os.stat_result) -> tuple[int, ...]:
+    return (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns, now.st_ctime_ns)
 
 
 class _Unwritable(StorageUnavailable):
