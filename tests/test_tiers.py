@@ -16,11 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.support.certificates import make_pki
 from tests.support.checkpoints import assert_bytes_identical, load_folder, skeleton
 from tests.support.faults import CuttingProxy
 from tests.support.metrics import samples
@@ -28,7 +30,7 @@ from tests.support.ports import LOOPBACK, free_ports, wait_port
 from tests.support.s3_stores import REGION, S3_BUCKET, S3Process, upload_folder
 from tests.support.serve_processes import ServerProcess, serve_process, start_serve, wait_http_ready
 from tests.support.servers import loopback_settings, serving
-from weightstream.client import NotFoundError, UnavailableError, WeightStreamClient
+from weightstream.client import NotFoundError, UnavailableError, WeightStreamClient, WeightStreamError
 from weightstream_server import WeightStreamServer, create_server
 from weightstream_server.disk_cache import FILES, RECORD_SUFFIX, cache_key
 from weightstream_server.upstream import UPSTREAM_SCHEME
@@ -361,3 +363,43 @@ def upper_root_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _shm_base() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def test_an_upstream_behind_mutual_tls_and_tokens_with_its_companion_files(upper_root: Path, tmp_path: Path) -> None:
+    """The tier's own token and certificate reach the upstream; its clients' tokens are never passed on."""
+    pki = make_pki(tmp_path / "pki", "tiers")
+    (upper_root / "three" / "config.json").write_text('{"model_type": "test"}')
+    tokens = tmp_path / "upstream-tokens"
+    tokens.write_text("tier-token\n")
+    secure = loopback_settings(
+        model_root=upper_root,
+        tls_cert=pki.server_cert,
+        tls_key=pki.server_key,
+        tls_client_ca=pki.ca,
+        token_file=tokens,
+    )
+    mine = tmp_path / "my-token"
+    mine.write_text("tier-token\n")
+    with serving(secure) as top:
+        upstream = f"localhost:{top.port}"
+        tls = {"upstream_tls": True, "upstream_ca_file": pki.ca}
+        mtls = {**tls, "upstream_client_cert": pki.client_cert, "upstream_client_key": pki.client_key}
+        with (
+            serving(
+                loopback_settings(upstream=upstream, disk_cache=tmp_path / "c", upstream_token_file=mine, **mtls)
+            ) as tier,
+            WeightStreamClient(f"{LOOPBACK}:{tier.port}", progress=False, token="a-client-token") as c,
+        ):
+            load(f"{LOOPBACK}:{tier.port}", "three", load_folder(upper_root / "three"))
+            report = c.fetch("three", tmp_path / "fetched", metadata_only=True)
+            assert (tmp_path / "fetched" / "config.json").read_text() == '{"model_type": "test"}', report
+        # No token, or no client certificate: the upstream refuses, and the tier says which tier did.
+        for settings in ({**mtls}, {**tls, "upstream_token_file": mine}):
+            with (
+                serving(loopback_settings(upstream=upstream, **settings)) as tier,  # type: ignore[arg-type]
+                WeightStreamClient(f"{LOOPBACK}:{tier.port}", progress=False, retry=None) as c,
+                pytest.raises(WeightStreamError, match=f"upstream {upstream}") as refused,
+            ):
+                c.manifest("three")
+            assert refused.value.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE), refused.value
+    (upper_root / "three" / "config.json").unlink()
