@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import stat
 import threading
 import time
@@ -127,8 +128,11 @@ class DiskCache:
         except BlockingIOError:
             os.close(self._lock_fd)
             raise ValueError(f"disk cache {self.directory} is in use by another weightstream server") from None
-        # Fills copying at once; the others wait for a turn (an upstream limits its streams too).
-        self._turns = threading.BoundedSemaphore(FILLS_AT_ONCE)
+        # Fills waiting for one of the FILLS_AT_ONCE copying threads (an upstream limits its streams
+        # too); a waiting fill holds no thread. The threads are daemons: a stuck source must not hold
+        # up the process's exit.
+        self._queue: queue.SimpleQueue[Fill] = queue.SimpleQueue()
+        self._copiers: list[threading.Thread] = []
         # After a failed write (a full disk), files are served uncached until then (time.monotonic()).
         self._unwritable_until = 0.0
         self._lock = threading.Lock()
@@ -158,7 +162,7 @@ class DiskCache:
             if key in self._entries:
                 self._entries.move_to_end(key)
         with contextlib.suppress(OSError):
-            os.utime(self._files / f"{key}{RECORD_SUFFIX}")
+            os.utime(self._files / f"{key}{RECORD_SUFFIX}", follow_symlinks=False)
         return SourceFile(file.name, str(self._files / key), file.size, file.version, local)
 
     def fill(self, file: SourceFile, fetch: Fetch) -> Fill | None:
@@ -191,7 +195,11 @@ class DiskCache:
             self._reserved += file.size
             fill = Fill(self, key, file, fetch)
             self._filling[key] = fill
-        fill.start()
+            if len(self._copiers) < FILLS_AT_ONCE:
+                copier = threading.Thread(target=self._copy, name="weightstream-fill", daemon=True)
+                self._copiers.append(copier)
+                copier.start()
+        self._queue.put(fill)
         return fill
 
     def close(self) -> None:
@@ -357,16 +365,25 @@ class DiskCache:
             logger.info("disk cache: evicted %s (%d bytes)", entry.path, entry.size)
         return self._resident + self._reserved + size <= self.capacity_bytes
 
+    def _copy(self) -> None:
+        """One copying thread: runs the queued fills, one after the other, for the life of the process."""
+        while True:
+            self._queue.get().run()
+
     def _remove(self, key: str) -> None:
         for name in (key, f"{key}{RECORD_SUFFIX}"):
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(self._files / name)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # a folder put there, a file the server may not remove
+                logger.warning("disk cache: cannot remove %s: %s", self._files / name, exc)
 
 
 class Fill:
     """One file being copied from its source into the disk cache, its bytes readable as they arrive.
 
-    The copy runs on a thread of its own, resuming where it stopped after errors worth retrying
+    The copy runs on one of the cache's copying threads, resuming where it stopped after errors worth retrying
     (FILL_TRIES in a row), and is checked at its end against the whole-file CRC32C the source gives
     (an upstream server does; S3 does not, and the CRC32C of what was written is recorded). Readers
     call read_into, which waits for the bytes it wants and reads them from the file being written;
@@ -393,9 +410,6 @@ class Fill:
         self._done = 0 if complete is None else file.size
         self._error: BaseException | None = None
         self._copying = False
-
-    def start(self) -> None:
-        threading.Thread(target=self._take_turn, name=f"weightstream-fill-{self.key[:8]}", daemon=True).start()
 
     def read_into(self, offset: int, length: int, address: int) -> None:
         """Copy length bytes of the file from offset to address, once they are written; raises the fill's error."""
@@ -425,11 +439,11 @@ class Fill:
             self.read_into(offset, length, ctypes.addressof(ctypes.c_char.from_buffer(data)))
         return bytes(data)
 
-    def _take_turn(self) -> None:
-        with self._cache._turns:
-            with self._changed:
-                self._copying = True
-            self._run()
+    def run(self) -> None:
+        """Copy the file (on one of the cache's copying threads)."""
+        with self._changed:
+            self._copying = True
+        self._run()
 
     def _run(self) -> None:
         crc = 0
@@ -505,7 +519,9 @@ def _crc_of(path: Path, size: int) -> int | None:
     crc = 0
     read = 0
     try:
-        with open(path, "rb", buffering=0) as f:
+        # O_NOFOLLOW: a link swapped in after the lstat of the check is not followed out of DIR.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "rb", buffering=0) as f:
             while True:
                 block = f.read(_CHECK_BLOCK_BYTES)
                 if not block:

@@ -194,11 +194,15 @@ def _piece(
         return b"", False
     if cache is None:
         return _read(opened, start, size, display), True
-    unit, read_here = cache.get_or_read(
-        (file.path, file.size, file.fingerprint, start, size),
-        lambda: np.frombuffer(_read(opened, start, size, display), dtype=np.uint8),
-    )
-    return unit.data.tobytes(), read_here
+    read: list[bytes] = []
+
+    def read_piece() -> np.ndarray:
+        read.append(_read(opened, start, size, display))
+        return np.frombuffer(read[0], dtype=np.uint8)
+
+    unit, read_here = cache.get_or_read((file.path, file.size, file.fingerprint, start, size), read_piece)
+    # The bytes read here go out as they are; only a piece another read kept is copied out of the cache.
+    return (read[0] if read else unit.data.tobytes()), read_here
 
 
 def _read(opened: OpenFiles, start: int, length: int, display: str) -> bytes:

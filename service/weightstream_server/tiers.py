@@ -16,6 +16,7 @@ Concurrency: safe to use from many threads, as its parts are.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Protocol
 import torch
 
 from weightstream_server.disk_cache import DiskCache, Fill
+from weightstream_server.errors import CorruptCheckpoint, StorageUnavailable
 from weightstream_server.read_plan import ReadPlan
 from weightstream_server.source import ModelFiles, Source, SourceFile
 
@@ -96,8 +98,19 @@ class TieredSource:
                 if fill is not None:
                     fill.read_into(offset, size, view.data_ptr())
                 else:
-                    view.copy_(torch.frombuffer(bytearray(self.read_range(file, offset, size)), dtype=torch.uint8))
+                    self._read_into(file, offset, view)
                 yield file_id, index, view
+
+    def _read_into(self, file: SourceFile, offset: int, view: torch.Tensor) -> None:
+        """A ranged read of view's size from offset of file, straight into view (a file not cached)."""
+        done = 0
+        for data, _ in self._counted(self.inner.read_from(file, offset, view.numel())):
+            if done + len(data) > view.numel():
+                raise CorruptCheckpoint(f"{file.path}: the source sent more than the {view.numel()} bytes asked for")
+            ctypes.memmove(view.data_ptr() + done, data, len(data))
+            done += len(data)
+        if done != view.numel():
+            raise StorageUnavailable(f"{file.path}: the source sent {done} of {view.numel()} bytes at {offset}")
 
     def close(self) -> None:
         close = getattr(self.inner, "close", None)
