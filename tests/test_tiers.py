@@ -30,7 +30,13 @@ from tests.support.ports import LOOPBACK, free_ports, wait_port
 from tests.support.s3_stores import REGION, S3_BUCKET, S3Process, upload_folder
 from tests.support.serve_processes import ServerProcess, serve_process, start_serve, wait_http_ready
 from tests.support.servers import loopback_settings, serving
-from weightstream.client import NotFoundError, UnavailableError, WeightStreamClient, WeightStreamError
+from weightstream.client import (
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+    WeightStreamClient,
+    WeightStreamError,
+)
 from weightstream_server import WeightStreamServer, create_server
 from weightstream_server.disk_cache import FILES, RECORD_SUFFIX, cache_key
 from weightstream_server.upstream import UPSTREAM_SCHEME
@@ -125,7 +131,7 @@ def test_a_restarted_tier_serves_from_its_disk_cache_with_the_upstream_revision(
         assert snapshot is not None and snapshot.files == 3 and snapshot.hits >= 3 and snapshot.dropped == 0
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "corrupt-while-running"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "foreign", "symlink", "corrupt-while-running"])
 def test_a_damaged_or_foreign_cache_file_is_dropped_and_read_again(
     upstream: WeightStreamServer, upper_root: Path, tmp_path: Path, damage: str
 ) -> None:
@@ -145,9 +151,18 @@ def test_a_damaged_or_foreign_cache_file_is_dropped_and_read_again(
             assert tier.tiers.source_bytes_read == model_bytes(upper_root / "three") + victim.stat().st_size
             return
     if damage == "corrupt":
+        before = victim.stat()
         with victim.open("r+b") as f:
             f.seek(victim.stat().st_size - 5)
             f.write(b"XXXXX")
+        # The modification time set back as it was: the change time still tells.
+        os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    elif damage == "symlink":
+        # A link to a file outside the cache, of the same size: never followed, never served.
+        outside = tmp_path.parent / f"{tmp_path.name}-outside"
+        outside.write_bytes(b"\xab" * victim.stat().st_size)
+        victim.unlink()
+        victim.symlink_to(outside)
     elif damage == "truncate":
         os.truncate(victim, victim.stat().st_size - 1)
     else:
@@ -163,6 +178,46 @@ def test_a_damaged_or_foreign_cache_file_is_dropped_and_read_again(
         # Exactly the dropped file came from the upstream again; the others from the cache.
         assert tier.tiers.source_bytes_read == (tmp_path / FILES / cached[1]).stat().st_size
         assert not (tmp_path / FILES / "0123456789abcdef").exists()
+
+
+def test_a_folder_in_the_disk_cache_does_not_stop_the_server(
+    upstream: WeightStreamServer, upper_root: Path, tmp_path: Path
+) -> None:
+    with _tier(upstream, tmp_path):
+        pass
+    (tmp_path / FILES / "a-folder").mkdir()
+    (tmp_path / FILES / "a-folder" / "inside").write_bytes(b"x")
+    with _tier(upstream, tmp_path) as tier:
+        load(f"{LOOPBACK}:{tier.port}", "three", load_folder(upper_root / "three"))
+        assert tier.tiers.cache is not None and tier.tiers.cache.snapshot().files == 3
+
+
+def test_a_tier_without_a_disk_cache_reads_the_upstream_once_through_its_ram_cache(
+    upstream: WeightStreamServer, upper_root: Path
+) -> None:
+    reference = load_folder(upper_root / "three")
+    settings = loopback_settings(upstream=f"{LOOPBACK}:{upstream.port}", cache_bytes=64 * 1024 * 1024)
+    with serving(settings) as tier, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        loads = [pool.submit(load, f"{LOOPBACK}:{tier.port}", "three", reference) for _ in range(3)]
+        for done in loads:
+            done.result(timeout=LOAD_TIMEOUT_S)
+        assert tier.tiers.cache is None
+        # Tensor bytes only (headers are read once per manifest), each once though three loads ran at once.
+        tensors = sum(t.numel() * t.element_size() for t in reference.values())
+        assert tensors <= tier.tiers.source_bytes_read < tensors + 3 * 64 * 1024
+
+
+def test_a_file_read_of_a_length_stops_there_and_one_past_the_end_is_refused(
+    upstream: WeightStreamServer, upper_root: Path
+) -> None:
+    path = sorted((upper_root / "three").glob("*.safetensors"))[0]
+    raw = path.read_bytes()
+    with WeightStreamClient(f"{LOOPBACK}:{upstream.port}", progress=False) as c:
+        pieces = list(c.read_file("three", path.name, offset=100, length=5000))
+        assert b"".join(data for data, _ in pieces) == raw[100:5100]
+        assert all(whole is None for _, whole in pieces)
+        with pytest.raises(InvalidArgumentError, match="past the end"):
+            list(c.read_file("three", path.name, offset=len(raw) - 10, length=11))
 
 
 def test_the_disk_cache_stays_within_its_bound_while_larger_models_load(
