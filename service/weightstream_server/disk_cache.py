@@ -169,13 +169,9 @@ class DiskCache:
         """The fill that copies file into the cache (started now, or already running); None when it does not fit."""
         key = cache_key(file)
         cached = self.lookup(file)
-        if cached is not None:
-            try:
-                fd = os.open(cached.path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                pass  # evicted since: fill it again
-            else:
-                return Fill(self, key, file, fetch, fd)
+        fd = _open_checked(cached) if cached is not None else None
+        if fd is not None:
+            return Fill(self, key, file, fetch, fd)
         with self._lock:
             running = self._filling.get(key)
             if running is not None:
@@ -496,6 +492,28 @@ class Fill:
             self._cache._failed(self, self._partial, unwritable=isinstance(exc, _Unwritable))
             return
         self._cache._finished(self, self._partial, crc)
+
+
+def _open_checked(cached: SourceFile) -> int | None:
+    """A descriptor of a checked cached file, if it is still the file that was checked (not evicted
+    since, not swapped for another or for a link); None otherwise."""
+    local = cached.local
+    assert local is not None
+    try:
+        fd = os.open(cached.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    now = os.fstat(fd)
+    if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns, now.st_ctime_ns) != (
+        local.device,
+        local.inode,
+        cached.size,
+        local.mtime_ns,
+        local.ctime_ns,
+    ) or not stat.S_ISREG(now.st_mode):
+        os.close(fd)
+        return None
+    return fd
 
 
 def _identity(now: os.stat_result) -> tuple[int, ...]:
