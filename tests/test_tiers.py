@@ -262,7 +262,7 @@ def test_an_upstream_file_name_is_never_a_cache_path(upstream: WeightStreamServe
         # The upstream refuses the id; nothing is written outside the cache directory.
         with pytest.raises(Exception, match=r"invalid model id|INVALID_ARGUMENT"):
             c.manifest("../escape")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["files", "lock", "partial"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["files", "lock", "models", "partial"]
 
 
 def test_one_disk_cache_directory_serves_one_server(upstream: WeightStreamServer, tmp_path: Path) -> None:
@@ -458,3 +458,22 @@ def test_an_upstream_behind_mutual_tls_and_tokens_with_its_companion_files(upper
                 c.manifest("three")
             assert refused.value.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE), refused.value
     (upper_root / "three" / "config.json").unlink()
+
+
+def test_a_cached_model_is_served_while_the_upstream_is_down(
+    upper_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    reference = load_folder(upper_root / "three")
+    with serving(loopback_settings(model_root=upper_root)) as top:
+        settings = loopback_settings(upstream=f"{LOOPBACK}:{top.port}", disk_cache=tmp_path)
+        with serving(settings) as tier:
+            load(f"{LOOPBACK}:{tier.port}", "three", reference)
+            with WeightStreamClient(f"{LOOPBACK}:{tier.port}", progress=False) as c:
+                revision = c.manifest("three").revision
+    # The upstream is gone now; a restarted tier still serves what its disk cache holds whole.
+    with serving(settings) as tier, WeightStreamClient(f"{LOOPBACK}:{tier.port}", progress=False, retry=None) as c:
+        assert c.manifest("three").revision == revision
+        load(f"{LOOPBACK}:{tier.port}", "three", reference)
+        assert "serving model 'three' from the disk cache" in caplog.text
+        with pytest.raises(UnavailableError, match=f"upstream {LOOPBACK}:{top.port}"):
+            c.manifest("other")

@@ -4,7 +4,8 @@ Layout: DIR/files/KEY is a file's bytes, bit-identical to the source's, and DIR/
 they are (the source path, size and version, and the CRC32C of the whole file); KEY is a digest of
 the path, size and version, so a file whose version changes at the source (a new ETag, a new
 modification time upstream) has another key and never hits an old copy. DIR/partial/ holds files
-being written (Fill), each renamed into DIR/files/ once complete and checked; whatever a process
+being written (Fill), each renamed into DIR/files/ once complete and checked; DIR/models/ the files
+each model last resolved to, so that a model can be served while its source is unreachable; whatever a process
 left in DIR/partial/ (it died mid-fill) is removed at start-up, never trusted.
 
 A cached file is checked before its bytes are first served, and again whenever its identity on
@@ -57,6 +58,7 @@ from weightstream_server.source import LocalFile, SourceFile
 logger = logging.getLogger(__name__)
 
 FILES = "files"
+MODELS = "models"
 PARTIAL = "partial"
 LOCK_FILE = "lock"
 # Files copied from the source at once; more wait for a turn.
@@ -110,7 +112,11 @@ class _Entry:
 
 def cache_key(file: SourceFile) -> str:
     """The name a file's bytes are kept under: a digest of its source path, size and version."""
-    return hashlib.sha256(f"{file.path}\0{file.size}\0{file.version}".encode()).hexdigest()[:40]
+    return _digest(f"{file.path}\0{file.size}\0{file.version}")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
 class DiskCache:
@@ -119,7 +125,8 @@ class DiskCache:
         self.capacity_bytes = capacity_bytes
         self._files = self.directory / FILES
         self._partial = self.directory / PARTIAL
-        for folder in (self.directory, self._files, self._partial):
+        self._models = self.directory / MODELS
+        for folder in (self.directory, self._files, self._partial, self._models):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         # One server per directory: another's start-up would remove this one's files being written.
         self._lock_fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -197,6 +204,25 @@ class DiskCache:
                 copier.start()
         self._queue.put(fill)
         return fill
+
+    def remember(self, model: str, files: tuple[SourceFile, ...]) -> None:
+        """Keep which files (source paths, sizes, versions) model last resolved to, for remembered()."""
+        listing = [{"name": f.name, "path": f.path, "size": f.size, "version": f.version} for f in files]
+        path = self._models / _digest(model)
+        with contextlib.suppress(OSError):
+            if path.exists() and json.loads(path.read_text()) == listing:
+                return
+            written = self._partial / f"{_digest(model)}.model"
+            written.write_text(json.dumps(listing))
+            os.replace(written, path)
+
+    def remembered(self, model: str) -> tuple[SourceFile, ...] | None:
+        """The files model last resolved to (as the source listed them), None if none are remembered."""
+        try:
+            listing = json.loads((self._models / _digest(model)).read_text())
+            return tuple(SourceFile(str(f["name"]), str(f["path"]), int(f["size"]), str(f["version"])) for f in listing)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def close(self) -> None:
         """Let another server use the directory (fills still running go on writing until they end)."""

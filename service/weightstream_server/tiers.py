@@ -9,6 +9,10 @@ read_units here): every stream that wants a file meanwhile reads the one fill's 
 arrive. Without a disk cache, or for a file that does not fit in it, bytes are read from the source
 with ranged reads (single-flight only through the RAM cache, --cache-bytes).
 
+While the source cannot be reached (UNAVAILABLE), a model whose files as last listed are all in the
+disk cache is served from there, with a WARNING; its revision is the one last listed. Its
+companion files are not kept, so a fetch of them fails with the source's error.
+
 Counts: bytes read from the source above (fills and ranged reads), for /status and /metrics.
 
 Concurrency: safe to use from many threads, as its parts are.
@@ -17,17 +21,24 @@ Concurrency: safe to use from many threads, as its parts are.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import grpc
 import torch
 
 from weightstream_server.disk_cache import DiskCache, Fill
-from weightstream_server.errors import CorruptCheckpoint, StorageUnavailable
+from weightstream_server.errors import CorruptCheckpoint, StorageUnavailable, UpstreamError
 from weightstream_server.read_plan import ReadPlan
 from weightstream_server.source import ModelFiles, Source, SourceFile
+
+logger = logging.getLogger(__name__)
+
+# Upstream codes that mean it cannot be reached now: a model fully in the disk cache is then served from there.
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class RemoteSource(Source, Protocol):
@@ -63,13 +74,33 @@ class TieredSource:
         return self.inner.reachable()
 
     def resolve(self, model: str) -> ModelFiles:
-        located = self.inner.resolve(model)
+        try:
+            located = self.inner.resolve(model)
+        except (StorageUnavailable, UpstreamError) as exc:
+            if isinstance(exc, UpstreamError) and exc.code not in _UNREACHABLE:
+                raise
+            offline = self._offline(model)
+            if offline is None:
+                raise
+            logger.warning("%s; serving model %r from the disk cache as it was last listed", exc, model)
+            return offline
         if self.cache is None:
             return located
         cached = [self.cache.lookup(f) for f in located.files]
         if all(c is not None for c in cached):
+            self.cache.remember(model, located.files)
             return ModelFiles(model, tuple(c for c in cached if c is not None), located.weight_map)
         return located
+
+    def _offline(self, model: str) -> ModelFiles | None:
+        """The model as it was last listed, if every one of those files is in the disk cache and checked."""
+        remembered = self.cache.remembered(model) if self.cache is not None else None
+        if not remembered or self.cache is None:
+            return None
+        cached = [self.cache.lookup(f) for f in remembered]
+        if not all(c is not None for c in cached):
+            return None
+        return ModelFiles(model, tuple(c for c in cached if c is not None), None)
 
     def companion_files(self, model: str) -> tuple[SourceFile, ...]:
         return self.inner.companion_files(model)
