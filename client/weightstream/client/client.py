@@ -25,6 +25,7 @@ from weightstream.client.files import RemoteFiles
 from weightstream.client.manifest import Manifest, ModelFileList, TensorInfo, TensorSlice, manifest_from_proto
 from weightstream.client.options import ClientOptions
 from weightstream.client.placement import Destination
+from weightstream.client.prefault import Prefault
 from weightstream.client.progress import is_rank_zero
 from weightstream.client.retry import (
     READY_WAIT_S,
@@ -353,8 +354,10 @@ class WeightStreamClient:
         session = LoadSession(self._session_config, manifest, infos, dests.__getitem__)
         received = 0
         try:
-            for dest in session.receive(description=model, progress=self._shows_progress()):
-                received += dest.nbytes
+            # Fresh host memory faulted in on a helper thread while the first bytes are on their way.
+            with Prefault(dests.values()):
+                for dest in session.receive(description=model, progress=self._shows_progress()):
+                    received += dest.nbytes
         except WeightStreamError as exc:
             written = sum(1 for d in dests.values() if d.written)
             complete = sum(1 for d in dests.values() if d.complete and d.nbytes)

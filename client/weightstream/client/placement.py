@@ -62,6 +62,8 @@ class Destination:
         else:
             self._staging = torch.empty(self.nbytes, dtype=torch.uint8, device=target.device)
             self.buffer = self._staging
+        # Whether the bytes land in a staging buffer that finish() copies into target and also.
+        self.staged = self._staging is not None
         self.landed = RangeSet(self.nbytes)
         self.written = False
 
