@@ -99,3 +99,17 @@ def test_memory_that_refuses_population_is_left_to_the_receive() -> None:
         tensor = torch.frombuffer(memory, dtype=torch.uint8)  # read-only: a write fault is refused
     assert not populate(int(tensor.data_ptr()), tensor.numel())
     assert prefault._supported  # one refusal does not turn it off for every later load
+
+
+def test_closing_stops_it_between_steps_without_populating_the_rest() -> None:
+    """A load that ends early (an error, a cancel) must not keep a thread faulting in a whole model."""
+    nbytes = 1024 * 1024 * 1024
+    _memory, tensor = _fresh(nbytes)  # virtual only until populated
+    work = Prefault([Destination("big", tensor)])
+    started = time.monotonic()
+    work.close()
+    assert time.monotonic() - started < 5
+    assert work.populated_bytes < nbytes
+    populated = work.populated_bytes
+    time.sleep(0.2)
+    assert work.populated_bytes == populated  # the thread is gone

@@ -58,7 +58,6 @@ def _probe() -> bool:
     with mmap.mmap(-1, PAGE) as page:
         address = ctypes.addressof(ctypes.c_char.from_buffer(page))
         known = _MADVISE(address, PAGE, MADV_POPULATE_WRITE) == 0
-        del address
     if not known:
         logger.debug("madvise(MADV_POPULATE_WRITE) is not supported here; destinations fault on first write")
     return known
