@@ -61,6 +61,27 @@ def test_native_crc_matches_google_crc32c() -> None:
     address = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
     assert wire.crc32c_at(address, len(data)) == wire.crc32c(data)
     assert wire.crc32c_at(address + 10, 500) == wire.crc32c(data[10:510])
+    assert wire.crc32c_at(address + 510, 1000, wire.crc32c(data[:510])) == wire.crc32c(data[:1510])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize(
+    "length", [0, 1, wire.CACHE_PIECE_BYTES - 1, wire.CACHE_PIECE_BYTES, 3 * wire.CACHE_PIECE_BYTES + 12_345]
+)
+def test_copy_crc32c_copies_exactly_and_checksums_what_landed(
+    length: int, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    if not native:
+        monkeypatch.setattr(wire, "_native_extend", None)
+    source = torch.frombuffer(bytearray(os.urandom(length + 2)), dtype=torch.uint8)
+    destination = torch.full((length + 64,), 0xAB, dtype=torch.uint8)
+    crc = wire.copy_crc32c(destination.data_ptr() + 32, source.data_ptr() + 1, length)
+    assert crc == wire.crc32c(bytes(source[1 : length + 1].numpy()))
+    assert torch.equal(destination[32 : 32 + length], source[1 : length + 1])
+    # Not a byte outside the range.
+    assert bool((destination[:32] == 0xAB).all()) and bool((destination[32 + length :] == 0xAB).all())
 
 
 def test_dtype_table_covers_safetensors_spellings_torch_holds() -> None:

@@ -22,6 +22,7 @@ import ctypes
 
 import torch
 
+from weightstream import wire
 from weightstream.client.cuda_host import HostRegion
 from weightstream.client.errors import IntegrityError
 from weightstream.client.ranges import RangeSet
@@ -81,14 +82,15 @@ class Destination:
 
 
 class CpuPlacer:
-    """Writes chunks into host memory with one memmove each."""
+    """Writes chunks into host memory with one copy each, checksummed where they landed."""
 
-    def place(
-        self, dest: Destination, offset: int, address: int, length: int, region: HostRegion | None = None
-    ) -> None:
-        """Copy length bytes at address into dest at offset; the caller keeps the source alive."""
-        # Bounds were checked by the caller against dest.nbytes; memmove itself checks nothing.
-        ctypes.memmove(dest.buffer.data_ptr() + offset, address, length)
+    def place(self, dest: Destination, offset: int, address: int, length: int, region: HostRegion | None = None) -> int:
+        """Copy length bytes at address into dest at offset; their CRC32C as they landed.
+
+        The caller keeps the source alive, and checks the CRC32C before it counts the bytes as landed.
+        """
+        # Bounds were checked by the caller against dest.nbytes; the copy itself checks nothing.
+        return wire.copy_crc32c(dest.buffer.data_ptr() + offset, address, length)
 
     def finish(self, dest: Destination) -> None:
         dest.finish()
@@ -114,18 +116,18 @@ class CudaPlacer:
         # Whether copies straight from the caller's (registered) memory were queued since settle().
         self.direct = False
 
-    def place(
-        self, dest: Destination, offset: int, address: int, length: int, region: HostRegion | None = None
-    ) -> None:
+    def place(self, dest: Destination, offset: int, address: int, length: int, region: HostRegion | None = None) -> int:
         """Copy length bytes at address into dest at offset: straight from region if CUDA registered it,
-        else through the pinned ring."""
+        else through the pinned ring. Their CRC32C, read from the source before the copies are queued
+        (the device's copy is not read back); the caller checks it before it counts the bytes as landed."""
+        crc = wire.crc32c_at(address, length)
         if region is not None and region.pinned(self.device):
             # One copy: registered host memory -> device, asynchronous on the side stream.
             source_bytes = torch.frombuffer((ctypes.c_char * length).from_address(address), dtype=torch.uint8)
             with torch.cuda.stream(self.stream):
                 dest.buffer[offset : offset + length].copy_(source_bytes, non_blocking=True)
             self.direct = True
-            return
+            return crc
         source, total = address, length
         size = self.staging[0].numel()
         for start in range(0, total, size):
@@ -145,6 +147,7 @@ class CudaPlacer:
                 recorded = torch.cuda.Event()
                 recorded.record(self.stream)
             self.events[slot] = recorded
+        return crc
 
     def finish(self, dest: Destination) -> None:
         self.stream.synchronize()

@@ -297,10 +297,12 @@ class _Stream:
             self.outage.progressed()
 
     def _place(self, chunk: ChunkRef) -> tuple[Destination, int] | None:
-        """Check one chunk (known tensor, bounds, CRC32C), write it into its tensor; (destination, new bytes).
+        """Check one chunk (known tensor, bounds), write it into its tensor, check its CRC32C there;
+        (destination, new bytes).
 
-        A chunk that lands again after a resume is written again, which is harmless; only its new
-        bytes count.
+        The CRC32C is that of the bytes as they landed (as placed, or as received in place); a chunk
+        that fails it leaves its range missing. A chunk that lands again after a resume is written
+        again, which is harmless; only its new bytes count.
         """
         info = self.infos.get(chunk.tensor)
         if info is None:
@@ -312,7 +314,16 @@ class _Stream:
                 f"model {self.model!r}: tensor {chunk.tensor!r}: chunk at offset {chunk.offset} with "
                 f"{size} bytes (stated {chunk.length}) does not fit its {info.nbytes} bytes"
             )
-        if wire.crc32c_at(chunk.address, size) != chunk.crc32c:
+        dest = self.session.destination(chunk.tensor) if size else None
+        if dest is None:
+            crc = 0  # of no bytes
+        elif chunk.in_place:
+            crc = chunk.landed_crc32c if chunk.landed_crc32c is not None else wire.crc32c_at(chunk.address, size)
+        else:
+            dest.written = True
+            placer = self.placers.for_tensor(dest.buffer)
+            crc = placer.place(dest, chunk.offset, chunk.address, size, chunk.region)
+        if crc != chunk.crc32c:
             error = IntegrityError(
                 f"model {self.model!r}: tensor {chunk.tensor!r}: CRC32C mismatch in the chunk at offset "
                 f"{chunk.offset} ({size} bytes); the data was corrupted in transit"
@@ -321,12 +332,8 @@ class _Stream:
                 # Its bytes lie in the tensor, but its range stays missing: the resume asks for it again.
                 raise TransportError(error)
             raise error
-        if not size:
+        if dest is None:
             return None
-        dest = self.session.destination(chunk.tensor)
-        if not chunk.in_place:
-            self.placers.for_tensor(dest.buffer).place(dest, chunk.offset, chunk.address, size, chunk.region)
-        dest.written = True
         return dest, dest.landed.add(chunk.offset, end)
 
     def _landing(self, tensor: str, offset: int, length: int) -> int | None:

@@ -61,6 +61,9 @@ class ChunkRef:
     region: HostRegion | None = None
     # The bytes were received at their destination, at the address land() gave (see the module docstring).
     in_place: bool = False
+    # For a chunk received in place: the CRC32C of its bytes as they landed, when the transport
+    # computed it while receiving them (None: the session computes it).
+    landed_crc32c: int | None = None
 
 
 # land(tensor, offset, length): where those bytes may be received directly, or None.

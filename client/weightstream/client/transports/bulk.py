@@ -5,8 +5,9 @@ ended) announces the data port and a one-time ticket; the client connects, shows
 reads the stream's frames (weightstream.bulk_protocol). Each chunk's header comes first, so its
 bytes are received straight where they belong: the load's land() gives the address of a CPU
 destination's bytes and recv_into writes there, one kernel copy, no buffer in between; the CRC32C
-is then checked where the bytes landed (session.py), and a chunk that fails it stays missing and
-is asked for again. Chunks land() declines (CUDA destinations, ranges that already hold checked
+is computed where the bytes landed, piece by piece as they arrive (while each piece is still in
+the core's cache), and checked by the session: a chunk that fails it stays missing and is asked
+for again. Chunks land() declines (CUDA destinations, ranges that already hold checked
 bytes) are received into one buffer of the stream's, registered with CUDA when CUDA is in use, and
 placed from there as on the other transports.
 
@@ -61,6 +62,10 @@ STREAM_TENSORS_BULK_METHOD = method_path("StreamTensorsBulk")
 CONNECT_TIMEOUT_S = 3.0
 # How long a stream whose connection was cut waits for the call to say why.
 CALL_END_GRACE_S = 5.0
+# Bytes received at a time into a destination, each piece checksummed right after it landed.
+# Larger than wire.CACHE_PIECE_BYTES: every receive is a system call, and a receiver that drains
+# its socket in small pieces makes the sender's kernel work harder; still well under a core's L2.
+RECEIVE_PIECE_BYTES = 1024 * 1024
 
 
 class Fallback:
@@ -226,14 +231,23 @@ def _receive(
             except UnicodeDecodeError:
                 raise IntegrityError(f"model {model!r}: a chunk's tensor name is not UTF-8") from None
             address = land(tensor, frame.offset, frame.length) if land is not None else None
-            in_place = address is not None
-            if address is None:
-                address = buffer.address
-            reader.into(address, frame.length)
             chunks += 1
             payload += frame.length
-            region = None if in_place else buffer.region
-            yield [ChunkRef(tensor, frame.offset, frame.crc32c, frame.length, address, frame.length, region, in_place)]
+            if address is None:  # placed from the buffer, and checked as it is placed
+                reader.into(buffer.address, frame.length)
+                yield [
+                    ChunkRef(
+                        tensor, frame.offset, frame.crc32c, frame.length, buffer.address, frame.length, buffer.region
+                    )
+                ]
+                continue
+            landed = reader.into(address, frame.length, checksum=True)
+            yield [
+                ChunkRef(
+                    tensor, frame.offset, frame.crc32c, frame.length, address, frame.length,
+                    in_place=True, landed_crc32c=landed,
+                )
+            ]  # fmt: skip
     except bulk_protocol.FrameError as exc:
         raise IntegrityError(f"model {model!r}: malformed frame on the data connection: {exc}") from exc
     except _Cut as cut:
@@ -275,9 +289,24 @@ class _Reader:
         self._fill(view)
         return bytes(view)
 
-    def into(self, address: int, size: int) -> None:
-        if size:
-            self._fill(memoryview((ctypes.c_char * size).from_address(address)).cast("B"))
+    def into(self, address: int, size: int, *, checksum: bool = False) -> int:
+        """Receive size bytes at address; with checksum, their CRC32C as they landed (else 0).
+
+        With checksum the bytes come in RECEIVE_PIECE_BYTES pieces, each checksummed right after it
+        landed, while it is still in the core's cache.
+        """
+        if not size:
+            return 0
+        view = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+        if not checksum:
+            self._fill(view)
+            return 0
+        crc = 0
+        for start in range(0, size, RECEIVE_PIECE_BYTES):
+            piece = min(RECEIVE_PIECE_BYTES, size - start)
+            self._fill(view[start : start + piece])
+            crc = wire.crc32c_at(address + start, piece, crc)
+        return crc
 
     def _fill(self, view: memoryview) -> None:
         got, size = 0, len(view)
