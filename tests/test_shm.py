@@ -45,6 +45,7 @@ from weightstream.client.transports.base import StreamCancel
 from weightstream.client.transports.shared_memory import SharedMemoryTransport
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server import WeightStreamServer, create_server, shm_segments, shm_servicer
+from weightstream_server import reader as reader_module
 from weightstream_server.catalog import Catalog, Manifest
 from weightstream_server.errors import CheckpointChanged, CorruptCheckpoint
 from weightstream_server.plan import plan_reads
@@ -654,6 +655,40 @@ def test_tensor_parallel_ranks_over_shm_are_bit_exact(
     assert torch.equal(sliced[first], blocks[first][1000:200_000])
     assert _fill_paths(caplog) == [COPIED_INTO_SLOTS, COPIED_INTO_SLOTS, READ_INTO_SLOTS]
     assert not [name for name in _entries(shm_dir) if name.startswith("weightstream-")]
+
+
+def test_a_direct_read_partly_in_the_page_cache_gives_the_chunks_bytes_and_crc32c(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk whose first pieces are cached and whose rest is not: the checksum taken piece by piece
+    on the caller's thread is carried on to the bytes read on the reader's threads."""
+    state = write_model(tmp_path, "partly", tensors=1, numel=1 << 20, seed=5)  # one 4 MiB tensor
+    catalog = Catalog([LocalSource(tmp_path)])
+    manifest = catalog.manifest("partly")
+    plan = plan_reads(manifest, [], 4 << 20)
+    (source,) = manifest.files
+    path = Path(source.path)
+    evict_from_page_cache(path)
+    data_start = source.size - plan.total_bytes
+    with path.open("rb") as f:  # the first 300 KiB of the tensor back in the cache
+        os.pread(f.fileno(), 300 * 1024, data_start)
+    handed_over: list[int] = []
+    real_read_into = reader_module._ChunkRead.read_into
+
+    def read_into(self: reader_module._ChunkRead, address: int, done: int = 0, crc: int = 0) -> int:
+        handed_over.append(done)
+        return real_read_into(self, address, done, crc)
+
+    monkeypatch.setattr(reader_module._ChunkRead, "read_into", read_into)
+    buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    with DirectReader(manifest, plan, lambda n: None, threads=2) as reader:
+        (read,) = list(reader.reads())
+        crc = read.start(buffer.data_ptr())
+        value = crc if isinstance(crc, int) else crc.result()
+    (tensor,) = state.values()
+    assert bytes(buffer.numpy()) == tensor.numpy().tobytes()
+    assert value == wire.crc32c(tensor.numpy().tobytes())
+    assert len(handed_over) == 1 and 0 < handed_over[0] < plan.total_bytes, handed_over
 
 
 def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path: Path) -> None:

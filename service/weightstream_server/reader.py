@@ -321,10 +321,10 @@ class DirectReader:
     def _start(self, chunk: _ChunkRead, address: int) -> int | Future[int]:
         # What the page cache holds is copied here and now: a thread handoff costs more than the
         # copy. Only what must wait for storage goes to the threads.
-        done = chunk.read_cached(address)
+        done, crc = chunk.read_cached(address)
         if done == chunk.length:
-            return wire.crc32c_at(address, chunk.length)
-        return self._pool.submit(chunk.read_into, address, done)
+            return crc
+        return self._pool.submit(chunk.read_into, address, done, crc)
 
     def close(self) -> None:
         # Files are closed only here: reads of a file may still be queued when the next file starts.
@@ -363,26 +363,31 @@ class _ChunkRead:
     # Raises CheckpointChanged if the file is no longer as listed: then that is why a read failed.
     check_unchanged: Callable[[], None]
 
-    def read_cached(self, address: int) -> int:
-        """Read what the page cache holds of the chunk, from its start, to address; how many bytes.
+    def read_cached(self, address: int) -> tuple[int, int]:
+        """Read what the page cache holds of the chunk, from its start, to address; (how many bytes, their CRC32C).
 
-        Never waits for storage (RWF_NOWAIT); 0 where the kernel does not offer that, and on any
-        error, which read_into then meets and reports.
+        Never waits for storage (RWF_NOWAIT); nothing where the kernel does not offer that, and on
+        any error, which read_into then meets and reports. The bytes come in wire.CACHE_PIECE_BYTES
+        pieces, each checksummed right after it landed, while it is still in the core's cache.
         """
+        done = crc = 0
         if _NOWAIT is None:
-            return 0
-        done = 0
+            return done, crc
         with contextlib.suppress(OSError):  # BlockingIOError: the rest is not cached
             while done < self.length:
-                buffer = (ctypes.c_char * (self.length - done)).from_address(address + done)
-                n = os.preadv(self.fd, [buffer], self.offset + done, _NOWAIT)
+                size = min(wire.CACHE_PIECE_BYTES, self.length - done)
+                n = os.preadv(
+                    self.fd, [(ctypes.c_char * size).from_address(address + done)], self.offset + done, _NOWAIT
+                )
                 if n == 0:
                     break
+                crc = wire.crc32c_at(address + done, n, crc)
                 done += n
-        return done
+        return done, crc
 
-    def read_into(self, address: int, done: int = 0) -> int:
-        """Read the chunk's bytes from done on to address; the CRC32C of all its bytes there."""
+    def read_into(self, address: int, done: int = 0, crc: int = 0) -> int:
+        """Read the chunk's bytes from done on to address; the CRC32C of all its bytes (crc: of those before done)."""
+        start = done
         while done < self.length:
             buffer = (ctypes.c_char * (self.length - done)).from_address(address + done)
             try:
@@ -397,4 +402,4 @@ class _ChunkRead:
                     f"of {self.file_name}, expected {self.length}; the file ended early"
                 )
             done += n
-        return wire.crc32c_at(address, self.length)
+        return wire.crc32c_at(address + start, self.length - start, crc)
