@@ -2,8 +2,8 @@
 
 WeightStreamClient makes a LoadSession for each iter_tensors or load_into call and runs it once
 (receive). The session cuts the load's tensors into one group per stream, runs each group as a
-_Stream, checks every chunk before it is placed, and resumes a broken stream by asking for only
-what has not landed.
+_Stream, checks every chunk (its tensor and bounds before it is placed, its CRC32C where it
+landed, before it counts), and resumes a broken stream by asking for only what has not landed.
 
 Threading: with one stream, everything runs on the caller's thread. With several, each _Stream
 (its pending and partly landed tensors, its placers) runs on a worker thread of its own and is
@@ -103,8 +103,9 @@ class LoadSession:
     def receive(self, *, description: str, progress: bool) -> Iterator[Destination]:
         """Stream infos' bytes into their destinations; yield each destination once it is complete.
 
-        Every chunk is checked (known tensor, CRC32C, bounds) before it is placed, and the streams
-        are checked to have delivered every byte of every tensor. With config.streams > 1 the
+        Every chunk is checked (known tensor and bounds before it is placed, CRC32C where it landed,
+        before it counts), and the streams are checked to have delivered every byte of every
+        tensor. With config.streams > 1 the
         tensors are split into that many groups of about equal bytes, each received on its own
         channel and thread; destinations are yielded here, on the caller's thread, as they
         complete. A broken stream is resumed (see _Stream.run). progress draws a bar named
