@@ -105,11 +105,10 @@ class LoadSession:
 
         Every chunk is checked (known tensor and bounds before it is placed, CRC32C where it landed,
         before it counts), and the streams are checked to have delivered every byte of every
-        tensor. With config.streams > 1 the
-        tensors are split into that many groups of about equal bytes, each received on its own
-        channel and thread; destinations are yielded here, on the caller's thread, as they
-        complete. A broken stream is resumed (see _Stream.run). progress draws a bar named
-        description. Errors are the client's exceptions.
+        tensor. With config.streams > 1 the tensors are split into that many groups of about equal
+        bytes, each received on its own channel and thread; destinations are yielded here, on the
+        caller's thread, as they complete. A broken stream is resumed (see _Stream.run). progress
+        draws a bar named description. Errors are the client's exceptions.
         """
         total = sum(info.nbytes for info in self.infos.values())
         groups = split(self.infos, self.config.streams)
