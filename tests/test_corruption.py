@@ -140,3 +140,21 @@ def test_clean_proxy_path_loads(checkpoint: dict[str, torch.Tensor], server: Wei
         assert torch.equal(got["first.weight"].view(torch.uint8), checkpoint["first.weight"].view(torch.uint8))
     finally:
         proxy.stop()
+
+
+def test_a_bad_first_chunk_of_an_untouched_module_says_the_module_was_partly_written(
+    model_root: Path, proxy: FlippingProxy
+) -> None:
+    """The chunk is copied and checksummed in one pass, so a chunk that fails its check has been
+    written into its parameter: the error must say so even when nothing else was written."""
+    state = {"patterned.weight": torch.full((TENSOR_BYTES,), PATTERN, dtype=torch.uint8)}
+    (model_root / "patterned-only").mkdir()
+    save_file(state, str(model_root / "patterned-only" / "model.safetensors"))
+    module = ParameterTree({"patterned.weight": ((TENSOR_BYTES,), torch.uint8)})
+    with WeightStreamClient(
+        f"127.0.0.1:{proxy.port}", chunk_bytes=256 * 1024, progress=False, transport="grpc"
+    ) as client:
+        with pytest.raises(IntegrityError, match=r"CRC32C mismatch.*the module was partly written") as info:
+            client.load_into(module, "patterned-only")
+    assert proxy.flipped.is_set()
+    assert info.value.partially_written is True
