@@ -2,15 +2,14 @@
 
 A parameter that an engine has just allocated (torch.empty) has no pages yet: the first write to
 each 4 KiB page traps into the kernel, which finds and zeroes a page. On a loaded machine or in a
-virtual machine that is a large part of a load (vLLM's CPU worker here: 1.1 s of a 1.8 s load of
-415 MB went to the 101,000 first-touch faults of one memmove per chunk). Faulting the pages in
-with madvise(MADV_POPULATE_WRITE) (Linux 5.14) costs the kernel the same zeroing without a trap
-per page, and on this thread it overlaps with the network: by the time a chunk arrives its pages
-are usually there. Contents are never changed (the call faults pages in as a write would, without
-writing), so racing with the receive is harmless: a page the receive reaches first is faulted by
-it, and populating it again is a page-table walk. Memory that is already resident costs little
-more than that walk. Where the kernel lacks the call (or the memory refuses it), nothing happens
-and the receive faults the pages as before.
+virtual machine that can be a large part of a load (the README's vLLM section measures it).
+Faulting the pages in with madvise(MADV_POPULATE_WRITE) (Linux 5.14) costs the kernel the same
+zeroing without a trap per page, and on this thread it overlaps with the network: by the time a
+chunk arrives its pages are usually there. Contents are never changed (the call faults pages in
+as a write would, without writing), so racing with the receive is harmless: a page the receive
+reaches first is faulted by it, and populating it again is a page-table walk. Memory that is
+already resident costs little more than that walk. Where the kernel lacks the call (or the
+memory refuses it), nothing happens and the receive faults the pages as before.
 """
 
 from __future__ import annotations
