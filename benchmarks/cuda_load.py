@@ -39,8 +39,8 @@ def main() -> int:
         return 0
     from safetensors.torch import load_file
 
+    from benchmarks.harness import serve_weightstream, write_checkpoint
     from weightstream.allocator import tune_malloc
-    from weightstream.bench import serve_weightstream, write_checkpoint
     from weightstream.client import WeightStreamClient, cuda_host
     from weightstream.demo import ParameterTree
 

@@ -42,10 +42,10 @@ def main() -> int:
         return 0
     from safetensors.torch import load_file, save_file
 
+    from benchmarks.harness import serve_weightstream
     from tests.support.rank_model import RankModel, rank_checkpoint
-    from weightstream.bench import serve_weightstream
     from weightstream.client import WeightStreamClient
-    from weightstream.client.weight_plan import plan_loads
+    from weightstream.client.loader_plan import plan_loads
 
     def synchronize() -> None:
         if device.type == "cuda":

@@ -33,11 +33,11 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import evict_from_page_cache, serve_weightstream, write_checkpoint
 from weightstream.allocator import tune_malloc
-from weightstream.bench import evict_from_page_cache, serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
 from weightstream.demo import ParameterTree
-from weightstream.shm_protocol import CHUNKS_PER_SLOT, DEFAULT_SLOTS
+from weightstream.protocol.shm import CHUNKS_PER_SLOT, DEFAULT_SLOTS
 
 SHM_ROOT = Path("/dev/shm")
 CHUNK_BYTES = 4 * 1024 * 1024

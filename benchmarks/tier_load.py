@@ -49,12 +49,12 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import stop_process
 from tests.support.commands import clean_env
 from tests.support.ports import LOOPBACK, free_ports, wait_port
 from tests.support.s3_stores import REGION, S3RVER_KEY, s3rver, upload_folder
 from tests.support.serve_processes import start_serve
 from weightstream.allocator import tune_malloc
-from weightstream.bench import stop_process
 from weightstream.client import LoadReport, WeightStreamClient
 from weightstream.demo import ParameterTree
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from weightstream.bench import serve_weightstream, write_checkpoint
+from benchmarks.harness import serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
 from weightstream.client.sharding import ShardSpec
 from weightstream.demo import ParameterTree

@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import serve_weightstream
 from tests.support.ports import free_ports
 from tests.support.vllm_runs import (
     EngineRun,
@@ -41,7 +42,6 @@ from tests.support.vllm_runs import (
     write_config_folder,
     write_vllm_llama,
 )
-from weightstream.bench import serve_weightstream
 
 MODEL = "vllm-bench"
 BASELINE = "safetensors"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from weightstream.bench import (
+from benchmarks.harness import (
     BARE_GRPC,
     BASELINE,
     CACHE_GRPC,

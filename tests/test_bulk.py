@@ -21,6 +21,7 @@ import grpc
 import pytest
 import torch
 
+from benchmarks.harness import evict_from_page_cache
 from tests.support.certificates import Pki, make_pki
 from tests.support.checkpoints import expected_piece, load_folder, skeleton, write_model
 from tests.support.faults import CuttingProxy
@@ -28,15 +29,16 @@ from tests.support.ports import LOOPBACK, free_ports
 from tests.support.s3_stores import S3_BUCKET, S3Process, s3_settings, upload_folder
 from tests.support.serve_processes import Supervisor
 from tests.support.servers import eventually, loopback_settings, running, serving
-from weightstream import bulk_protocol
-from weightstream.bench import evict_from_page_cache
 from weightstream.client import FailedPreconditionError, RetryPolicy, WeightStreamClient
 from weightstream.client.sharding import ShardSpec
-from weightstream.client.transports import bulk
-from weightstream.client.transports.bulk import STREAM_TENSORS_BULK_METHOD
+from weightstream.client.transports import tcp as tcp_transport
+from weightstream.client.transports.tcp import STREAM_TENSORS_BULK_METHOD
+from weightstream.protocol import tcp
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server import WeightStreamServer, bulk_port, bulk_servicer
-from weightstream_server.bulk_port import Tickets
+from weightstream_server import WeightStreamServer
+from weightstream_server.transports.tcp import listener
+from weightstream_server.transports.tcp import servicer as tcp_servicer
+from weightstream_server.transports.tcp.listener import Tickets
 
 MODEL = "bulk-model"
 TENSORS = 12
@@ -90,13 +92,13 @@ def test_load_into_lands_every_chunk_in_place_and_bit_exact(
     def no_buffer(self: object) -> int:
         raise AssertionError("a chunk for a CPU parameter went through the transport's buffer")
 
-    monkeypatch.setattr(bulk._Buffer, "address", property(no_buffer))
+    monkeypatch.setattr(tcp_transport._Buffer, "address", property(no_buffer))
     module = _module(state)
     before = dict(module.named_parameters())
     served = server.stats.snapshot().bytes_served_total
     with WeightStreamClient(_target(server), progress=False, transport="tcp") as client:
         first = client.load_into(module, MODEL)
-        kept = len(bulk_servicer._chunk_checksums)
+        kept = len(tcp_servicer._chunk_checksums)
         for p in module.parameters():
             p.detach().zero_()
         second = client.load_into(module, MODEL)
@@ -143,11 +145,11 @@ def test_a_chunk_that_fails_its_check_is_asked_for_again(
     module = _module(state)
     with WeightStreamClient(_target(server), progress=False, transport="tcp", retry=POLICY) as client:
         client.load_into(module, MODEL)  # every chunk's CRC32C is kept now
-        kept = bulk_servicer._chunk_checksums
+        kept = tcp_servicer._chunk_checksums
         real_get = kept.get
         spoiled: list[object] = []
 
-        def get_once_wrong(key: bulk_servicer.ChunkKey) -> int | None:
+        def get_once_wrong(key: tcp_servicer.ChunkKey) -> int | None:
             crc = real_get(key)
             if crc is not None and not spoiled and key[3] > 8 * NUMEL:  # a chunk well into the file
                 spoiled.append(key)
@@ -243,7 +245,7 @@ def _closed_by_server(conn: socket.socket) -> bool:
 def _hello(port: int, ticket: bytes, *, tls: ssl.SSLContext | None = None) -> tuple[socket.socket, bytes]:
     raw = socket.create_connection((LOOPBACK, port), timeout=10)
     conn = tls.wrap_socket(raw, server_hostname="localhost") if tls is not None else raw
-    conn.sendall(bulk_protocol.hello(ticket))
+    conn.sendall(tcp.hello(ticket))
     return conn, conn.recv(1)
 
 
@@ -253,7 +255,7 @@ def test_a_ticket_admits_one_connection_from_its_peer_only(
     tickets = Tickets()
     pending = tickets.issue("127.0.0.1", None)
     assert tickets.admit(pending.ticket, "10.1.2.3", None) is None  # stolen: another host
-    assert tickets.admit(bytes(bulk_protocol.TICKET_BYTES), "127.0.0.1", None) is None  # guessed
+    assert tickets.admit(bytes(tcp.TICKET_BYTES), "127.0.0.1", None) is None  # guessed
     assert tickets.admit(pending.ticket, "127.0.0.1", None) is pending
     assert tickets.admit(pending.ticket, "127.0.0.1", None) is None  # used
     mtls = tickets.issue("127.0.0.1", b"certificate of the call")
@@ -264,11 +266,11 @@ def test_a_ticket_admits_one_connection_from_its_peer_only(
     refused_before = server.stats.snapshot().data_connections_refused_total
     channel, call, announcement = _announce(_target(server))
     try:
-        assert announcement.data_host == LOOPBACK and len(announcement.ticket) == bulk_protocol.TICKET_BYTES
+        assert announcement.data_host == LOOPBACK and len(announcement.ticket) == tcp.TICKET_BYTES
         conn, answer = _hello(announcement.data_port, announcement.ticket)
-        assert answer == bulk_protocol.ADMITTED
+        assert answer == tcp.ADMITTED
         again, second = _hello(announcement.data_port, announcement.ticket)
-        assert second == bulk_protocol.REFUSED
+        assert second == tcp.REFUSED
         assert again.recv(1) == b""  # and closed
         again.close()
         with conn:
@@ -294,8 +296,8 @@ def _payload_bytes(conn: socket.socket) -> int:
 
     payload = 0
     while True:
-        frame = bulk_protocol.decode_header(exactly(bulk_protocol.HEADER.size))
-        if frame.kind == bulk_protocol.END:
+        frame = tcp.decode_header(exactly(tcp.HEADER.size))
+        if frame.kind == tcp.END:
             assert frame.length == payload
             return payload
         exactly(frame.name_bytes)
@@ -323,12 +325,12 @@ def test_a_stolen_ticket_needs_the_callers_certificate_under_mutual_tls(
             thief.load_cert_chain(str(pki.other_client_cert), str(pki.other_client_key))
             stolen, answer = _hello(announcement.data_port, announcement.ticket, tls=thief)
             stolen.close()
-            assert answer == bulk_protocol.REFUSED
+            assert answer == tcp.REFUSED
             owner = ssl.create_default_context(cafile=str(pki.ca))
             owner.load_cert_chain(str(pki.client_cert), str(pki.client_key))
             conn, answer = _hello(announcement.data_port, announcement.ticket, tls=owner)
             with conn:
-                assert answer == bulk_protocol.ADMITTED
+                assert answer == tcp.ADMITTED
                 assert _payload_bytes(conn) == sum(t.numel() * 4 for t in state.values())
         finally:
             call.cancel()
@@ -360,7 +362,7 @@ def test_tls_on_the_data_connection(root: Path, state: dict[str, torch.Tensor], 
         # A plaintext peer on the TLS data port gets nothing: its hello is no TLS handshake.
         refused = r.server.stats.snapshot().data_connections_refused_total
         with socket.create_connection((LOOPBACK, r.server.data_port.port), timeout=10) as plain:
-            plain.sendall(bulk_protocol.hello(bytes(bulk_protocol.TICKET_BYTES)))
+            plain.sendall(tcp.hello(bytes(tcp.TICKET_BYTES)))
             assert _closed_by_server(plain)
         eventually(lambda: r.server.stats.snapshot().data_connections_refused_total == refused + 1, "refused")
 
@@ -368,7 +370,7 @@ def test_tls_on_the_data_connection(root: Path, state: dict[str, torch.Tensor], 
 def test_an_unreachable_data_port_falls_back_in_auto_and_fails_clearly_with_tcp(
     root: Path, state: dict[str, torch.Tensor], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger=bulk.logger.name)
+    caplog.set_level(logging.INFO, logger=tcp_transport.logger.name)
     closed_port = free_ports(1)[0]  # nothing listens there
     unreachable = loopback_settings(
         model_root=root, data_port=free_ports(1)[0], data_advertise=f"{LOOPBACK}:{closed_port}"
@@ -399,9 +401,9 @@ def test_an_unreachable_data_port_falls_back_in_auto_and_fails_clearly_with_tcp(
 def test_hostile_connections_to_the_data_port_cost_a_line_each_and_nothing_else(
     root: Path, state: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(bulk_port, "HANDSHAKE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(bulk_servicer, "SEND_STALL_S", 1.0)
-    caplog.set_level(logging.WARNING, logger=bulk_port.logger.name)
+    monkeypatch.setattr(listener, "HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(tcp_servicer, "SEND_STALL_S", 1.0)
+    caplog.set_level(logging.WARNING, logger=listener.logger.name)
     with running(root, data_port=free_ports(1)[0]) as r:
         server = r.server
         assert server.data_port is not None
@@ -409,9 +411,9 @@ def test_hostile_connections_to_the_data_port_cost_a_line_each_and_nothing_else(
         garbage = socket.create_connection((LOOPBACK, port))
         garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(64))
         silent = socket.create_connection((LOOPBACK, port))
-        wrong, answer = _hello(port, bytes(range(bulk_protocol.TICKET_BYTES)))
-        assert answer == bulk_protocol.REFUSED
-        flood = [socket.create_connection((LOOPBACK, port)) for _ in range(bulk_port.MAX_HANDSHAKES + 6)]
+        wrong, answer = _hello(port, bytes(range(tcp.TICKET_BYTES)))
+        assert answer == tcp.REFUSED
+        flood = [socket.create_connection((LOOPBACK, port)) for _ in range(listener.MAX_HANDSHAKES + 6)]
         for conn in (garbage, silent, wrong, *flood):
             conn.settimeout(10)
             assert _closed_by_server(conn), "the server kept a hostile connection open"
@@ -425,7 +427,7 @@ def test_hostile_connections_to_the_data_port_cost_a_line_each_and_nothing_else(
         channel, call, announcement = _announce(r.target)
         never_reads = socket.create_connection((LOOPBACK, port))
         never_reads.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        never_reads.sendall(bulk_protocol.hello(announcement.ticket))
+        never_reads.sendall(tcp.hello(announcement.ticket))
         with pytest.raises(grpc.RpcError) as stalled:
             list(call)
         assert stalled.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -444,7 +446,7 @@ def test_a_ticket_shown_to_another_replica_is_refused_and_the_load_goes_over_grp
     root: Path, state: dict[str, torch.Tensor], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Replica a announces replica b's data port, as a Service in front of both would route it."""
-    caplog.set_level(logging.INFO, logger=bulk.logger.name)
+    caplog.set_level(logging.INFO, logger=tcp_transport.logger.name)
     with serving(loopback_settings(model_root=root, data_port=free_ports(1)[0])) as b:
         assert b.data_port is not None
         wrong = f"{LOOPBACK}:{b.data_port.port}"
@@ -483,7 +485,7 @@ def test_bulk_calls_cancelled_in_a_loop_leave_no_stream_and_no_ticket(
             lambda: server.stats.snapshot().active_streams < server.settings.max_streams - 1, "a stream slot is free"
         )
         channel, call, announcement = _announce(_target(server))
-        assert len(announcement.ticket) == bulk_protocol.TICKET_BYTES
+        assert len(announcement.ticket) == tcp.TICKET_BYTES
         call.cancel()  # type: ignore[attr-defined]
         channel.close()
     eventually(lambda: server.stats.snapshot().active_streams == 0, "every cancelled stream ended")
@@ -504,7 +506,7 @@ def test_a_file_truncated_while_the_kernel_sends_it_ends_the_stream_not_the_serv
             client.load_into(_module(state), MODEL)  # warms the page cache and keeps the CRC32Cs
         channel, call, announcement = _announce(_target(s))
         conn, answer = _hello(announcement.data_port, announcement.ticket)
-        assert answer == bulk_protocol.ADMITTED
+        assert answer == tcp.ADMITTED
         time.sleep(0.5)  # the server fills the socket buffers and waits for room
         os.truncate(path, path.stat().st_size // 2)
         with conn, pytest.raises(AssertionError, match="without an END frame"):
@@ -518,7 +520,7 @@ def test_a_file_truncated_while_the_kernel_sends_it_ends_the_stream_not_the_serv
 
 
 def test_data_advertise_is_host_or_host_and_port() -> None:
-    from weightstream_server.grpc_server import advertised
+    from weightstream_server.assembly import advertised
     from weightstream_server.settings import ServerSettings, split_host_port
 
     assert split_host_port("10.0.0.7") == ("10.0.0.7", None)

@@ -23,11 +23,11 @@ from tests.support.checkpoints import pattern_tensors, received, write_pattern_f
 from tests.support.servers import loopback_settings, serving
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
-from weightstream_server.catalog import Catalog
 from weightstream_server.errors import ServerError, status_code
-from weightstream_server.plan import plan_reads
-from weightstream_server.reader import DirectReader
-from weightstream_server.source import LocalSource
+from weightstream_server.serving.catalog import Catalog
+from weightstream_server.serving.read_plan import plan_reads
+from weightstream_server.serving.reader import DirectReader
+from weightstream_server.storage.sources import LocalSource
 
 pytestmark = pytest.mark.slow
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.harness import write_checkpoint
 from tests.support.checkpoints import digests, file_digests, write_model
 from tests.support.faults import CuttingProxy
 from tests.support.reliability_report import record
 from tests.support.serve_processes import Supervisor
-from weightstream.bench import write_checkpoint
 from weightstream.client import FailedPreconditionError, RetryPolicy, WeightStreamClient
 from weightstream.demo import ParameterTree
 from weightstream_server import WeightStreamServer

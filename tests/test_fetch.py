@@ -27,7 +27,7 @@ from weightstream.client import (
 )
 from weightstream.client.fetch import partial_path
 from weightstream_server import WeightStreamServer
-from weightstream_server.files import MAX_COMPANION_BYTES
+from weightstream_server.serving.files import MAX_COMPANION_BYTES
 
 MODEL = "fetch-llama"
 S3_MODEL = f"s3://{S3_BUCKET}/fetch/llama"

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from tests.support.servers import Running, running
-from weightstream import wire
+from weightstream.protocol import wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 

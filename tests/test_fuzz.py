@@ -32,11 +32,11 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from tests.support.reliability_report import record
-from weightstream import dtypes, wire
+from weightstream.protocol import dtypes, wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server.errors import CorruptCheckpoint, UnsupportedCheckpoint
-from weightstream_server.header import HeaderTensor, read_header
+from weightstream_server.storage.header import HeaderTensor, read_header
 
 _PROFILES = {
     # CI gates every change, so its cases are the same on every run (derandomize): a failure there

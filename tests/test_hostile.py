@@ -20,14 +20,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from benchmarks.harness import peak_rss, reset_peak_rss, rss
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.reliability_report import record
 from tests.support.serve_processes import serve_process, wait_grpc_ready
-from weightstream.bench import peak_rss, reset_peak_rss, rss
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
-from weightstream_server.header import MAX_HEADER_BYTES, MAX_HEADER_ITEMS
-from weightstream_server.plan import MAX_RANGES_PER_REQUEST, MAX_RANGES_PER_TENSOR, MAX_REQUESTED_TENSORS
+from weightstream_server.serving.read_plan import MAX_RANGES_PER_REQUEST, MAX_RANGES_PER_TENSOR, MAX_REQUESTED_TENSORS
+from weightstream_server.storage.header import MAX_HEADER_BYTES, MAX_HEADER_ITEMS
 
 GOOD = "hostile-good"
 MANY = "hostile-many"

@@ -23,7 +23,7 @@ from tests.support.checkpoints import received, write_raw_safetensors
 from tests.support.servers import loopback_settings, serving
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
-from weightstream_server import source
+from weightstream_server.storage import sources as source
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -86,7 +86,7 @@ def rpc_errors(stub: pb_grpc.WeightStreamServiceStub, model: str) -> dict[str, g
 
 
 def assert_logged_without_traceback(caplog: pytest.LogCaptureFixture, count: int) -> None:
-    lines = [r for r in caplog.records if r.name == "weightstream_server.rpc"]
+    lines = [r for r in caplog.records if r.name == "weightstream_server.transports.rpc"]
     assert len(lines) == count, [r.getMessage() for r in lines]
     assert not [r for r in lines if r.exc_info]
     assert "Traceback" not in caplog.text

@@ -16,14 +16,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from benchmarks.harness import peak_rss, read_shapes, rss, write_checkpoint
 from tests.support.checkpoints import file_digests, tensor_digest
 from tests.support.metrics import rss_sampler
 from tests.support.reliability_report import record
 from tests.support.serve_processes import Supervisor
-from weightstream import wire
-from weightstream.bench import peak_rss, read_shapes, rss, write_checkpoint
 from weightstream.client import WeightStreamClient
 from weightstream.client.transports.grpc_stream import STREAM_TENSORS_METHOD
+from weightstream.protocol import wire
 from weightstream.v1 import weightstream_pb2 as pb
 
 # A `weightstream serve` process under sixteen clients, on a 0.5 GB checkpoint.

@@ -17,7 +17,7 @@ from tests.support.servers import Running, running
 from weightstream.client import UnauthenticatedError, WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
-from weightstream_server.auth import TokenFile, bearer_token
+from weightstream_server.ops.auth import TokenFile, bearer_token
 
 MODEL = "ops-auth-model"
 FIRST = "first-token-0123456789"

@@ -15,11 +15,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from tests.support.checkpoints import nbytes, write_model
 from tests.support.servers import Running, eventually, running
-from weightstream import wire
 from weightstream.client import UnavailableError, WeightStreamClient
+from weightstream.protocol import wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
-from weightstream_server.plan import MAX_REQUESTED_TENSORS
+from weightstream_server.serving.read_plan import MAX_REQUESTED_TENSORS
 
 MODEL = "ops-grpc-model"
 SERVICE = "weightstream.v1.WeightStreamService"
@@ -115,7 +115,7 @@ def test_too_many_names_is_invalid(channel: grpc.Channel, state: dict[str, torch
 def test_one_log_line_per_stream(
     served: Running, state: dict[str, torch.Tensor], channel: grpc.Channel, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="weightstream_server.stream_session")
+    caplog.set_level(logging.INFO, logger="weightstream_server.serving.stream_session")
     with WeightStreamClient(served.target, progress=False) as client:
         client.load_state_dict(MODEL)
     _stream_error(channel, pb.StreamTensorsRequest(model="no-such-model"))

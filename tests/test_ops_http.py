@@ -22,7 +22,7 @@ from tests.support.servers import Running, eventually, running
 from weightstream.client import NotFoundError, ResourceExhaustedError, WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
-from weightstream_server import health
+from weightstream_server.ops import health
 
 MODEL = "ops-http-model"
 TOKEN = "ops-http-token"

@@ -16,7 +16,7 @@ def test_the_open_file_soft_limit_is_raised_to_the_hard_limit() -> None:
 
     code = (
         "import resource\n"
-        "from weightstream_server.grpc_server import raise_open_file_limit\n"
+        "from weightstream_server.assembly import raise_open_file_limit\n"
         "before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
         "raise_open_file_limit()\n"
         "print(before, *resource.getrlimit(resource.RLIMIT_NOFILE))\n"

@@ -26,7 +26,7 @@ from tests.support.servers import loopback_settings, serving
 from weightstream.client import PermissionDeniedError, WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
-from weightstream_server.source import LocalSource, ModelFiles
+from weightstream_server.storage.sources import LocalSource, ModelFiles
 
 MIB = 1024 * 1024
 PUBLIC = b"public-bytes-"

@@ -29,28 +29,30 @@ import pytest
 import torch
 import transformers
 
+from benchmarks.harness import evict_from_page_cache
 from tests.support.checkpoints import expected_piece, llama_config, load_folder, skeleton, write_model, write_tiny_llama
 from tests.support.ports import free_ports
 from tests.support.reliability_report import record
 from tests.support.serve_processes import serve_process
 from tests.support.servers import eventually, loopback_settings, serving
-from weightstream import shm_protocol, wire
-from weightstream.bench import evict_from_page_cache
 from weightstream.client import WeightStreamClient, cuda_host
 from weightstream.client.errors import FailedPreconditionError
 from weightstream.client.manifest import TensorSlice
 from weightstream.client.retry import RetryPolicy
 from weightstream.client.sharding import ShardSpec
 from weightstream.client.transports.base import StreamCancel
-from weightstream.client.transports.shared_memory import SharedMemoryTransport
+from weightstream.client.transports.shm import SharedMemoryTransport
+from weightstream.protocol import shm, wire
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server import WeightStreamServer, create_server, shm_segments, shm_servicer
-from weightstream_server import reader as reader_module
-from weightstream_server.catalog import Catalog, Manifest
+from weightstream_server import WeightStreamServer, create_server
 from weightstream_server.errors import CheckpointChanged, CorruptCheckpoint
-from weightstream_server.plan import plan_reads
-from weightstream_server.reader import DirectReader, page_cached, reads_directly
-from weightstream_server.source import LocalSource
+from weightstream_server.serving import reader as reader_module
+from weightstream_server.serving.catalog import Catalog, Manifest
+from weightstream_server.serving.read_plan import plan_reads
+from weightstream_server.serving.reader import DirectReader, page_cached, reads_directly
+from weightstream_server.storage.sources import LocalSource
+from weightstream_server.transports.shm import segments as shm_segments
+from weightstream_server.transports.shm import servicer as shm_servicer
 
 LOOPBACK = "127.0.0.1"
 # Small chunks give small slots (16 slots of 64 KiB), so that every load wraps the ring many times.
@@ -221,11 +223,11 @@ def _take_ring(directory: Path, announcement: pb.StreamTensorsSharedResponse, ti
     """The protocol's hand-over, done by hand: the descriptor the segment socket gives for ticket; -1 if none."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(10)
-        with shm_protocol.socket_address(directory, announcement.segment_socket) as address:
+        with shm.socket_address(directory, announcement.segment_socket) as address:
             conn.connect(address)
         conn.sendall(announcement.ticket if ticket is None else ticket)
         answer, fds, _, _ = socket.recv_fds(conn, 1, 4)
-    if answer == shm_protocol.HANDOVER_OK and len(fds) == 1:
+    if answer == shm.HANDOVER_OK and len(fds) == 1:
         return fds[0]
     assert (answer, fds) == (b"", []), "a refused hand-over closes the connection and sends nothing"
     return -1
@@ -246,20 +248,20 @@ def test_segment_handover_ticket_seals_and_ring(shm_server: WeightStreamServer, 
         announcement = next(call)
         assert (announcement.slots, announcement.slot_bytes) == (4, CHUNK)
         assert announcement.segment_socket.startswith(f"weightstream-sock-{os.getpid()}-")
-        assert len(announcement.ticket) == shm_protocol.TICKET_BYTES
+        assert len(announcement.ticket) == shm.TICKET_BYTES
         path = shm_dir / announcement.segment_socket
         info = path.stat()
         assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == shm_segments.SOCKET_MODE == 0o660
         # The segment itself is no file in the directory, only its hand-over socket is.
         assert _entries(shm_dir) == sorted([*before, announcement.segment_socket])
         # Another ticket gets nothing, and the socket stays for the right one.
-        assert _take_ring(shm_dir, announcement, ticket=bytes(shm_protocol.TICKET_BYTES)) == -1
+        assert _take_ring(shm_dir, announcement, ticket=bytes(shm.TICKET_BYTES)) == -1
         fd = _take_ring(shm_dir, announcement)
         assert fd >= 0
         eventually(lambda: not path.exists(), "the socket removed once the segment is handed over")
         # A sealed memfd of exactly the ring: nobody can shrink or grow it under the server's mapping.
-        assert os.fstat(fd).st_size == 4 * CHUNK and shm_protocol.is_sealed(fd)
-        assert os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{shm_protocol.SEGMENT_PREFIX}")
+        assert os.fstat(fd).st_size == 4 * CHUNK and shm.is_sealed(fd)
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{shm.SEGMENT_PREFIX}")
         for resize in (0, 8 * CHUNK):
             with pytest.raises(PermissionError):
                 os.ftruncate(fd, resize)
@@ -304,14 +306,14 @@ def test_silent_and_wrong_connections_to_a_segment_socket_cost_seconds_not_the_s
     try:
         announcement = next(call)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
-            with shm_protocol.socket_address(shm_dir, announcement.segment_socket) as address:
+            with shm.socket_address(shm_dir, announcement.segment_socket) as address:
                 silent.connect(address)
             started = time.monotonic()
             fd = _take_ring(shm_dir, announcement)  # waits while the server waits on the silent one
             waited = time.monotonic() - started
             silent.settimeout(10)
             assert silent.recv(16) == b"", "the silent connection is closed without a descriptor"
-        assert fd >= 0 and shm_protocol.is_sealed(fd)
+        assert fd >= 0 and shm.is_sealed(fd)
         assert waited < shm_segments.TICKET_TIMEOUT_S + 5
     finally:
         if fd >= 0:
@@ -389,7 +391,7 @@ def test_transport_directly_matches_the_file(shm_server: WeightStreamServer, roo
     """The transport on its own: every byte of every chunk, read at its address, checked against the file."""
     import ctypes
 
-    from weightstream import wire
+    from weightstream.protocol import wire
 
     expected = {n: t.contiguous().view(torch.uint8).reshape(-1) for n, t in load_folder(root / "blocks").items()}
     channel = grpc.insecure_channel(_target(shm_server))
@@ -424,7 +426,7 @@ def test_stale_segments_of_dead_processes_are_removed_at_start(root: Path, tmp_p
         f"""
         import os, sys, time
         from pathlib import Path
-        from weightstream_server.shm_segments import Segment
+        from weightstream_server.transports.shm.segments import Segment
         segment = Segment(Path({str(directory)!r}), 2, 4096)
         print(segment.socket_name, flush=True)
         if sys.argv[1] == "die":
@@ -741,7 +743,7 @@ def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path:
 def _segment_mappings() -> list[str]:
     """The permissions of this process's mappings of shared-memory segments (/proc/self/maps)."""
     lines = Path("/proc/self/maps").read_text().splitlines()
-    return [line.split()[1] for line in lines if shm_protocol.SEGMENT_PREFIX in line]
+    return [line.split()[1] for line in lines if shm.SEGMENT_PREFIX in line]
 
 
 @pytest.mark.parametrize("cuda_in_use", [False, True])

@@ -11,10 +11,10 @@ import transformers
 from safetensors.torch import save_file
 
 from tests.support.checkpoints import expected_piece, llama_config, load_folder, skeleton
-from weightstream import framing
 from weightstream.client import WeightStreamClient
 from weightstream.client.manifest import TensorSlice
 from weightstream.client.sharding import LLAMA_RULES, ShardRule, ShardSpec
+from weightstream.protocol import framing
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 

@@ -97,7 +97,7 @@ def every_rpc(stub: pb_grpc.WeightStreamServiceStub, model: str, file: str) -> d
 
 def assert_one_line_each(caplog: pytest.LogCaptureFixture, count: int) -> None:
     """The server logged each failed call as one line: no traceback, no "internal error"."""
-    lines = [r for r in caplog.records if r.name == "weightstream_server.rpc"]
+    lines = [r for r in caplog.records if r.name == "weightstream_server.transports.rpc"]
     assert len(lines) == count, [r.getMessage() for r in lines]
     assert not [r for r in lines if r.exc_info], "a failed call was logged with a traceback"
     assert "Traceback" not in caplog.text

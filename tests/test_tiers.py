@@ -38,8 +38,8 @@ from weightstream.client import (
     WeightStreamError,
 )
 from weightstream_server import WeightStreamServer, create_server
-from weightstream_server.disk_cache import FILES, RECORD_SUFFIX, cache_key
-from weightstream_server.upstream import UPSTREAM_SCHEME
+from weightstream_server.storage.disk_cache import FILES, RECORD_SUFFIX, cache_key
+from weightstream_server.storage.upstream import UPSTREAM_SCHEME
 
 LOAD_TIMEOUT_S = 120.0
 
@@ -253,7 +253,7 @@ def test_upstream_errors_keep_their_codes_and_name_the_tier(
 
 def test_an_upstream_file_name_is_never_a_cache_path(upstream: WeightStreamServer, tmp_path: Path) -> None:
     """Model ids and file names from the upstream only ever name cache files by digest."""
-    from weightstream_server.source import SourceFile
+    from weightstream_server.storage.sources import SourceFile
 
     hostile = SourceFile("../../etc/passwd", f"{UPSTREAM_SCHEME}../../x/../../etc/passwd", 10, "1")
     key = cache_key(hostile)

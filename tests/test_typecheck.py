@@ -44,7 +44,7 @@ def test_imports_resolve_to_the_real_classes(tmp_path: Path) -> None:
     out = result.stdout
     assert "weightstream.client.errors.WeightStreamError" in out, out
     assert "weightstream.client.manifest.Manifest" in out, out
-    assert "weightstream_server.grpc_server.WeightStreamServer" in out, out
+    assert "weightstream_server.assembly.WeightStreamServer" in out, out
     assert "Any" not in out, out
     assert result.returncode == 0, out
 
@@ -53,7 +53,7 @@ def test_a_cross_module_type_error_fails_the_check(tmp_path: Path) -> None:
     result = mypy(
         tmp_path,
         """
-        from weightstream import wire
+        from weightstream.protocol import wire
 
         wire.crc32c("not bytes")
         """,

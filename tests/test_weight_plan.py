@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from tests.support.rank_model import FALLBACK, HIDDEN, RankModel, rank_checkpoint
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient
+from weightstream.client.loader_plan import plan_loads
 from weightstream.client.manifest import Manifest
-from weightstream.client.weight_plan import plan_loads
-from weightstream.wire import TensorSlice
+from weightstream.protocol.wire import TensorSlice
 from weightstream_server import WeightStreamServer
 
 

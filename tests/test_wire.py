@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import _TYPES as SAFETENSORS_TYPES  # the dtype spellings safetensors writes
 
-from weightstream import dtypes, framing, wire
 from weightstream.client.ranges import RangeSet
+from weightstream.protocol import dtypes, framing, wire
 from weightstream.v1 import weightstream_pb2 as pb
 
 

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from weightstream import __version__, wire
+from weightstream import __version__
+from weightstream.protocol import wire
 
 if TYPE_CHECKING:
     from weightstream.client import WeightStreamClient
@@ -143,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "bench":
-        from weightstream.bench import run_and_print
+        from benchmarks.harness import run_and_print
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:

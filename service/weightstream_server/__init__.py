@@ -6,7 +6,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from weightstream_server.grpc_server import WeightStreamServer, create_server
+    from weightstream_server.assembly import WeightStreamServer, create_server
     from weightstream_server.settings import ServerSettings
 
 __all__ = ["ServerSettings", "WeightStreamServer", "create_server"]
@@ -15,8 +15,8 @@ __all__ = ["ServerSettings", "WeightStreamServer", "create_server"]
 # --help` should not wait for the streamer and torch that the server itself needs.
 _WHERE = {
     "ServerSettings": "weightstream_server.settings",
-    "WeightStreamServer": "weightstream_server.grpc_server",
-    "create_server": "weightstream_server.grpc_server",
+    "WeightStreamServer": "weightstream_server.assembly",
+    "create_server": "weightstream_server.assembly",
 }
 
 

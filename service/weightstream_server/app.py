@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 
-from weightstream_server.grpc_server import create_server
+from weightstream_server.assembly import create_server
 from weightstream_server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def serve(settings: ServerSettings) -> None:
     received: list[str] = []
     rest = None
     if settings.http_port:
-        from weightstream_server.http import create_app, start_http
+        from weightstream_server.ops.http import create_app, start_http
 
         rest = start_http(create_app(server), settings.host, settings.http_port)
         logger.info("REST endpoint on http://%s:%d (/healthz, /readyz, /status, /metrics)", settings.host, rest.port)

@@ -22,7 +22,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from weightstream import wire
+from weightstream.protocol import wire
 
 ENV_PREFIX = "WEIGHTSTREAM_"
 

@@ -42,7 +42,7 @@ import yaml
 
 from weightstream.cli import build_parser
 from weightstream.client.replicas import channel_target
-from weightstream_server.health import LIVENESS_SERVICE_NAME, SERVICE_NAME
+from weightstream_server.ops.health import LIVENESS_SERVICE_NAME, SERVICE_NAME
 from weightstream_server.settings import ENV_PREFIX, ServerSettings, env_name, split_host_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from weightstream.bench import rss
+from benchmarks.harness import rss
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

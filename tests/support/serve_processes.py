@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.harness import stop_process
 from tests.support.commands import clean_env, weightstream_cmd
 from tests.support.ports import LISTEN_TIMEOUT_S, LOOPBACK, free_ports, wait_port
-from weightstream.bench import stop_process
 from weightstream.client import UnavailableError, WeightStreamClient
 
 READY_TIMEOUT_S = 30.0

@@ -16,7 +16,7 @@ import httpx
 
 from tests.support.ports import LOOPBACK
 from weightstream_server import ServerSettings, WeightStreamServer, create_server
-from weightstream_server.http import RestServer, create_app, start_http
+from weightstream_server.ops.http import RestServer, create_app, start_http
 
 # Source reachability is cached for about a second (health.PROBE_TTL_S); waits for a change are bounded by this.
 CHANGE_TIMEOUT_S = 5.0

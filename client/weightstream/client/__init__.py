@@ -11,7 +11,6 @@ Example::
 
 from __future__ import annotations
 
-from weightstream.client.client import LoadReport, WeightStreamClient
 from weightstream.client.errors import (
     FailedPreconditionError,
     IncompatibleModuleError,
@@ -24,6 +23,7 @@ from weightstream.client.errors import (
     UnavailableError,
     WeightStreamError,
 )
+from weightstream.client.facade import LoadReport, WeightStreamClient
 from weightstream.client.fetch import FetchReport
 from weightstream.client.manifest import Manifest, ModelFile, ModelFileList, TensorInfo
 from weightstream.client.retry import RetryPolicy

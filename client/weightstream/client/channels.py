@@ -19,13 +19,13 @@ from pathlib import Path
 
 import grpc
 
-from weightstream import wire
 from weightstream.client import replicas
 from weightstream.client.options import SHM_DIR_ENV
 from weightstream.client.transports.base import StreamCancel, Transport
-from weightstream.client.transports.bulk import BulkTransport, Fallback
 from weightstream.client.transports.grpc_stream import GrpcTransport
-from weightstream.client.transports.shared_memory import SharedMemoryTransport
+from weightstream.client.transports.shm import SharedMemoryTransport
+from weightstream.client.transports.tcp import BulkTransport, Fallback
+from weightstream.protocol import wire
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)

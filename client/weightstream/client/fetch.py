@@ -22,10 +22,10 @@ from typing import Protocol
 
 from tqdm import tqdm
 
-from weightstream import wire
 from weightstream.client.errors import IntegrityError
 from weightstream.client.manifest import ModelFile, ModelFileList
 from weightstream.client.progress import byte_bar
+from weightstream.protocol import wire
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from weightstream import wire
 from weightstream.client.channels import Channels
 from weightstream.client.errors import IntegrityError, translated
 from weightstream.client.manifest import ModelFileList, files_from_proto
+from weightstream.protocol import wire
 from weightstream.v1 import weightstream_pb2 as pb
 
 

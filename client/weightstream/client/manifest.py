@@ -7,10 +7,10 @@ from typing import Literal
 
 import torch
 
-from weightstream import dtypes, wire
 from weightstream.client.errors import IntegrityError
+from weightstream.protocol import dtypes, wire
+from weightstream.protocol.wire import TensorSlice
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream.wire import TensorSlice
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ import ctypes
 
 import torch
 
-from weightstream import wire
 from weightstream.client.cuda_host import HostRegion
 from weightstream.client.errors import IntegrityError
 from weightstream.client.ranges import RangeSet
+from weightstream.protocol import wire
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

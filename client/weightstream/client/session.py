@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import grpc
 from tqdm import tqdm
 
-from weightstream import wire
 from weightstream.client.channels import Channels
 from weightstream.client.errors import (
     FailedPreconditionError,
@@ -50,6 +49,7 @@ from weightstream.client.retry import (
 )
 from weightstream.client.transports.base import ChunkRef, StreamCancel, Transport, TransportError
 from weightstream.client.transports.call_reader import CANCEL_GRACE_S, StreamAbandoned
+from weightstream.protocol import wire
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)

@@ -47,10 +47,10 @@ from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from weightstream import wire
-from weightstream.client.client import WeightStreamClient
+from weightstream.client.facade import WeightStreamClient
+from weightstream.client.loader_plan import plan_loads
 from weightstream.client.options import MODEL_ENV, TARGET_ENV, ClientOptions
-from weightstream.client.weight_plan import plan_loads
+from weightstream.protocol import wire
 
 # A child of vLLM's logger, so that these lines reach vLLM's handler and format (vLLM configures
 # only the "vllm" logger; a weightstream.* logger would be dropped at the root's WARNING level).

@@ -105,7 +105,7 @@ class WeightStreamServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenSharedMemory(self, request, context):
-        """Same-host transport, step 1: the client proves that the server sees its shared-memory directory
+        """The shm transport (same host), step 1: the client proves that the server sees its shared-memory directory
         (a file the client wrote there, with its content). FAILED_PRECONDITION when it does not, or when
         the server has no shared-memory directory: the client then uses StreamTensors.
         """
@@ -114,7 +114,7 @@ class WeightStreamServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StreamTensorsShared(self, request_iterator, context):
-        """Same-host transport, step 2: StreamTensors with the bytes in a ring of shared-memory slots. The
+        """The shm transport, step 2: StreamTensors with the bytes in a ring of shared-memory slots. The
         first request message carries the StreamTensorsRequest; later ones return slots the client has
         copied out (credits). The server never has more slots in flight than the ring holds.
         """
@@ -123,10 +123,10 @@ class WeightStreamServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StreamTensorsBulk(self, request, context):
-        """Bulk transport, for clients on other hosts: StreamTensors with the bytes on a plain TCP (or TLS)
+        """The tcp transport, for clients on other hosts: StreamTensors with the bytes on a plain TCP (or TLS)
         connection to the server's data port, and this call as its control plane. The first and only
         message announces where to connect and the one-time ticket that admits the connection; the
-        chunks then travel on that connection (framing in weightstream/bulk_protocol.py), and the call's
+        chunks then travel on that connection (framing in weightstream/protocol/tcp.py), and the call's
         status says how the stream ended. FAILED_PRECONDITION when the server has no data port.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,6 +1,6 @@
 """The gRPC transport: chunk bytes inside StreamTensors messages, on any network.
 
-Each message is read as raw bytes and decoded by weightstream.framing, never as protobuf objects,
+Each message is read as raw bytes and decoded by weightstream.protocol.framing, never as protobuf objects,
 so payloads are checksummed and placed straight from the received message: gRPC's copy into the
 message and the placer's copy out of it into the tensor are the only ones on this side (on CUDA
 the placer goes through pinned staging, see placement.py).
@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 import grpc
 
-from weightstream import framing
 from weightstream.client.errors import IntegrityError
 from weightstream.client.transports.base import Batches, ChunkRef, Landing, StreamCancel, method_path
 from weightstream.client.transports.call_reader import CallReader
+from weightstream.protocol import framing
 from weightstream.v1 import weightstream_pb2 as pb
 
 STREAM_TENSORS_METHOD = method_path("StreamTensors")

@@ -1,0 +1,396 @@
+"""WeightStreamClient: the facade that holds a client's configuration and runs its calls.
+
+Channels and the choice of transport live in channels.py, one load in flight in session.py, file
+reads in files.py and fetch.py; this module wires them together behind the public methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+import torch
+
+from weightstream.client import replicas
+from weightstream.client.channels import Channels, channel_credentials, data_tls_context
+from weightstream.client.errors import NotFoundError, UnavailableError, WeightStreamError, translated
+from weightstream.client.fetch import FetchReport, fetch
+from weightstream.client.files import RemoteFiles
+from weightstream.client.loader_plan import WriteTarget
+from weightstream.client.manifest import Manifest, ModelFileList, TensorInfo, TensorSlice, manifest_from_proto
+from weightstream.client.options import ClientOptions
+from weightstream.client.placement import Destination
+from weightstream.client.prefault import Prefault
+from weightstream.client.progress import is_rank_zero
+from weightstream.client.retry import (
+    READY_WAIT_S,
+    IdleWatchdog,
+    Outage,
+    RetryPolicy,
+    permanent_connect_error,
+    reached_no_server,
+)
+from weightstream.client.session import LoadSession, SessionConfig
+from weightstream.client.sharding import ShardSpec, sliced_manifest
+from weightstream.client.targets import plan_targets
+from weightstream.protocol import wire
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What load_into did."""
+
+    model: str
+    tensors: int
+    bytes: int
+    seconds: float
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    transport: str = "grpc"
+    # Streams resumed after a failure that reached a server (RetryPolicy.attempts counts the same
+    # tries), and bytes received again that had already landed.
+    retries: int = 0
+    resent_bytes: int = 0
+
+    @property
+    def gbps(self) -> float:
+        """Gigabytes (10^9 bytes) per second."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightStreamClient:
+    """A client of a weightstream service: one server, or several replicas.
+
+    target is "host:port", a gRPC name such as "dns:///weightstream-headless:50051" that resolves
+    to every replica, or several IP "host:port" addresses (a list, or joined by commas); calls are
+    spread over the replicas (see weightstream.client.replicas).
+
+    Use it as a context manager, or call close(). The channel is made on first use. One client may
+    be used from several threads; each call runs its own stream.
+
+    token is sent as "authorization: Bearer <token>" on every call; without one, the environment
+    variable WEIGHTSTREAM_TOKEN is used when set. tls=True connects over TLS, verifying the server
+    against ca_file (PEM; the system's roots when None); client_cert and client_key (PEM) are this
+    client's certificate for servers that require mutual TLS. The files are read here, once.
+
+    retry says how broken streams are resumed and how long GetManifest is retried on UNAVAILABLE
+    (see RetryPolicy; on by default); None fails at the first error and turns the idle-stream
+    deadline off. transport chooses the data path: "auto" (the default) uses shared memory when the
+    server proves it sees shm_dir (default: the environment variable WEIGHTSTREAM_SHM_DIR), else a
+    bulk TCP connection to the server's data port (TLS with the same files when tls=True), and gRPC
+    when neither can be used (one INFO line says why); "shm" and "tcp" insist on theirs; "grpc"
+    tries neither. The environment is read once, here (options.ClientOptions).
+    """
+
+    def __init__(
+        self,
+        target: str | Sequence[str],
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        ca_file: str | Path | None = None,
+        client_cert: str | Path | None = None,
+        client_key: str | Path | None = None,
+        chunk_bytes: int | None = None,
+        timeout: float | None = 30.0,
+        progress: bool = True,
+        streams: int = 1,
+        retry: RetryPolicy | None = RetryPolicy(),  # noqa: B008 - frozen, one shared default
+        transport: str = "auto",
+        shm_dir: str | Path | None = None,
+    ) -> None:
+        self.target = target if isinstance(target, str) else ",".join(target)
+        # Several replicas, or a name resolving to several: see weightstream.client.replicas.
+        channel_target = replicas.channel_target(target)
+        self._options = ClientOptions.from_environ()
+        if token is None:
+            token = self._options.token
+        # A token read from a file or a variable often ends in a newline, which gRPC metadata refuses.
+        token = token.strip() if token else None
+        metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        credentials = channel_credentials(tls, ca_file, client_cert, client_key)
+        chunk_bytes = wire.clamp_chunk_bytes(chunk_bytes or 0)
+        self._timeout = timeout
+        self._progress = progress
+        if streams < 1:
+            raise ValueError(f"streams must be at least 1, not {streams}")
+        self._channels = Channels(
+            channel_target,
+            credentials=credentials,
+            metadata=metadata,
+            transport=transport,
+            shm_dir=Path(shm_dir) if shm_dir is not None else self._options.shm_dir,
+            data_tls=data_tls_context(tls, ca_file, client_cert, client_key),
+        )
+        self._files = RemoteFiles(self._channels, self.target, chunk_bytes=chunk_bytes, timeout=timeout)
+        self._retry = retry
+        self._watchdog = IdleWatchdog(retry.idle_timeout) if retry is not None else None
+        self._session_config = SessionConfig(
+            channels=self._channels,
+            target=self.target,
+            chunk_bytes=chunk_bytes,
+            streams=streams,
+            retry=retry,
+            watchdog=self._watchdog,
+            current_manifest=self.manifest,
+        )
+
+    def __enter__(self) -> WeightStreamClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def transport(self) -> str:
+        """The data path this client's streams use now: "shm", "tcp" or "grpc" (negotiated on first use)."""
+        return self._channels.transport(0).name
+
+    def close(self) -> None:
+        self._channels.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
+
+    @property
+    def stub(self) -> pb_grpc.WeightStreamServiceStub:
+        return self._channels.stub
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The main gRPC channel (made on first use), for calls this client does not wrap, such as health checks."""
+        return self._channels.channel(0)
+
+    def manifest(self, model: str) -> Manifest:
+        """Every tensor of model: name, dtype, shape, size and file; retried on UNAVAILABLE per the RetryPolicy.
+
+        A failure that found no server (one still starting) is waited out within the outage's
+        total_deadline and is not a try; see RetryPolicy.
+        """
+        outage = Outage(self._retry) if self._retry is not None else None
+        waiting = False  # for a server that was not there: warned once
+        while True:
+            try:
+                with translated(self.target):
+                    response = self.stub.GetManifest(
+                        pb.GetManifestRequest(model=model), timeout=self._timeout, metadata=self._channels.metadata
+                    )
+                return manifest_from_proto(response)
+            except UnavailableError as exc:
+                unavailable = exc.code == grpc.StatusCode.UNAVAILABLE
+                reached = not reached_no_server(exc.message)
+                delay = outage.next_delay(reached=reached) if outage is not None and unavailable else None
+                if delay is None or permanent_connect_error(exc.message):
+                    raise
+                assert self._retry is not None and outage is not None
+                # As a load's stream does (session._Stream._pause): after a try that reached a
+                # server, its backoff; after one that found none, no pause once one connects.
+                if reached:
+                    waiting = False
+                    logger.warning(
+                        "model %r: manifest from %s failed (%s), try %d of %d in %.2f s",
+                        model,
+                        self.target,
+                        exc.message,
+                        outage.failures + 1,
+                        self._retry.attempts,
+                        delay,
+                    )
+                    time.sleep(delay)
+                else:
+                    (logger.info if waiting else logger.warning)(
+                        "model %r: no server at %s for %.1f s (%s); waiting for one, at most %.0f s more",
+                        model,
+                        self.target,
+                        outage.elapsed,
+                        exc.message,
+                        outage.remaining,
+                    )
+                    waiting = True
+                    self._channels.wait_ready(0, min(max(delay, READY_WAIT_S), outage.remaining))
+
+    def list_files(self, model: str) -> ModelFileList:
+        """The files of model the server lets a client read whole: weight files and companion files."""
+        return self._files.list_files(model)
+
+    def read_file(
+        self, model: str, name: str, *, offset: int = 0, revision: str = "", length: int = 0
+    ) -> Iterator[tuple[bytes, int | None]]:
+        """(data, file_crc32c) pieces of model's file name from offset, each checked; see RemoteFiles.read_file."""
+        return self._files.read_file(model, name, offset=offset, revision=revision, length=length)
+
+    def fetch(self, model: str, directory: str | Path, *, metadata_only: bool = False) -> FetchReport:
+        """Download model's files into directory, resuming what an earlier fetch left; see client.fetch.fetch."""
+        return fetch(self._files, model, directory, metadata_only=metadata_only, progress=self._shows_progress())
+
+    def iter_tensors(
+        self,
+        model: str,
+        *,
+        names: Iterable[str] | None = None,
+        device: str | torch.device = "cpu",
+        slices: Mapping[str, TensorSlice] | ShardSpec | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) for the tensors of model (all, or names), each as soon as it is complete.
+
+        Tensors are yielded in the order they complete, which is not the checkpoint's order. Each
+        tensor is allocated on device when its first chunk arrives and is the caller's once yielded;
+        memory held at once is bounded by the tensors in flight, not the model. With slices (by
+        name, or a ShardSpec for one tensor-parallel rank) only those slices are sent and yielded.
+        """
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], not {device}")
+        manifest = self.manifest(model)
+        if slices is not None:
+            manifest = sliced_manifest(manifest, slices)
+        infos = _select(manifest, names)
+        in_flight: dict[str, Destination] = {}
+
+        def destination(name: str) -> Destination:
+            dest = in_flight.get(name)
+            if dest is None:
+                info = infos[name]
+                dest = Destination(name, torch.empty(info.shape, dtype=info.dtype, device=device))
+                in_flight[name] = dest
+            return dest
+
+        for info in infos.values():
+            if info.nbytes == 0:
+                yield info.name, torch.empty(info.shape, dtype=info.dtype, device=device)
+        session = LoadSession(self._session_config, manifest, infos, destination)
+        for dest in session.receive(description=model, progress=self._shows_progress()):
+            del in_flight[dest.name]
+            yield dest.name, dest.target
+
+    def load_state_dict(self, model: str, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Every tensor of model, by name, in the checkpoint's order."""
+        tensors = dict(self.iter_tensors(model, device=device))
+        return {info.name: tensors[info.name] for info in self.manifest(model).tensors if info.name in tensors}
+
+    def load_into(
+        self, module: torch.nn.Module, model: str, *, strict: bool = True, shard: ShardSpec | None = None
+    ) -> LoadReport:
+        """Write model's tensors into module's existing parameters and buffers, in place.
+
+        Names, shapes and dtypes are checked against the module before any byte is written; with
+        strict (the default) every module tensor must be in the checkpoint and every checkpoint
+        tensor in the module. An error raised after writing began has partially_written=True and
+        says how much of the module was written. With shard, module is one tensor-parallel rank:
+        its split tensors have the shapes of that rank's slices, and only those bytes are sent.
+        """
+        started = time.perf_counter()
+        manifest = self.manifest(model)
+        if shard is not None:
+            manifest = sliced_manifest(manifest, shard)
+        plan = plan_targets(module, manifest, strict=strict)
+        dests = {name: Destination(name, tensor) for name, tensor in plan.targets.items()}
+        report = self._receive_into(model, manifest, dests, started, plan.missing, plan.unexpected)
+        logger.info(
+            "loaded %s into %s: %d tensors, %d bytes in %.3f s (%.2f GB/s), %d retries, %d bytes re-sent",
+            model,
+            type(module).__name__,
+            report.tensors,
+            report.bytes,
+            report.seconds,
+            report.gbps,
+            report.retries,
+            report.resent_bytes,
+        )
+        return report
+
+    def load_targets(
+        self, model: str, targets: Mapping[str, WriteTarget], *, manifest: Manifest | None = None
+    ) -> LoadReport:
+        """Write the parts of model's tensors that targets name straight into their views, in place.
+
+        Each WriteTarget asks for one slice of its tensor (or all of it) and names the views it is
+        copied into (weight_plan.plan_loads finds them for an engine's own loader); only those
+        bytes are sent. manifest: the one the targets were planned from (default: asked now); the
+        load is of its revision, so a model changed since fails rather than mixing. Errors are as
+        for load_into, partially_written included.
+        """
+        started = time.perf_counter()
+        manifest = manifest or self.manifest(model)
+        unknown = sorted(set(targets) - set(manifest.by_name))
+        if unknown:
+            raise NotFoundError(f"model {model!r} has no tensors {unknown[:5]}")
+        slices = {name: target.slice for name, target in targets.items() if target.slice is not None}
+        manifest = sliced_manifest(manifest, slices)
+        dests: dict[str, Destination] = {}
+        for name, target in targets.items():
+            info = manifest[name]
+            first, *also = target.views
+            for view in target.views:
+                if view.numel() * info.dtype.itemsize != info.nbytes:
+                    raise ValueError(
+                        f"model {model!r}: tensor {name!r}: a view of {view.numel()} elements cannot hold "
+                        f"{list(info.shape)} of {info.dtype}"
+                    )
+            dests[name] = Destination(name, first, dtype=info.dtype, also=tuple(also))
+        return self._receive_into(model, manifest, dests, started)
+
+    def _receive_into(
+        self,
+        model: str,
+        manifest: Manifest,
+        dests: dict[str, Destination],
+        started: float,
+        missing: list[str] | None = None,
+        unexpected: list[str] | None = None,
+    ) -> LoadReport:
+        """Receive dests' tensors of manifest into them; the report, or the error with the write state."""
+        infos = {name: manifest[name] for name in dests}
+        session = LoadSession(self._session_config, manifest, infos, dests.__getitem__)
+        received = 0
+        try:
+            # Fresh host memory faulted in on a helper thread while the first bytes are on their way.
+            with Prefault(dests.values()):
+                for dest in session.receive(description=model, progress=self._shows_progress()):
+                    received += dest.nbytes
+        except WeightStreamError as exc:
+            written = sum(1 for d in dests.values() if d.written)
+            complete = sum(1 for d in dests.values() if d.complete and d.nbytes)
+            if written:
+                detail = (
+                    f"the module was partly written: {complete} of {len(dests)} tensors complete, {written} touched"
+                )
+            else:
+                detail = "the module was not written"
+            raise exc.with_write_state(bool(written), detail) from exc
+        return LoadReport(
+            model,
+            len(dests),
+            received,
+            time.perf_counter() - started,
+            missing or [],
+            unexpected or [],
+            transport=self.transport,
+            retries=session.retries,
+            resent_bytes=session.resent_bytes,
+        )
+
+    def _shows_progress(self) -> bool:
+        """Whether a call draws a progress bar: asked for, and on rank 0."""
+        return self._progress and is_rank_zero(self._options)
+
+
+def _select(manifest: Manifest, names: Iterable[str] | None) -> dict[str, TensorInfo]:
+    if names is None:
+        return dict(manifest.by_name)
+    selected: dict[str, TensorInfo] = {}
+    for name in names:
+        if name not in manifest:
+            raise NotFoundError(f"model {manifest.model!r} has no tensor {name!r}")
+        selected[name] = manifest[name]
+    return selected

@@ -1,0 +1,145 @@
+"""Prometheus metrics: the server's counters (ServerStats) as Prometheus text, for REST /metrics.
+
+The metrics are read from ServerStats at scrape time rather than kept in prometheus-client objects
+beside it, so /status and /metrics can never disagree. Each server has its own registry: several
+servers in one process (tests, the demo) do not mix their numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from weightstream import __version__
+from weightstream_server.ops.stats import DURATION_BUCKETS_S, ServerStats
+from weightstream_server.serving.cache import CacheSnapshot, UnitCache
+from weightstream_server.storage.disk_cache import DiskCacheSnapshot
+from weightstream_server.storage.tiers import Tiers
+
+PREFIX = "weightstream_"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class StatsCollector(Collector):
+    """Every weightstream_* metric, read from one ServerStats snapshot per scrape."""
+
+    def __init__(self, stats: ServerStats, max_streams: int, cache: UnitCache | None, tiers: Tiers) -> None:
+        self._stats = stats
+        self._max_streams = max_streams
+        self._cache = cache
+        self._tiers = tiers
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats.snapshot()
+        info = GaugeMetricFamily(PREFIX + "info", "The server's version; always 1.", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        yield GaugeMetricFamily(PREFIX + "active_streams", "Streams in flight now.", value=s.active_streams)
+        yield GaugeMetricFamily(
+            PREFIX + "max_streams", "Concurrent streams allowed; more get RESOURCE_EXHAUSTED.", value=self._max_streams
+        )
+        streams = CounterMetricFamily(
+            PREFIX + "streams",
+            "Streams ended, by model (empty when the stream ended before its model was found).",
+            labels=["model"],
+        )
+        served = CounterMetricFamily(
+            PREFIX + "bytes_served", "Tensor bytes handed to gRPC for sending, by model.", labels=["model"]
+        )
+        unresolved_streams = s.streams_ended - sum(m.streams for m in s.models.values())
+        if unresolved_streams:
+            streams.add_metric([""], unresolved_streams)
+        for model, counts in s.models.items():
+            streams.add_metric([model], counts.streams)
+            served.add_metric([model], counts.bytes_served)
+        yield streams
+        yield served
+        yield CounterMetricFamily(
+            PREFIX + "storage_bytes_read",
+            "Tensor bytes read from storage by streams (more than served when a stream ends early).",
+            value=s.storage_bytes_read_total,
+        )
+        errors = CounterMetricFamily(PREFIX + "errors", "RPCs that ended in an error, by gRPC status.", labels=["code"])
+        for code, count in sorted(s.errors_total.items()):
+            errors.add_metric([code], count)
+        yield errors
+        yield CounterMetricFamily(
+            PREFIX + "data_connections_refused",
+            "Connections to the data port closed without being admitted (no valid ticket, garbage, silence).",
+            value=s.data_connections_refused_total,
+        )
+        if self._cache is not None:
+            yield from _cache_metrics(self._cache.snapshot())
+        if self._tiers.sources:
+            yield CounterMetricFamily(
+                PREFIX + "upstream_bytes_read",
+                "File bytes read from the tier above (the --upstream server, or S3 behind the disk cache).",
+                value=self._tiers.source_bytes_read,
+            )
+        if self._tiers.cache is not None:
+            yield from _disk_cache_metrics(self._tiers.cache.snapshot())
+        buckets = [(_bound(le), count) for le, count in zip(DURATION_BUCKETS_S, s.duration_counts, strict=True)]
+        buckets.append(("+Inf", s.streams_ended))
+        yield HistogramMetricFamily(
+            PREFIX + "stream_duration_seconds",
+            "Wall time of each stream, from its request to its end (any status).",
+            buckets=buckets,
+            sum_value=s.duration_sum_s,
+        )
+
+
+def _cache_metrics(c: CacheSnapshot) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        PREFIX + "cache_capacity_bytes", "The most tensor bytes the cache keeps.", value=c.capacity_bytes
+    )
+    yield GaugeMetricFamily(
+        PREFIX + "cache_resident_bytes", "Tensor bytes the cache holds now.", value=c.resident_bytes
+    )
+    yield CounterMetricFamily(PREFIX + "cache_hits", "Read units served from the cache.", value=c.hits)
+    yield CounterMetricFamily(PREFIX + "cache_misses", "Read units not in the cache when asked for.", value=c.misses)
+    yield CounterMetricFamily(
+        PREFIX + "cache_shared_reads",
+        "Misses that waited for another stream's read of the same unit instead of reading storage.",
+        value=c.shared,
+    )
+    yield CounterMetricFamily(PREFIX + "cache_evictions", "Read units dropped to make room.", value=c.evictions)
+
+
+def _disk_cache_metrics(d: DiskCacheSnapshot) -> Iterator[Metric]:
+    disk = PREFIX + "disk_cache_"
+    yield GaugeMetricFamily(
+        disk + "capacity_bytes", "The most file bytes the disk cache keeps.", value=d.capacity_bytes
+    )
+    yield GaugeMetricFamily(
+        disk + "resident_bytes", "Bytes of complete files in the disk cache.", value=d.resident_bytes
+    )
+    yield GaugeMetricFamily(disk + "files", "Complete files in the disk cache.", value=d.files)
+    yield GaugeMetricFamily(disk + "filling", "Files being written into the disk cache.", value=d.filling)
+    yield CounterMetricFamily(disk + "hits", "Lookups that found a checked copy.", value=d.hits)
+    yield CounterMetricFamily(disk + "misses", "Lookups that found no copy.", value=d.misses)
+    yield CounterMetricFamily(disk + "evictions", "Files removed to make room.", value=d.evictions)
+    yield CounterMetricFamily(
+        disk + "dropped", "Copies found short, changed, failing their checksum or foreign.", value=d.dropped
+    )
+    yield CounterMetricFamily(disk + "bypassed", "Files served uncached because they did not fit.", value=d.bypassed)
+
+
+def create_registry(
+    stats: ServerStats, max_streams: int, cache: UnitCache | None = None, tiers: Tiers | None = None
+) -> CollectorRegistry:
+    """A registry holding only this server's metrics."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(stats, max_streams, cache, tiers if tiers is not None else Tiers()))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text exposition of registry (CONTENT_TYPE)."""
+    return generate_latest(registry)
+
+
+def _bound(seconds: float) -> str:
+    return repr(float(seconds))

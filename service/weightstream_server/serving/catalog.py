@@ -1,0 +1,132 @@
+"""Manifests: a model's tensors, dtypes, shapes and byte positions, built from its headers.
+
+A manifest is cached per model and rebuilt when any of its files changes (its size, its
+modification time, or, for local files, its identity: another inode, a new change time), so a
+request costs a walk to each file and one stat, not a header parse. Headers are read through
+descriptors opened beneath the model root (source.OpenFiles), checked again once read.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from weightstream.protocol import dtypes
+from weightstream_server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, TensorNotFound
+from weightstream_server.storage.header import read_header
+from weightstream_server.storage.sources import (
+    INDEX_FILE,
+    S3_SCHEME,
+    ModelFiles,
+    OpenFiles,
+    Source,
+    SourceFile,
+    parse_s3_model_id,
+    revision,
+)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a model; file_offset is the absolute position of its first byte in its file."""
+
+    name: str
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+    nbytes: int
+    file_index: int
+    file_offset: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A model's tensors, the files they lie in, and the source those files are read from."""
+
+    model: str
+    revision: str
+    files: tuple[SourceFile, ...]
+    tensors: tuple[TensorEntry, ...]
+    by_name: dict[str, TensorEntry] = field(repr=False)
+    source: Source = field(repr=False, compare=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def tensor(self, name: str) -> TensorEntry:
+        entry = self.by_name.get(name)
+        if entry is None:
+            raise TensorNotFound(f"model {self.model!r} has no tensor {name[:200]!r}")
+        return entry
+
+
+class Catalog:
+    """Manifests of the models of every configured source. Safe to use from many threads."""
+
+    def __init__(self, sources: Sequence[Source]) -> None:
+        self.sources = tuple(sources)
+        self._lock = threading.Lock()
+        self._cache: dict[str, Manifest] = {}
+
+    def source_for(self, model: str) -> Source:
+        for source in self.sources:
+            if source.claims(model):
+                return source
+        if model.startswith(S3_SCHEME):
+            bucket = parse_s3_model_id(model).bucket
+            raise AccessDenied(f"model {model[:200]!r}: bucket {bucket!r} is not served by this server; refused")
+        if "://" in model:
+            raise InvalidModelId(f"model {model[:200]!r}: unsupported URL scheme")
+        raise AccessDenied(f"model {model[:200]!r}: this server has no model root")
+
+    def manifest(self, model: str) -> Manifest:
+        source = self.source_for(model)
+        located = source.resolve(model)
+        current = revision(located.files)
+        with self._lock:
+            cached = self._cache.get(model)
+        # The files compared too: a local file may be another one under the same revision (same name,
+        # size and modification time), and reads check the identities the manifest holds.
+        if cached is not None and cached.revision == current and cached.files == located.files:
+            return cached
+        manifest = build_manifest(source, located, current)
+        with self._lock:
+            self._cache[model] = manifest
+        return manifest
+
+
+def build_manifest(source: Source, located: ModelFiles, revision: str) -> Manifest:
+    """Read every file's header and join them into one manifest, checked against the index."""
+    tensors: list[TensorEntry] = []
+    by_name: dict[str, TensorEntry] = {}
+    for file_index, source_file in enumerate(located.files):
+        display = f"model {located.model!r}, file {source_file.name!r}"
+        with OpenFiles(source, located.model, {file_index: source_file}) as opened:
+            read = functools.partial(opened.read_range, file_index)
+            header = read_header(read, source_file.size, display)
+            opened.check_unchanged(file_index)
+        for header_tensor in header:
+            if header_tensor.name in by_name:
+                other = located.files[by_name[header_tensor.name].file_index].name
+                raise CorruptCheckpoint(f"{display}: tensor {header_tensor.name!r} is also in file {other!r}")
+            entry = TensorEntry(
+                header_tensor.name,
+                header_tensor.dtype,
+                header_tensor.shape,
+                header_tensor.nbytes,
+                file_index,
+                header_tensor.start,
+            )
+            tensors.append(entry)
+            by_name[entry.name] = entry
+    if located.weight_map is not None:
+        for name, file_name in located.weight_map.items():
+            listed = by_name.get(name)
+            if listed is None or located.files[listed.file_index].name != file_name:
+                raise CorruptCheckpoint(
+                    f"model {located.model!r}: {INDEX_FILE} puts tensor {name!r} in {file_name!r}, "
+                    "but that file has no such tensor"
+                )
+    return Manifest(located.model, revision, located.files, tuple(tensors), by_name, source)

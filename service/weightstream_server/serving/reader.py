@@ -1,0 +1,405 @@
+"""Where tensor bytes are read: Run:ai Model Streamer reads of files and S3 objects, a pool of streamers,
+and direct reads of local files into memory the caller names (the shared-memory ring's slots).
+
+Concurrency: a FileStreamer is not thread-safe and holds one stream at a time, so each stream
+checks one out of the StreamerPool for its whole life and returns it when done. Streamers are
+kept open for the life of the process: starting one spawns its reader threads, and closing a
+streamer that has read S3 tears down the S3 clients of the whole process, so that any other
+stream in flight ends early with no error. Once any stream of the process has read S3, closing a
+pool parks its streamers for the rest of the process instead of closing them.
+
+Memory: the bytes a stream reads ahead live in its streamer's ring of buffers, bounded by the
+read-ahead setting. With owned=False the chunk a reader yields is a view into that ring, valid
+only until the next chunk is taken: callers must copy it out before asking for more.
+
+Files: local files are read only through descriptors opened beneath the model root for the reads
+(source.OpenFiles, see open_plan), the streamer through their /proc/self/fd paths, and each file is
+checked against its listing at the end of its reads: a file changed meanwhile ends the reads with
+CheckpointChanged, never with its bytes mixed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+from runai_model_streamer import FileChunks, FileStreamer
+from runai_model_streamer.s3_utils.s3_utils import S3Credentials
+
+from weightstream.protocol import wire
+from weightstream_server.errors import CorruptCheckpoint, ServerError, StorageUnavailable, TooManyStreams
+from weightstream_server.serving.catalog import Manifest
+from weightstream_server.serving.read_plan import ChunkPlace, ReadPlan
+from weightstream_server.storage.sources import OpenFiles, file_error
+from weightstream_server.storage.tiers import TieredSource
+
+logger = logging.getLogger(__name__)
+
+# Streamers of closed pools, kept open once S3 has been read in this process (see the module doc).
+_parked: list[FileStreamer] = []
+_s3_used = threading.Event()
+
+
+@dataclass
+class PooledStreamer:
+    """A FileStreamer checked out of a pool, with the S3 settings its reads use."""
+
+    file_streamer: FileStreamer
+    s3_credentials: S3Credentials | None
+
+
+class StreamerPool:
+    """Up to `size` open FileStreamers, each used by one stream at a time.
+
+    s3_credentials carries the endpoint and region for S3 reads; keys are left to the AWS
+    credential chain of the streamer's S3 backend.
+    """
+
+    def __init__(self, size: int, s3_credentials: S3Credentials | None = None) -> None:
+        self._size = size
+        self._s3_credentials = s3_credentials
+        self._free: list[FileStreamer] = []
+        self._lock = threading.Lock()
+        self._in_use = 0
+
+    @contextlib.contextmanager
+    def checkout(self) -> Iterator[PooledStreamer]:
+        with self._lock:
+            if self._in_use >= self._size:
+                raise TooManyStreams(f"{self._size} streams are already running; try again later")
+            self._in_use += 1
+            streamer = self._free.pop() if self._free else None
+        try:
+            if streamer is None:
+                streamer = FileStreamer()
+                streamer.__enter__()
+            yield PooledStreamer(streamer, self._s3_credentials)
+        finally:
+            keep = streamer is not None and _s3_used.is_set()
+            with self._lock:
+                self._in_use -= 1
+                if keep:
+                    self._free.append(streamer)
+            if streamer is not None and not keep:
+                # A streamer holds its last stream's ring (up to the read-ahead) until its next
+                # stream, so an idle one is closed: idle streams then hold no ring (a new streamer
+                # costs microseconds). Once S3 has been read in this process, closing one would end
+                # the process's S3 clients: those are kept for reuse, at most `size` of them.
+                streamer.__exit__(None, None, None)
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        if _s3_used.is_set():
+            _parked.extend(free)
+            return
+        for streamer in free:
+            streamer.__exit__(None, None, None)
+
+    def __enter__(self) -> StreamerPool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def open_plan(manifest: Manifest, plan: ReadPlan) -> OpenFiles:
+    """The files of plan opened for its reads (by index in manifest.files); the caller closes them."""
+    return OpenFiles(
+        manifest.source, manifest.model, {fp.file_index: manifest.files[fp.file_index] for fp in plan.files}
+    )
+
+
+def read_units(
+    streamer: PooledStreamer,
+    manifest: Manifest,
+    plan: ReadPlan,
+    read_ahead_bytes: int,
+    files: OpenFiles | None = None,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield (index in plan.files, index of the unit in that FilePlan, its bytes as flat uint8) per read unit.
+
+    Files interleave. Each yielded tensor is a view into the streamer's ring, valid until the next
+    item is taken. Every read's length is checked, and so is the count of reads: a short or missing
+    read is an error, never a silently short stream: CorruptCheckpoint for local files, and
+    StorageUnavailable (worth a retry) for S3, where the usual cause is the store or the network.
+    A local file is checked against its listing before its last unit is yielded, and after any
+    failed read: one that changed is CheckpointChanged. files: the plan's files, opened by the
+    caller (open_plan) for a stream that reads in several plans; by default they are opened here
+    for this plan's reads and closed once the streamer is done with them.
+    """
+    if not plan.files:
+        return
+    if isinstance(manifest.source, TieredSource) and manifest.files[plan.files[0].file_index].local is None:
+        # Files of a tier above (an upstream server, S3 through the disk cache): read as they arrive.
+        yield from manifest.source.read_units(manifest.files, plan)
+        return
+    with contextlib.ExitStack() as stack:
+        opened = files if files is not None else stack.enter_context(open_plan(manifest, plan))
+        yield from _read_units(streamer, manifest, plan, read_ahead_bytes, opened)
+
+
+def _read_units(
+    streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int, opened: OpenFiles
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    requests = [FileChunks(i, opened.path(fp.file_index), fp.offsets, fp.sizes) for i, fp in enumerate(plan.files)]
+    largest = max(max(fp.sizes) for fp in plan.files)
+    file_names = ", ".join(manifest.files[fp.file_index].name for fp in plan.files)
+    remote = manifest.files[plan.files[0].file_index].local is None
+    if remote:
+        _s3_used.set()
+    failure = StorageUnavailable if remote else CorruptCheckpoint
+    # Units of each file of the plan not received yet; at 0, the unit in hand is the file's last.
+    remaining = [len(fp.sizes) for fp in plan.files]
+    received = 0
+    file_streamer = streamer.file_streamer
+    try:
+        try:
+            file_streamer.stream_files(
+                requests,
+                streamer.s3_credentials if remote else None,
+                "cpu",
+                memory_limit=max(read_ahead_bytes, largest),
+                owned=False,
+            )
+        except BaseException:
+            # Reads submitted before the failure would open the /proc paths of descriptors closed by then.
+            file_streamer.drain_live_submissions()
+            raise
+        chunks = file_streamer.get_chunks()
+        try:
+            for file_id, range_index, data in chunks:
+                file_plan = plan.files[file_id]
+                unit = file_plan.places[range_index]
+                flat = data.view(-1)
+                if flat.numel() != file_plan.sizes[range_index]:
+                    _check_unchanged(opened, plan)
+                    raise failure(
+                        f"model {manifest.model!r}: tensor {unit.place.tensor!r}: read {flat.numel()} bytes at "
+                        f"file offset {file_plan.offsets[range_index]}, expected {file_plan.sizes[range_index]}"
+                    )
+                received += 1
+                remaining[file_id] -= 1
+                if remaining[file_id] == 0:
+                    # Before its last bytes go out: a file rewritten while it was read is never sent whole.
+                    opened.check_unchanged(file_plan.file_index)
+                yield file_id, range_index, flat
+        finally:
+            chunks.close()
+    except ValueError as exc:
+        # The streamer's errors are terse ("End of file reached", "File access error"): name the
+        # model and files. Locally the usual cause is a file changed after its header was read.
+        _check_unchanged(opened, plan)
+        raise failure(f"model {manifest.model!r}: reading {file_names} failed: {exc}") from exc
+    if received != plan.num_reads:
+        _check_unchanged(opened, plan)
+        raise failure(
+            f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_reads} reads"
+        )
+
+
+def _check_unchanged(opened: OpenFiles, plan: ReadPlan) -> None:
+    """Raise CheckpointChanged if a file of plan changed: then that, not corruption, is why a read failed."""
+    for file_plan in plan.files:
+        opened.check_unchanged(file_plan.file_index)
+
+
+def reads_directly(manifest: Manifest, plan: ReadPlan) -> bool:
+    """Whether read_direct can serve plan: local files only, and no unit that gathers slice rows."""
+    return all(
+        manifest.files[fp.file_index].local is not None and all(u.gather is None for u in fp.places)
+        for fp in plan.files
+    )
+
+
+def page_cached(manifest: Manifest, plan: ReadPlan, samples: int = 32) -> bool:
+    """Whether the page cache seems to hold plan's bytes: one page in the middle of each of up to
+    about `samples` read units, spread over the plan, must be readable without waiting for storage.
+
+    False where the kernel cannot tell (no RWF_NOWAIT) or a file cannot be read.
+    """
+    if _NOWAIT is None:
+        return False
+    units = [(fp.file_index, off, size) for fp in plan.files for off, size in zip(fp.offsets, fp.sizes, strict=True)]
+    probe = bytearray(1)
+    try:
+        with open_plan(manifest, plan) as files:
+            for file_index, offset, size in units[:: max(1, len(units) // samples)]:
+                if size and os.preadv(files.fd(file_index), [probe], offset + size // 2, _NOWAIT) != 1:
+                    return False
+    except (OSError, ServerError):  # BlockingIOError: that page must come from storage
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class UnitChunks:
+    """One read unit of a plan without gathers, cut into its chunks: each chunk's file offset and place."""
+
+    file_index: int
+    length: int
+    chunks: list[tuple[int, ChunkPlace]]
+
+
+def unit_chunks(plan: ReadPlan) -> Iterator[UnitChunks]:
+    """The read units of plan (see reads_directly), file after file, each with its chunks in order."""
+    for file_plan in plan.files:
+        for offset, length, unit in zip(file_plan.offsets, file_plan.sizes, file_plan.places, strict=True):
+            chunks = [
+                (offset + start, ChunkPlace(unit.place.tensor, unit.place.offset + start, piece))
+                for start, piece in wire.split_range(0, length, plan.chunk_bytes)
+            ]
+            yield UnitChunks(file_plan.file_index, length, chunks)
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """One chunk of a local file: start(address) reads its place.length bytes to address and gives
+    their CRC32C: at once when the page cache holds them, else as a future of a read on the
+    reader's threads. A failed read raises CorruptCheckpoint (from the future, if one)."""
+
+    place: ChunkPlace
+    start: Callable[[int], int | Future[int]]
+
+
+class DirectReader:
+    """Reads a plan's chunks (see reads_directly) from local files straight into memory the caller names.
+
+    One copy per byte: the kernel's page cache -> the destination (pread), then the CRC32C of the
+    bytes there. The streamer's path costs two on the shared-memory transport (page cache -> the
+    streamer's ring -> the slot), and the second, on the stream's one thread, was what bounded it.
+    What the page cache holds is copied on the caller's thread (preadv2 with RWF_NOWAIT); the rest
+    is read on a pool of threads (preadv and the CRC32C release the GIL), so that a cold file is read
+    with several requests in flight: a thread handoff costs more than copying cached bytes, and
+    one thread waiting for storage at a time is too few. Asking the kernel to read ahead
+    (posix_fadvise WILLNEED) makes cold loads slower, not faster. From a warm page cache this path is faster
+    than the streamer's; from a cold one the streamer's parallel reads are, which is why callers
+    check page_cached() first (benchmarks/shm_load.py compares both). A short read is a
+    CorruptCheckpoint, as on the streamer's path; a file that is not as it was listed, when it is
+    opened (the constructor), when a read fails, or once every read is done (on a clean exit from
+    the with block), is CheckpointChanged.
+
+    Ownership: the files it opens (all of the plan's, in the constructor) and its threads, until
+    close(), which waits for every read started (so that none writes to the destination
+    afterwards). Use from one thread.
+    """
+
+    def __init__(self, manifest: Manifest, plan: ReadPlan, on_read: Callable[[int], None], threads: int) -> None:
+        self._manifest = manifest
+        self._plan = plan
+        self._on_read = on_read
+        self._files = open_plan(manifest, plan)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightstream-read")
+
+    def reads(self) -> Iterator[DirectRead]:
+        """Every chunk of the plan, file after file, each unit's chunks in order."""
+        manifest = self._manifest
+        for unit in unit_chunks(self._plan):
+            source = manifest.files[unit.file_index]
+            fd = self._files.fd(unit.file_index)
+            check = functools.partial(self._files.check_unchanged, unit.file_index)
+            for file_offset, place in unit.chunks:
+                chunk = _ChunkRead(fd, file_offset, place.length, manifest.model, source.name, place.tensor, check)
+                yield DirectRead(place, functools.partial(self._start, chunk))
+            self._on_read(unit.length)
+
+    def _start(self, chunk: _ChunkRead, address: int) -> int | Future[int]:
+        # What the page cache holds is copied here and now: a thread handoff costs more than the
+        # copy. Only what must wait for storage goes to the threads.
+        done, crc = chunk.read_cached(address)
+        if done == chunk.length:
+            return crc
+        return self._pool.submit(chunk.read_into, address, done, crc)
+
+    def close(self) -> None:
+        # Files are closed only here: reads of a file may still be queued when the next file starts.
+        try:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            self._files.close()
+
+    def __enter__(self) -> DirectReader:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            if exc_type is None:
+                # Every read is done now: a file rewritten meanwhile must not end the stream OK.
+                self._files.check_all_unchanged()
+        finally:
+            self.close()
+
+
+# preadv2 flag: fail with EAGAIN rather than wait for storage (Linux 4.14; buffered reads since 5.9).
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+
+
+@dataclass(frozen=True)
+class _ChunkRead:
+    fd: int
+    offset: int
+    length: int
+    model: str
+    file_name: str
+    tensor: str
+    # Raises CheckpointChanged if the file is no longer as listed: then that is why a read failed.
+    check_unchanged: Callable[[], None]
+
+    def read_cached(self, address: int) -> tuple[int, int]:
+        """Read what the page cache holds of the chunk, from its start, to address; (how many bytes, their CRC32C).
+
+        Never waits for storage (RWF_NOWAIT); nothing where the kernel does not offer that, and on
+        any error, which read_into then meets and reports. The bytes come in wire.CACHE_PIECE_BYTES
+        pieces, each checksummed right after it landed, while it is still in the core's cache.
+        """
+        done = crc = 0
+        if _NOWAIT is None:
+            return done, crc
+        with contextlib.suppress(OSError):  # BlockingIOError: the rest is not cached
+            while done < self.length:
+                size = min(wire.CACHE_PIECE_BYTES, self.length - done)
+                n = os.preadv(
+                    self.fd, [(ctypes.c_char * size).from_address(address + done)], self.offset + done, _NOWAIT
+                )
+                if n == 0:
+                    break
+                crc = wire.crc32c_at(address + done, n, crc)
+                done += n
+        return done, crc
+
+    def read_into(self, address: int, done: int = 0, crc: int = 0) -> int:
+        """Read the chunk's bytes from done on to address; the CRC32C of all its bytes (crc: of those before done)."""
+        start = done
+        while done < self.length:
+            buffer = (ctypes.c_char * (self.length - done)).from_address(address + done)
+            try:
+                n = os.preadv(self.fd, [buffer], self.offset + done)
+            except OSError as exc:
+                self.check_unchanged()
+                raise file_error(exc, f"model {self.model!r}: file {self.file_name!r}", listed=True) from exc
+            if n == 0:
+                self.check_unchanged()
+                raise CorruptCheckpoint(
+                    f"model {self.model!r}: tensor {self.tensor!r}: read {done} bytes at file offset {self.offset} "
+                    f"of {self.file_name}, expected {self.length}; the file ended early"
+                )
+            done += n
+        return wire.crc32c_at(address + start, self.length - start, crc)

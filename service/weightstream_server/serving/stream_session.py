@@ -1,0 +1,267 @@
+"""One streaming RPC on the server, whatever its transport: StreamTensors, StreamTensorsShared, ReadModelFile.
+
+A servicer opens a StreamSession around the whole of a streaming RPC (`with streams.session(...)`).
+Every streaming RPC of WeightStreamService is served in a session. The session
+- counts the stream in the stats from its start to its end, so that a drain waits for it;
+- holds one of the server's --max-streams slots from its start to its end: before it waits for
+  anything (a client's message, a manifest, a read), a stream that comes while every slot is
+  taken ends RESOURCE_EXHAUSTED and one that comes while the server drains ends UNAVAILABLE, so
+  neither holds a gRPC worker;
+- runs the checks every stream starts with: the server is not draining, sizes are in bounds, the
+  model's revision is the one the client expects;
+- holds a tensor stream's manifest and read plan, and gives its chunks (chunks.serve_chunks);
+- counts the bytes read from storage and the bytes the transport took;
+- at its end, however it ends, chooses the status code (OK; CANCELLED when the client went away;
+  otherwise the error's, sent to the client through rpc.abort), records the stream in the stats
+  and logs one line.
+
+Threading: a session belongs to the thread that serves its RPC; count_read and count_sent are
+called from that thread only. Streams, from which sessions are opened, is shared by every RPC of
+the server and holds only parts that are safe to use from many threads (StreamSlots among them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+import grpc
+
+from weightstream.allocator import release_free_memory
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server.errors import ClientGone, Draining, RevisionMismatch, TooManyStreams, status_code
+from weightstream_server.ops.health import Readiness
+from weightstream_server.ops.stats import ServerStats
+from weightstream_server.serving import validation
+from weightstream_server.serving.cache import UnitCache
+from weightstream_server.serving.catalog import Catalog, Manifest
+from weightstream_server.serving.chunks import ServedChunk, serve_chunks
+from weightstream_server.serving.files import FilePiece, read_file
+from weightstream_server.serving.read_plan import ReadPlan, plan_reads
+from weightstream_server.serving.reader import PooledStreamer, StreamerPool
+from weightstream_server.settings import ServerSettings
+from weightstream_server.transports import rpc
+
+logger = logging.getLogger(__name__)
+
+
+class StreamSlots:
+    """The --max-streams limit: size slots, each held by one stream from its start to its end. Thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._taken = 0
+
+    def take(self) -> None:
+        """Take a slot; TooManyStreams when none is free (nothing waits for one)."""
+        with self._lock:
+            if self._taken >= self.size:
+                raise TooManyStreams(f"{self.size} streams are already running; try again later")
+            self._taken += 1
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._taken -= 1
+
+
+@dataclass(frozen=True)
+class Streams:
+    """What every stream of a server is served from; the servicers open their sessions from it."""
+
+    settings: ServerSettings
+    catalog: Catalog
+    pool: StreamerPool
+    stats: ServerStats
+    readiness: Readiness
+    slots: StreamSlots
+    # Shared by every stream; None when --cache-bytes is 0.
+    cache: UnitCache | None = None
+
+    def session(self, context: grpc.ServicerContext, *, method: str, kind: str, model: str = "") -> StreamSession:
+        """A session for one call of method; kind names it in the end-of-stream line ("stream", ...)."""
+        return StreamSession(self, context, method, kind, model)
+
+
+class StreamSession:
+    """One streaming RPC, from its checks to its end-of-stream line; a context manager around the RPC."""
+
+    def __init__(self, streams: Streams, context: grpc.ServicerContext, method: str, kind: str, model_id: str) -> None:
+        self._streams = streams
+        self._context = context
+        self._method = method
+        self._kind = kind
+        # The model as the client named it, and as the catalog found it (None until then: the stats
+        # count streams of models that exist).
+        self.model_id = model_id
+        self.model: str | None = None
+        self.tensors = 0
+        self.read = 0
+        self.sent = 0
+        self._request: pb.StreamTensorsRequest | None = None
+        self._manifest: Manifest | None = None
+        self._plan: ReadPlan | None = None
+        # (file name, offset) of a file read.
+        self._file: tuple[str, int] | None = None
+        self._started = 0.0
+        self._holds_slot = False
+        self.peer = ""
+
+    def __enter__(self) -> StreamSession:
+        self._started = time.monotonic()
+        # Asked now: once a call is cancelled, context.peer() is empty.
+        self.peer = self._context.peer()
+        self._streams.stats.stream_started()
+        try:
+            self._check_open()
+            self._streams.slots.take()
+            self._holds_slot = True
+        except Exception as exc:
+            # Ends the call as __exit__ would have: counted, logged, the status sent (rpc.abort raises).
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        code = grpc.StatusCode.OK
+        try:
+            if isinstance(exc, GeneratorExit | ClientGone):
+                # Nobody is left to tell. GeneratorExit goes on: gRPC is closing the response generator.
+                code = grpc.StatusCode.CANCELLED
+                return isinstance(exc, ClientGone)
+            if isinstance(exc, Exception):
+                code = status_code(exc)
+                rpc.abort(self._context, self._streams.stats, self._method, self.model_id, exc)
+            return False
+        finally:
+            self._end(code)
+
+    @property
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            raise RuntimeError("start() comes first")
+        return self._manifest
+
+    @property
+    def plan(self) -> ReadPlan:
+        if self._plan is None:
+            raise RuntimeError("plan_reads() comes first")
+        return self._plan
+
+    def start(self, request: pb.StreamTensorsRequest) -> int:
+        """The checks a tensor stream starts with, then its manifest; the chunk size the request gets."""
+        self.model_id = request.model
+        self._check_open()
+        validation.check_stream_request(request)
+        manifest = self._streams.catalog.manifest(request.model)
+        if request.revision and request.revision != manifest.revision:
+            raise RevisionMismatch(
+                f"model {request.model!r} changed: revision {manifest.revision}, the request expects {request.revision}"
+            )
+        self.model = manifest.model
+        self._manifest = manifest
+        self._request = request
+        return validation.chunk_bytes(request.max_chunk_bytes, self._streams.settings.chunk_bytes)
+
+    def plan_reads(self, chunk_bytes: int) -> ReadPlan:
+        """The reads of the started stream, sent in chunks of at most chunk_bytes."""
+        manifest = self.manifest
+        assert self._request is not None
+        requested = validation.requested_tensors(self._request)
+        self._plan = plan_reads(manifest, requested, chunk_bytes)
+        self.tensors = len(requested) or len(manifest.tensors)
+        return self._plan
+
+    def streamer(self) -> contextlib.AbstractContextManager[PooledStreamer]:
+        """A streamer of the server's pool for this stream's reads; TooManyStreams when none is free."""
+        return self._streams.pool.checkout()
+
+    def chunks(self, streamer: PooledStreamer) -> Iterator[ServedChunk]:
+        """The plan's chunks, through the cache if there is one; each is valid until the next is taken."""
+        settings = self._streams.settings
+        return serve_chunks(
+            self.manifest, self.plan, streamer, settings.read_ahead_bytes, self._streams.cache, self.count_read
+        )
+
+    def read_file(self, request: pb.ReadModelFileRequest) -> Iterator[FilePiece]:
+        """The checks a file read starts with, then the pieces of the file from request.offset.
+
+        A file read counts under the model asked for, found or not. The bytes before the offset
+        may be read too (for the whole-file CRC32C, when the server has none kept), not sent; a
+        piece's own bytes count as read once the caller asks for the next piece, so read and sent
+        agree however the stream ends.
+        """
+        self.model = request.model
+        self._file = (request.file, request.offset)
+        self._check_open()
+        validation.check_chunk_bytes(request.max_chunk_bytes)
+        chunk_bytes = validation.chunk_bytes(request.max_chunk_bytes, self._streams.settings.chunk_bytes)
+        catalog = self._streams.catalog
+        pieces = read_file(
+            catalog,
+            request.model,
+            request.file,
+            request.offset,
+            request.revision,
+            chunk_bytes,
+            length=request.length,
+            cache=self._streams.cache,
+        )
+        for piece in pieces:
+            self.read += piece.read_before
+            yield piece
+            self.read += piece.read
+
+    def count_read(self, nbytes: int) -> None:
+        """Count bytes read from storage for this stream."""
+        self.read += nbytes
+
+    def count_sent(self, nbytes: int) -> None:
+        """Count payload bytes the transport took."""
+        self.sent += nbytes
+
+    def _check_open(self) -> None:
+        # Manifests are still served while draining: a load in flight may ask for one again.
+        if self._streams.readiness.draining:
+            raise Draining("the server is shutting down and takes no new streams; retry on another server")
+
+    def _end(self, code: grpc.StatusCode) -> None:
+        if self._holds_slot:
+            self._holds_slot = False
+            self._streams.slots.give_back()
+        # What the stream's buffers took goes back to the kernel, not only to malloc's free lists.
+        release_free_memory()
+        seconds = time.monotonic() - self._started
+        self._streams.stats.stream_ended(self.model, sent=self.sent, read=self.read, seconds=seconds)
+        if self._file is not None:
+            name, offset = self._file
+            logger.info(
+                "%s end: model=%r file=%r peer=%s offset=%d bytes=%d seconds=%.3f code=%s",
+                self._kind,
+                self.model_id,
+                name,
+                self.peer,
+                offset,
+                self.sent,
+                seconds,
+                code.name,
+            )
+            return
+        logger.info(
+            "%s end: model=%r peer=%s tensors=%d bytes=%d seconds=%.3f gbps=%.2f code=%s",
+            self._kind,
+            self.model_id,
+            self.peer,
+            self.tensors,
+            self.sent,
+            seconds,
+            self.sent / seconds / 1e9 if seconds else 0.0,
+            code.name,
+        )

@@ -1,0 +1,116 @@
+"""The gRPC servicer: translates between protobuf messages and the server's domain objects.
+
+Streams run in a StreamSession (stream_session.py), which does their checks, counting and
+end-of-stream line; errors become gRPC status codes in rpc.abort only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server.serving.catalog import Manifest
+from weightstream_server.serving.files import FileKind, FileListing, list_files
+from weightstream_server.serving.packing import pack_chunks
+from weightstream_server.serving.stream_session import Streams
+from weightstream_server.transports import rpc
+
+logger = logging.getLogger(__name__)
+
+
+class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
+    """GetManifest, StreamTensors, ListModelFiles and ReadModelFile. Safe to call from many threads."""
+
+    def __init__(self, streams: Streams) -> None:
+        self._streams = streams
+
+    def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
+        try:
+            return manifest_to_proto(self._streams.catalog.manifest(request.model))
+        except Exception as exc:
+            rpc.abort(context, self._streams.stats, "GetManifest", request.model, exc)
+
+    def StreamTensors(self, request: pb.StreamTensorsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Serialized StreamTensorsResponse messages (see add_to_server: no serializer runs on them)."""
+        with self._streams.session(context, method="StreamTensors", kind="stream", model=request.model) as session:
+            plan = session.plan_reads(session.start(request))
+            logger.debug(
+                "stream %r from %s: %d tensors, %d bytes in %d reads from %d files",
+                request.model,
+                session.peer,
+                session.tensors,
+                plan.total_bytes,
+                plan.num_reads,
+                len(plan.files),
+            )
+            with session.streamer() as streamer:
+                for message, payload_bytes in pack_chunks(session.chunks(streamer), plan.chunk_bytes):
+                    yield message
+                    session.count_sent(payload_bytes)
+
+    def ListModelFiles(
+        self, request: pb.ListModelFilesRequest, context: grpc.ServicerContext
+    ) -> pb.ListModelFilesResponse:
+        try:
+            return listing_to_proto(list_files(self._streams.catalog, request.model))
+        except Exception as exc:
+            rpc.abort(context, self._streams.stats, "ListModelFiles", request.model, exc)
+
+    def ReadModelFile(
+        self, request: pb.ReadModelFileRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ReadModelFileResponse]:
+        """One file's bytes from request.offset; a stream like the others, so that drain waits for it."""
+        with self._streams.session(context, method="ReadModelFile", kind="file read", model=request.model) as session:
+            for piece in session.read_file(request):
+                yield pb.ReadModelFileResponse(
+                    offset=piece.offset, crc32c=piece.crc32c, file_crc32c=piece.file_crc32c, data=piece.data
+                )
+                session.count_sent(len(piece.data))
+
+
+def add_to_server(servicer: WeightStreamServicer, server: grpc.Server) -> None:
+    """Register servicer; requests are parsed by rpc.parsing(), and StreamTensors yields serialized messages."""
+    rpc.register(
+        server,
+        rpc.handler(servicer.GetManifest),
+        rpc.handler(servicer.StreamTensors, serialized=True),
+        rpc.handler(servicer.ListModelFiles),
+        rpc.handler(servicer.ReadModelFile),
+    )
+
+
+def manifest_to_proto(manifest: Manifest) -> pb.GetManifestResponse:
+    return pb.GetManifestResponse(
+        model=manifest.model,
+        revision=manifest.revision,
+        total_bytes=manifest.total_bytes,
+        files=[pb.FileInfo(name=f.name, size_bytes=f.size) for f in manifest.files],
+        tensors=[
+            pb.TensorInfo(
+                name=t.name,
+                dtype=t.dtype.wire,
+                shape=list(t.shape),
+                nbytes=t.nbytes,
+                file_index=t.file_index,
+            )
+            for t in manifest.tensors
+        ],
+    )
+
+
+_KINDS = {FileKind.WEIGHTS: pb.MODEL_FILE_KIND_WEIGHTS, FileKind.COMPANION: pb.MODEL_FILE_KIND_COMPANION}
+
+
+def listing_to_proto(listing: FileListing) -> pb.ListModelFilesResponse:
+    return pb.ListModelFilesResponse(
+        model=listing.model,
+        revision=listing.revision,
+        files=[
+            pb.ModelFile(name=f.file.name, size_bytes=f.file.size, kind=_KINDS[f.kind], version=f.file.version)
+            for f in listing.files
+        ],
+    )
