@@ -43,7 +43,7 @@ from benchmarks.harness import peak_rss, rss, serve_weightstream, write_checkpoi
 from tests.support.ports import free_ports
 from tests.support.s3_stores import REGION, S3RVER_KEY, s3rver, upload_folder
 from weightstream.client import WeightStreamClient
-from weightstream.demo import ParameterTree
+from weightstream.samples import ParameterTree
 
 BUCKET = "bench"
 MODEL = f"s3://{BUCKET}/llama"

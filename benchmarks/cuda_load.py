@@ -42,7 +42,7 @@ def main() -> int:
     from benchmarks.harness import serve_weightstream, write_checkpoint
     from weightstream.allocator import tune_malloc
     from weightstream.client import WeightStreamClient, cuda_host
-    from weightstream.demo import ParameterTree
+    from weightstream.samples import ParameterTree
 
     tune_malloc()
     device = torch.device("cuda:0")

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import serve_weightstream, write_checkpoint
 from tests.support.s3_stores import REGION, S3RVER_KEY, s3rver, upload_folder
 from weightstream.client import WeightStreamClient
-from weightstream.demo import ParameterTree
+from weightstream.samples import ParameterTree
 
 BUCKET = "bench"
 

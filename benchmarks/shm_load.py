@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import evict_from_page_cache, serve_weightstream, write_checkpoint
 from weightstream.allocator import tune_malloc
 from weightstream.client import WeightStreamClient
-from weightstream.demo import ParameterTree
 from weightstream.protocol.shm import CHUNKS_PER_SLOT, DEFAULT_SLOTS
+from weightstream.samples import ParameterTree
 
 SHM_ROOT = Path("/dev/shm")
 CHUNK_BYTES = 4 * 1024 * 1024

@@ -56,7 +56,7 @@ from tests.support.s3_stores import REGION, S3RVER_KEY, s3rver, upload_folder
 from tests.support.serve_processes import start_serve
 from weightstream.allocator import tune_malloc
 from weightstream.client import LoadReport, WeightStreamClient
-from weightstream.demo import ParameterTree
+from weightstream.samples import ParameterTree
 
 BUCKET = "tier-bench"
 PREFIX = "llama"

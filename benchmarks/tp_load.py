@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
 from weightstream.client.sharding import ShardSpec
-from weightstream.demo import ParameterTree
+from weightstream.samples import ParameterTree
 
 
 def shard_shapes(shapes: dict, spec: ShardSpec) -> dict:

@@ -56,7 +56,7 @@ build+=(--volume "$work/pip.conf:/etc/pip.conf:ro")
 "${PODMAN[@]}" build "${build[@]}" -t "$IMAGE" -f Dockerfile .
 
 echo "== serve a demo checkpoint from the image"
-"$PYTHON" -c "import sys; from pathlib import Path; from weightstream.demo import llama_like_state_dict, save_sharded; \
+"$PYTHON" -c "import sys; from pathlib import Path; from weightstream.samples import llama_like_state_dict, save_sharded; \
 save_sharded(llama_like_state_dict(layers=2), Path(sys.argv[1]) / 'demo-llama', shards=2)" "$work/models"
 chmod -R a+rX "$work/models"
 ports=$("$PYTHON" -c "import socket; s=[socket.socket() for _ in range(3)]; [x.bind(('127.0.0.1', 0)) for x in s]; \

@@ -1,4 +1,4 @@
-"""`weightstream bench` end to end on a small checkpoint: every path runs, figures and verdicts come out."""
+"""benchmarks/load_bench.py end to end on a small checkpoint: every path runs, figures and verdicts come out."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import (
+from benchmarks.harness import process_cpu_seconds, self_cpu_seconds
+from benchmarks.load_bench import (
     BARE_GRPC,
     BASELINE,
     CACHE_GRPC,
@@ -26,23 +27,22 @@ from benchmarks.harness import (
     TLS,
     TLS_GRPC,
     TLS_TCP,
-    process_cpu_seconds,
     run_bench,
-    self_cpu_seconds,
 )
 
-# `weightstream bench` runs as a process, each path several times.
+# The bench runs as a process, each path several times.
 pytestmark = pytest.mark.slow
 
 HAS_CRYPTOGRAPHY = importlib.util.find_spec("cryptography") is not None
 NETWORK_ROWS = (CEILING, BARE_GRPC, LOAD_INTO_TCP, LOAD_INTO_GRPC, ITER_TENSORS, LOAD_STATE_DICT, CACHE_TCP, CACHE_GRPC)
 TLS_ROWS = (TLS_TCP, TLS_GRPC)
+LOAD_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "load_bench.py"
 
 
 def test_bench_prints_table_and_writes_json_and_plot(tmp_path: Path) -> None:
     raw, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     result = subprocess.run(
-        [sys.executable, "-m", "weightstream", "bench", "--gb", "0.05", "--runs", "2", "--chunk-bytes", "1048576",
+        [sys.executable, str(LOAD_BENCH), "--gb", "0.05", "--runs", "2", "--chunk-bytes", "1048576",
          "--json", str(raw), "--plot", str(plot)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
@@ -83,12 +83,12 @@ def test_bench_prints_table_and_writes_json_and_plot(tmp_path: Path) -> None:
 
 
 def test_bench_on_an_existing_checkpoint(tmp_path: Path) -> None:
-    from weightstream.demo import llama_like_state_dict, save_sharded
+    from weightstream.samples import llama_like_state_dict, save_sharded
 
     state = llama_like_state_dict(layers=1, hidden=128, intermediate=256, vocab=512)
     save_sharded(state, tmp_path / "mine", shards=2)
     result = subprocess.run(
-        [sys.executable, "-m", "weightstream", "bench", "--checkpoint", str(tmp_path / "mine"), "--runs", "1"],
+        [sys.executable, str(LOAD_BENCH), "--checkpoint", str(tmp_path / "mine"), "--runs", "1"],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -96,7 +96,7 @@ def test_bench_on_an_existing_checkpoint(tmp_path: Path) -> None:
 
 
 def test_bench_runs_only_the_tables_asked_for(tmp_path: Path) -> None:
-    from weightstream.demo import llama_like_state_dict, save_sharded
+    from weightstream.samples import llama_like_state_dict, save_sharded
 
     save_sharded(llama_like_state_dict(layers=1, hidden=128, intermediate=256, vocab=512), tmp_path / "mine", shards=2)
     tables = (SERVER_CACHE, TLS) if HAS_CRYPTOGRAPHY else (SERVER_CACHE,)

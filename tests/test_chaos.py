@@ -21,7 +21,7 @@ from tests.support.faults import CuttingProxy
 from tests.support.reliability_report import record
 from tests.support.serve_processes import Supervisor
 from weightstream.client import FailedPreconditionError, RetryPolicy, WeightStreamClient
-from weightstream.demo import ParameterTree
+from weightstream.samples import ParameterTree
 from weightstream_server import WeightStreamServer
 
 # Supervised `weightstream serve` processes killed with SIGKILL, on a 1 GB checkpoint.

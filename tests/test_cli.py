@@ -22,7 +22,7 @@ import weightstream
 from tests.support.commands import COMMAND_TIMEOUT_S, clean_env, console_script, describe, run_cli
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.serve_processes import serve_process, wait_grpc_ready, wait_http_ready
-from weightstream.demo import llama_like_state_dict, save_sharded
+from weightstream.samples import llama_like_state_dict, save_sharded
 from weightstream_server.settings import ServerSettings, env_name, flag
 
 MODEL = "tiny"

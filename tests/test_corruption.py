@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightstream.client import IntegrityError, WeightStreamClient
-from weightstream.demo import ParameterTree
+from weightstream.samples import ParameterTree
 from weightstream_server import WeightStreamServer
 
 MODEL = "corruptible"

@@ -55,7 +55,7 @@ from tests.support.deploy_checks import (
 from tests.support.ports import free_ports
 from tests.support.s3_stores import S3RVER_KEY, S3Process
 from tests.support.servers import serving
-from weightstream.demo import llama_like_state_dict
+from weightstream.samples import llama_like_state_dict
 from weightstream_server.settings import ServerSettings
 
 # --- Kubernetes ---------------------------------------------------------------------------------

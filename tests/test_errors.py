@@ -20,7 +20,7 @@ from weightstream.client import (
     PermissionDeniedError,
     WeightStreamClient,
 )
-from weightstream.demo import ParameterTree
+from weightstream.samples import ParameterTree
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 

@@ -127,3 +127,76 @@ def test_package_ships_py_typed() -> None:
     marker = importlib.resources.files("weightstream").joinpath("py.typed")
     assert marker.is_file(), f"{marker} missing"
     assert (Path(weightstream.__file__).parent / "py.typed").is_file()
+
+
+@pytest.mark.slow
+def test_protocol_imports_with_the_client_dependencies_only_and_neither_side(tmp_path: Path) -> None:
+    code = f"""
+        import importlib.abc
+        import sys
+
+        BLOCKED = {SERVER_ONLY!r}
+
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in BLOCKED:
+                    raise ImportError(f"{{name}} is blocked (server-only)")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        import weightstream.protocol
+        from weightstream.protocol import dtypes, framing, names, shm, tcp, wire  # noqa: F401
+
+        sides = sorted(m for m in sys.modules if m.startswith(("weightstream.client", "weightstream_server")))
+        print(",".join(sides) or "none")
+    """
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, describe(result)
+    assert result.stdout.strip() == "none", f"importing weightstream.protocol loaded {result.stdout.strip()}"
+
+
+def test_no_protocol_module_imports_the_client_or_the_server() -> None:
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "client" / "weightstream" / "protocol").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            offenders += [
+                f"{path.name}: {t}" for t in targets if t.startswith(("weightstream.client", "weightstream_server"))
+            ]
+    assert not offenders, offenders
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_the_packages_and_no_benchmark_or_test_code(tmp_path: Path) -> None:
+    import zipfile
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), ROOT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode == 0, describe(result)
+    (wheel,) = tmp_path.glob("weightstream-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for expected in (
+        "weightstream/protocol/wire.py",
+        "weightstream/client/facade.py",
+        "weightstream/samples.py",
+        "weightstream_server/assembly.py",
+        "weightstream_server/serving/reader.py",
+        "weightstream_server/transports/shm/servicer.py",
+    ):
+        assert expected in names, f"{expected} missing from {wheel.name}"
+    tops = sorted({n.split("/")[0] for n in names if not n.startswith("weightstream-")})
+    assert tops == ["weightstream", "weightstream_server"], tops
+    harness = [n for n in names if "bench" in n.rsplit("/", 1)[-1] or "harness" in n or "/tests/" in n]
+    assert not harness, f"{wheel.name} ships benchmark or test code: {harness}"

@@ -20,7 +20,7 @@ from weightstream.client.retry import IDLE, IdleWatchdog, Outage, reached_no_ser
 from weightstream.client.transports.base import StreamCancel
 from weightstream.client.transports.call_reader import CallReader, StreamAbandoned
 from weightstream.client.transports.grpc_stream import GrpcTransport
-from weightstream.demo import ParameterTree
+from weightstream.samples import ParameterTree
 from weightstream_server import WeightStreamServer
 
 QUICK = RetryPolicy(attempts=100, initial_backoff=0.05, max_backoff=0.5, total_deadline=60.0, idle_timeout=30.0)

@@ -10,7 +10,7 @@ import transformers
 
 from tests.support.checkpoints import llama_config, load_folder
 from weightstream.client import WeightStreamClient
-from weightstream.demo import save_sharded
+from weightstream.samples import save_sharded
 
 MODEL = "tiny-llama"
 

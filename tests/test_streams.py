@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import ResourceExhaustedError, WeightStreamClient
-from weightstream.demo import ParameterTree
+from weightstream.samples import ParameterTree
 from weightstream_server import WeightStreamServer
 
 MODEL = "stream-model"

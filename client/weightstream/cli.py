@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightstream import __version__
-from weightstream.protocol import wire
+from weightstream.protocol import names
 
 if TYPE_CHECKING:
     from weightstream.client import WeightStreamClient
@@ -44,29 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="make a small checkpoint, serve it, load it back and verify it",
         description="Make a small Llama-like checkpoint in a temporary folder, serve it on a free port, "
         "load it through the client into a torch module, verify it bit for bit, and report the speed.",
-    )
-
-    bench = commands.add_parser(
-        "bench",
-        help="measure every load path against the network ceiling",
-        description="Generate (or take) a Llama-shaped checkpoint and load it every way, side by side: a raw TCP "
-        "transfer of the same bytes (sendfile from the page cache -> recv_into the destination: the ceiling), a "
-        "bare gRPC stream (a reference), safetensors load_file from the page cache (the baseline), and "
-        "weightstream's load_into over the data port (tcp) and gRPC, iter_tensors and load_state_dict, from the "
-        "page cache, from the server's RAM cache and over TLS. Prints medians, spreads, CPU seconds per GB of "
-        "client and server, ratios to the ceiling and peak RSS. Needs the server's dependencies.",
-    )
-    bench.add_argument("--gb", type=float, default=2.0, help="size of the generated checkpoint (default 2.0)")
-    bench.add_argument("--checkpoint", type=Path, default=None, help="a model folder of *.safetensors to use instead")
-    bench.add_argument("--runs", type=int, default=5, help="runs of every path (default 5)")
-    bench.add_argument("--chunk-bytes", type=int, default=4 * 1024 * 1024, help="message payload (default 4 MiB)")
-    bench.add_argument("--streams", type=int, default=1, help="parallel streams per weightstream load (default 1)")
-    bench.add_argument("--json", type=Path, default=None, help="write the raw figures to this file")
-    bench.add_argument("--plot", type=Path, default=None, help="draw a bar chart to this PNG (needs matplotlib)")
-    bench.add_argument(
-        "--tables",
-        default="page cache,server cache,tls",
-        help="comma-separated tables to measure: page cache, server cache, tls (default: all three)",
     )
 
     manifest = commands.add_parser("manifest", help="list a model's tensors")
@@ -120,7 +97,7 @@ def _add_connection_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     parser.add_argument(
         "--transport",
-        choices=wire.TRANSPORTS,
+        choices=names.TRANSPORTS,
         default="auto",
         help="data path: auto (shared memory where WEIGHTSTREAM_SHM_DIR works, else the server's data port, "
         "else gRPC), shm, tcp or grpc (default auto)",
@@ -143,24 +120,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":
         return _serve(args)
-    if args.command == "bench":
-        from benchmarks.harness import run_and_print
-
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        try:
-            return run_and_print(
-                args.gb,
-                args.runs,
-                args.chunk_bytes,
-                args.checkpoint,
-                args.json,
-                args.plot,
-                streams=args.streams,
-                tables=[t.strip() for t in args.tables.split(",") if t.strip()],
-            )
-        except ValueError as exc:
-            print(f"weightstream bench: {exc}", file=sys.stderr)
-            return 2
     if args.command == "demo":
         from weightstream.demo import run_demo
 

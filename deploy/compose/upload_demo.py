@@ -17,7 +17,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from weightstream.demo import llama_like_state_dict, save_sharded
+from weightstream.samples import llama_like_state_dict, save_sharded
 
 # Bounded: MinIO is already healthy when compose starts this job; the retries cover a slow first answer.
 ATTEMPTS = 30

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from weightstream.client.sharding import ShardSpec
-from weightstream.demo import save_sharded
+from weightstream.samples import save_sharded
 
 DTYPES = [
     torch.float32,

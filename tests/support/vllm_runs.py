@@ -18,7 +18,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from weightstream.demo import save_sharded
+from weightstream.samples import save_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))

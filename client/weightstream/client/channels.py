@@ -26,11 +26,11 @@ from weightstream.client.transports.grpc_stream import GrpcTransport
 from weightstream.client.transports.shm import SharedMemoryTransport
 from weightstream.client.transports.tcp import BulkTransport, Fallback
 from weightstream.protocol import wire
+from weightstream.protocol.names import TRANSPORTS, TransportChoice
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = wire.TRANSPORTS
 # How often wait_ready looks whether the stream it waits for was stopped meanwhile.
 _READY_POLL_S = 0.25
 
@@ -112,7 +112,7 @@ class Channels:
         *,
         credentials: grpc.ChannelCredentials | None,
         metadata: tuple[tuple[str, str], ...],
-        transport: str,
+        transport: TransportChoice,
         shm_dir: Path | None,
         data_tls: ssl.SSLContext | None = None,
     ) -> None:

@@ -39,6 +39,7 @@ from weightstream.client.session import LoadSession, SessionConfig
 from weightstream.client.sharding import ShardSpec, sliced_manifest
 from weightstream.client.targets import plan_targets
 from weightstream.protocol import wire
+from weightstream.protocol.names import TransportChoice, TransportName
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
@@ -55,7 +56,7 @@ class LoadReport:
     seconds: float
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    transport: str = "grpc"
+    transport: TransportName = "grpc"
     # Streams resumed after a failure that reached a server (RetryPolicy.attempts counts the same
     # tries), and bytes received again that had already landed.
     retries: int = 0
@@ -105,7 +106,7 @@ class WeightStreamClient:
         progress: bool = True,
         streams: int = 1,
         retry: RetryPolicy | None = RetryPolicy(),  # noqa: B008 - frozen, one shared default
-        transport: str = "auto",
+        transport: TransportChoice = "auto",
         shm_dir: str | Path | None = None,
     ) -> None:
         self.target = target if isinstance(target, str) else ",".join(target)
@@ -153,7 +154,7 @@ class WeightStreamClient:
         self.close()
 
     @property
-    def transport(self) -> str:
+    def transport(self) -> TransportName:
         """The data path this client's streams use now: "shm", "tcp" or "grpc" (negotiated on first use)."""
         return self._channels.transport(0).name
 

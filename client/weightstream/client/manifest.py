@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from weightstream.client.errors import IntegrityError
 from weightstream.protocol import dtypes, wire
+from weightstream.protocol.names import FILE_KINDS_BY_WIRE, FileKind
 from weightstream.protocol.wire import TensorSlice
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -62,10 +62,6 @@ def manifest_from_proto(response: pb.GetManifestResponse) -> Manifest:
     return Manifest(response.model, response.revision, response.total_bytes, tuple(tensors), files, by_name)
 
 
-FileKind = Literal["weights", "companion"]
-_KINDS: dict[int, FileKind] = {pb.MODEL_FILE_KIND_WEIGHTS: "weights", pb.MODEL_FILE_KIND_COMPANION: "companion"}
-
-
 @dataclass(frozen=True)
 class ModelFile:
     """One file the server lets a client read whole: a weight file or a companion (config, tokenizer)."""
@@ -90,7 +86,7 @@ def files_from_proto(response: pb.ListModelFilesResponse) -> ModelFileList:
     """A ModelFileList from the wire; a name that is not one plain file name is refused, never written."""
     files = []
     for f in response.files:
-        kind = _KINDS.get(f.kind)
+        kind = FILE_KINDS_BY_WIRE.get(f.kind)
         if kind is None or not wire.is_plain_file_name(f.name):
             raise IntegrityError(f"model {response.model!r}: the server listed file {f.name[:80]!r} of kind {f.kind}")
         files.append(ModelFile(f.name, f.size_bytes, kind, f.version))

@@ -50,7 +50,8 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from weightstream.client.facade import WeightStreamClient
 from weightstream.client.loader_plan import plan_loads
 from weightstream.client.options import MODEL_ENV, TARGET_ENV, ClientOptions
-from weightstream.protocol import wire
+from weightstream.protocol import names
+from weightstream.protocol.names import TransportChoice
 
 # A child of vLLM's logger, so that these lines reach vLLM's handler and format (vLLM configures
 # only the "vllm" logger; a weightstream.* logger would be dropped at the root's WARNING level).
@@ -72,7 +73,7 @@ class LoaderSettings:
     tls: bool = False
     ca_file: str | None = None
     shm_dir: str | None = None
-    transport: str = "auto"
+    transport: TransportChoice = "auto"
 
     @classmethod
     def resolve(
@@ -97,9 +98,9 @@ class LoaderSettings:
             raise ValueError(f"no weightstream model id: set model_loader_extra_config['model'] or {MODEL_ENV}")
         token = _text(extra, "token") or options.token
         transport = _text(extra, "transport") or "auto"
-        if transport not in wire.TRANSPORTS:
+        if transport not in names.TRANSPORTS:
             raise ValueError(
-                f"model_loader_extra_config['transport'] must be one of {wire.TRANSPORTS}, not {transport!r}"
+                f"model_loader_extra_config['transport'] must be one of {names.TRANSPORTS}, not {transport!r}"
             )
         shm_dir = _text(extra, "shm_dir") or (str(options.shm_dir) if options.shm_dir else None)
         return cls(

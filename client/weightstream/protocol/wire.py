@@ -14,8 +14,6 @@ from pathlib import Path
 
 import google_crc32c
 
-# The data paths a client may ask for (weightstream.client.channels chooses among them).
-TRANSPORTS = ("auto", "grpc", "shm", "tcp")
 # Payload bytes per chunk. Messages of a few MiB move fastest over gRPC; much larger ones are
 # slower because each message is buffered whole on both sides.
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024

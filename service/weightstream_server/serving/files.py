@@ -14,13 +14,13 @@ reads only the bytes it sends.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from weightstream.protocol import wire
+from weightstream.protocol.names import FileKind
 from weightstream_server.errors import (
     AccessDenied,
     CorruptCheckpoint,
@@ -42,11 +42,6 @@ MAX_COMPANION_BYTES = 64 * 1024 * 1024
 CHECKSUMS_KEPT = 65_536
 
 
-class FileKind(enum.Enum):
-    WEIGHTS = "weights"
-    COMPANION = "companion"
-
-
 @dataclass(frozen=True)
 class ListedFile:
     file: SourceFile
@@ -66,7 +61,7 @@ class FileListing:
         """The listed file called name, checked to be servable; raises ServerError naming it."""
         for listed in self.files:
             if listed.file.name == name:
-                if listed.kind is FileKind.COMPANION and listed.file.size > MAX_COMPANION_BYTES:
+                if listed.kind == "companion" and listed.file.size > MAX_COMPANION_BYTES:
                     raise FileTooLarge(
                         f"model {self.model!r}: companion file {name!r} has {listed.file.size} bytes, more than "
                         f"the {MAX_COMPANION_BYTES} this server serves; refused"
@@ -114,10 +109,10 @@ def list_files(catalog: Catalog, model: str) -> FileListing:
     """Every file of model a client may read: its weight files, then its companion files."""
     source = catalog.source_for(model)
     # Weight names end in .safetensors and companion names never do, so no name is listed twice.
-    files = tuple(ListedFile(f, FileKind.WEIGHTS) for f in source.resolve(model).files) + tuple(
-        ListedFile(f, FileKind.COMPANION) for f in source.companion_files(model)
+    files = tuple(ListedFile(f, "weights") for f in source.resolve(model).files) + tuple(
+        ListedFile(f, "companion") for f in source.companion_files(model)
     )
-    return FileListing(model, revision([f.file for f in files], [f.kind.value for f in files]), source, files)
+    return FileListing(model, revision([f.file for f in files], [f.kind for f in files]), source, files)
 
 
 def read_file(
@@ -157,7 +152,7 @@ def read_file(
     end = offset + length if length else file.size
     to_end = end == file.size
     display = f"model {model!r}, file {name!r}"
-    through = cache if listed.kind is FileKind.WEIGHTS else None
+    through = cache if listed.kind == "weights" else None
     with OpenFiles(listing.source, model, {0: file}) as opened:
         key = (file.path, file.size, file.fingerprint)
         known = _checksums.get(key) if to_end else None

@@ -25,7 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightstream.client import WeightStreamClient
 from weightstream.client.errors import WeightStreamError
-from weightstream.client.manifest import FileKind, ModelFileList
+from weightstream.client.manifest import ModelFileList
+from weightstream.protocol.names import FileKind
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ModelNotFound, UpstreamError
 from weightstream_server.settings import ServerSettings

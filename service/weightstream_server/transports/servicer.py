@@ -11,10 +11,11 @@ from collections.abc import Iterator
 
 import grpc
 
+from weightstream.protocol.names import FILE_KINDS
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server.serving.catalog import Manifest
-from weightstream_server.serving.files import FileKind, FileListing, list_files
+from weightstream_server.serving.files import FileListing, list_files
 from weightstream_server.serving.packing import pack_chunks
 from weightstream_server.serving.stream_session import Streams
 from weightstream_server.transports import rpc
@@ -102,15 +103,12 @@ def manifest_to_proto(manifest: Manifest) -> pb.GetManifestResponse:
     )
 
 
-_KINDS = {FileKind.WEIGHTS: pb.MODEL_FILE_KIND_WEIGHTS, FileKind.COMPANION: pb.MODEL_FILE_KIND_COMPANION}
-
-
 def listing_to_proto(listing: FileListing) -> pb.ListModelFilesResponse:
     return pb.ListModelFilesResponse(
         model=listing.model,
         revision=listing.revision,
         files=[
-            pb.ModelFile(name=f.file.name, size_bytes=f.file.size, kind=_KINDS[f.kind], version=f.file.version)
+            pb.ModelFile(name=f.file.name, size_bytes=f.file.size, kind=FILE_KINDS[f.kind], version=f.file.version)
             for f in listing.files
         ],
     )

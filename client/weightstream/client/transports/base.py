@@ -33,6 +33,7 @@ from typing import Protocol
 
 from weightstream.client.cuda_host import HostRegion
 from weightstream.client.errors import WeightStreamError
+from weightstream.protocol.names import TransportName
 from weightstream.v1 import weightstream_pb2 as pb
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["WeightStreamService"]
@@ -114,7 +115,7 @@ class Transport(Protocol):
     """One data path: runs a StreamTensors request and yields its chunks in batches (see the module docstring)."""
 
     @property
-    def name(self) -> str:
+    def name(self) -> TransportName:
         """Reported in LoadReport.transport: "grpc", "shm" or "tcp" (the one its streams now use)."""
         ...
 

@@ -23,6 +23,7 @@ from weightstream.client.errors import IntegrityError
 from weightstream.client.transports.base import Batches, ChunkRef, Landing, StreamCancel, method_path
 from weightstream.client.transports.call_reader import CallReader
 from weightstream.protocol import framing
+from weightstream.protocol.names import TransportName
 from weightstream.v1 import weightstream_pb2 as pb
 
 STREAM_TENSORS_METHOD = method_path("StreamTensors")
@@ -31,7 +32,7 @@ STREAM_TENSORS_METHOD = method_path("StreamTensors")
 class GrpcTransport:
     """StreamTensors on one channel, its messages read raw."""
 
-    name = "grpc"
+    name: TransportName = "grpc"
 
     def __init__(self, channel: grpc.Channel) -> None:
         self._method: grpc.UnaryStreamMultiCallable[pb.StreamTensorsRequest, bytes] = channel.unary_stream(

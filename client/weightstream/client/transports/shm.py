@@ -39,6 +39,7 @@ from weightstream.client.errors import FailedPreconditionError, IntegrityError
 from weightstream.client.transports.base import Batches, ChunkRef, Landing, StreamCancel, method_path
 from weightstream.client.transports.call_reader import CallReader
 from weightstream.protocol import shm, wire
+from weightstream.protocol.names import TransportName
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class SharedMemoryTransport:
     request's chunks); max_ring_bytes is what the server grants (OpenSharedMemoryResponse), and caps the ring.
     """
 
-    name = "shm"
+    name: TransportName = "shm"
 
     def __init__(
         self,

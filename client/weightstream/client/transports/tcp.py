@@ -53,6 +53,7 @@ from weightstream.client.transports.base import (
 from weightstream.client.transports.call_reader import CallReader
 from weightstream.client.transports.grpc_stream import GrpcTransport
 from weightstream.protocol import tcp, wire
+from weightstream.protocol.names import TransportName
 from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class BulkTransport:
         self._fallback = fallback
 
     @property
-    def name(self) -> str:
+    def name(self) -> TransportName:
         return "grpc" if self._fallback is not None and self._fallback.why is not None else "tcp"
 
     def stream(
