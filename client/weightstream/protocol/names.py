@@ -19,7 +19,7 @@ TRANSPORTS: tuple[TransportChoice, ...] = get_args(TransportChoice)
 
 # A model's files: safetensors weights, or the companions an engine reads (config, tokenizer, index).
 FileKind = Literal["weights", "companion"]
-FILE_KINDS: dict[FileKind, pb.ModelFileKind.ValueType] = {
+FILE_KINDS: dict[FileKind, pb.ModelFileKind] = {
     "weights": pb.MODEL_FILE_KIND_WEIGHTS,
     "companion": pb.MODEL_FILE_KIND_COMPANION,
 }
