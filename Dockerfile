@@ -48,7 +48,7 @@ COPY --from=build /opt/weightstream /opt/weightstream
 # HOST=0.0.0.0: the server's default (127.0.0.1) would be unreachable from outside the container,
 # including by Docker's and Kubernetes' health checks. /cache is the only place the server process
 # writes (library caches, temporary files), so the root filesystem can be mounted read-only.
-# DATA_PORT is the bulk data port of clients on other hosts (transport tcp); it runs TLS with the gRPC
+# DATA_PORT is the data port of clients on other hosts (transport tcp); it runs TLS with the gRPC
 # port's certificates when those are set, and 0 turns it off.
 ENV PATH=/opt/weightstream/bin:$PATH \
     PYTHONUNBUFFERED=1 \

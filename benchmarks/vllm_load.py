@@ -3,7 +3,7 @@
 A random float32 Llama (head size 64; the default is about 410 MB) is written as safetensors shards
 under a temp folder and served by `weightstream serve` in its own process, with a shared-memory
 directory and a data port. Then vLLM (CPU build, in .venv-vllm) is started --runs times with each
-loader at each tensor-parallel size, interleaved: weightstream over gRPC, over the bulk data
+loader at each tensor-parallel size, interleaved: weightstream over gRPC, over the tcp transport's data
 connection (transport tcp, the network path) and over shared memory, from a folder
 holding only config.json and the tokenizer; safetensors from the folder with the weights (the page
 cache warm after the first read). Each run greedy-generates the same prompts, and the token ids of

@@ -1,4 +1,4 @@
-"""The bulk transport: StreamTensorsBulk on gRPC, the chunk bytes on a TCP connection to the data port.
+"""The tcp transport: StreamTensorsBulk on gRPC, the chunk bytes on a TCP connection to the data port.
 
 Real servers on 127.0.0.1 (in this process, or `weightstream serve` processes for the kill), real
 sockets, real TLS. Faults come from a real TCP relay that cuts the data connection (faults.CuttingProxy,
@@ -40,7 +40,7 @@ from weightstream_server.transports.tcp import listener
 from weightstream_server.transports.tcp import servicer as tcp_servicer
 from weightstream_server.transports.tcp.listener import Tickets
 
-MODEL = "bulk-model"
+MODEL = "tcp-model"
 TENSORS = 12
 NUMEL = 1 << 20  # 4 MiB of float32 each
 # Quick resumes for the fault tests; idle_timeout notices a frozen data connection.
@@ -49,7 +49,7 @@ POLICY = RetryPolicy(attempts=20, initial_backoff=0.05, max_backoff=0.2, total_d
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("bulk-models")
+    return tmp_path_factory.mktemp("tcp-models")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def server(root: Path, state: dict[str, torch.Tensor]) -> Iterator[WeightStreamS
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("bulk-pki"), "bulk")
+    return make_pki(tmp_path_factory.mktemp("tcp-pki"), "tcp")
 
 
 def _target(server: WeightStreamServer) -> str:
@@ -118,7 +118,7 @@ def test_slices_the_cache_and_cold_files_over_the_data_port(
     for folder in (tiny_llama_folder, root / MODEL):
         for path in folder.glob("*.safetensors"):
             evict_from_page_cache(path)
-    # tiny-llama lives under the session's model root; the bulk model under this module's.
+    # tiny-llama lives under the session's model root; the tcp model under this module's.
     with (
         serving(loopback_settings(model_root=tiny_llama_folder.parent, data_port=free_ports(1)[0])) as plain,
         serving(loopback_settings(model_root=root, data_port=free_ports(1)[0], cache_bytes=256 << 20)) as cached,
@@ -454,8 +454,8 @@ def test_a_ticket_shown_to_another_replica_is_refused_and_the_load_goes_over_grp
             with WeightStreamClient(_target(a), progress=False) as client:
                 module = _module(state)
                 report = client.load_into(module, MODEL)
-            # The abandoned bulk stream ends as soon as it notices its client cancelled it.
-            eventually(lambda: a.stats.snapshot().active_streams == 0, "the abandoned bulk stream ended")
+            # The abandoned tcp stream ends as soon as it notices its client cancelled it.
+            eventually(lambda: a.stats.snapshot().active_streams == 0, "the abandoned tcp stream ended")
         assert b.stats.snapshot().data_connections_refused_total == 1
     assert report.transport == "grpc"
     _assert_loaded(module, state)
@@ -465,11 +465,11 @@ def test_a_ticket_shown_to_another_replica_is_refused_and_the_load_goes_over_grp
 
 @pytest.mark.slow
 def test_s3_models_over_the_data_port(s3_store: S3Process, root: Path, state: dict[str, torch.Tensor]) -> None:
-    upload_folder(s3_store.client(), root / MODEL, S3_BUCKET, "bulk/model")
+    upload_folder(s3_store.client(), root / MODEL, S3_BUCKET, "tcp/model")
     with serving(s3_settings(s3_store, data_port=free_ports(1)[0])) as s:
         with WeightStreamClient(_target(s), progress=False, transport="tcp") as client:
             module = _module(state)
-            report = client.load_into(module, f"s3://{S3_BUCKET}/bulk/model")
+            report = client.load_into(module, f"s3://{S3_BUCKET}/tcp/model")
     assert report.transport == "tcp"
     _assert_loaded(module, state)
 

@@ -41,7 +41,7 @@ from weightstream.client.manifest import TensorSlice
 from weightstream.client.retry import RetryPolicy
 from weightstream.client.sharding import ShardSpec
 from weightstream.client.transports.base import StreamCancel
-from weightstream.client.transports.shm import SharedMemoryTransport
+from weightstream.client.transports.shm import ShmTransport
 from weightstream.protocol import shm, wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server import WeightStreamServer, create_server
@@ -396,7 +396,7 @@ def test_transport_directly_matches_the_file(shm_server: WeightStreamServer, roo
     expected = {n: t.contiguous().view(torch.uint8).reshape(-1) for n, t in load_folder(root / "blocks").items()}
     channel = grpc.insecure_channel(_target(shm_server))
     try:
-        transport = SharedMemoryTransport.negotiate(channel, shm_dir, ())
+        transport = ShmTransport.negotiate(channel, shm_dir, ())
         assert transport is not None and transport.name == "shm"
         got = {n: torch.zeros_like(t) for n, t in expected.items()}
         chunks = 0
@@ -814,7 +814,7 @@ def test_shm_needs_the_token_like_every_rpc(root: Path, shm_dir: Path, tmp_path:
         channel = grpc.insecure_channel(_target(server))
         try:
             with pytest.raises(grpc.RpcError) as raised:
-                SharedMemoryTransport.negotiate(channel, shm_dir, (("authorization", "Bearer wrong"),))
+                ShmTransport.negotiate(channel, shm_dir, (("authorization", "Bearer wrong"),))
             assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
         finally:
             channel.close()

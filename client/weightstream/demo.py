@@ -41,7 +41,7 @@ def run_demo() -> int:
         server = create_server(settings)
         server.start()
         target = f"127.0.0.1:{server.port}"
-        print(f"server:     gRPC on {target}, bulk data port {settings.data_port}")
+        print(f"server:     gRPC on {target}, data port {settings.data_port}")
         try:
             module = ParameterTree({n: (tuple(t.shape), t.dtype) for n, t in state.items()})
             with WeightStreamClient(target, progress=False) as client:

@@ -73,7 +73,7 @@ class WeightStreamServer:
     liveness: Liveness
     # Shared by every stream; None when --cache-bytes is 0.
     cache: UnitCache | None = None
-    # The bulk transport's listening port; None when --data-port is 0.
+    # The tcp transport's listening port; None when --data-port is 0.
     data_port: DataPort | None = None
     # The disk cache and the sources read from a tier above (--upstream, S3 behind --disk-cache).
     tiers: Tiers = field(default_factory=Tiers)
@@ -108,7 +108,7 @@ class WeightStreamServer:
         logger.info("gRPC serving %s on %s:%d (%s, %s)", served, self.settings.host, self.port, security, auth)
         if self.data_port is not None:
             logger.info(
-                "data port %d for bulk streams (%s, announced as %s)",
+                "data port %d for tcp streams (%s, announced as %s)",
                 self.data_port.port,
                 security,
                 _advertised_text(self.settings, self.data_port.port),
@@ -227,7 +227,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     )
     streams = Streams(settings, catalog, pool, stats, readiness, StreamSlots(settings.max_streams), cache)
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
-    shm_servicer.add_to_server(shm_servicer.SharedMemoryServicer(streams), server)
+    shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
     data_port = None
     if settings.data_port:
         tls = None
@@ -240,7 +240,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             raise OSError(f"could not bind the data port {settings.host}:{settings.data_port}: {exc.strerror}") from exc
     host, port = advertised(settings)
     announced = (host, port if port is not None else (data_port.port if data_port is not None else 0))
-    tcp_servicer.add_to_server(tcp_servicer.BulkServicer(streams, data_port, announced), server)
+    tcp_servicer.add_to_server(tcp_servicer.TcpServicer(streams, data_port, announced), server)
     health_servicer = ReadinessHealthServicer(readiness)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection lets grpcurl and similar tools call the server without the .proto files.
@@ -318,7 +318,7 @@ def build_sources(settings: ServerSettings) -> list[Source]:
 
 
 def advertised(settings: ServerSettings) -> tuple[str, int | None]:
-    """The host (and port, if another) bulk streams announce: --data-advertise, else --host unless it
+    """The host (and port, if another) tcp streams announce: --data-advertise, else --host unless it
     means every interface, else "" (the client dials its own target's host)."""
     if settings.data_advertise:
         return split_host_port(settings.data_advertise)

@@ -17,9 +17,9 @@ ServerError
 ├── CheckpointChanged     FAILED_PRECONDITION a file changed on disk (another file, rewritten, gone)
 │                                            between its listing and the end of its reads
 ├── FileTooLarge          FAILED_PRECONDITION a companion file is larger than the server serves
-├── SharedMemoryUnavailable FAILED_PRECONDITION no --shm-dir, or not the client's directory
-├── BulkUnavailable       FAILED_PRECONDITION no data port (--data-port 0): use StreamTensors
-├── DataConnectionLost    UNAVAILABLE        a bulk stream's data connection broke or stopped reading
+├── ShmUnavailable FAILED_PRECONDITION no --shm-dir, or not the client's directory
+├── TcpUnavailable       FAILED_PRECONDITION no data port (--data-port 0): use StreamTensors
+├── DataConnectionLost    UNAVAILABLE        a tcp stream's data connection broke or stopped reading
 ├── TooManyStreams        RESOURCE_EXHAUSTED the concurrent stream limit is reached
 ├── RequestTimeout        DEADLINE_EXCEEDED  the client did not send what the call waits for in time
 ├── StorageUnauthenticated UNAUTHENTICATED   storage rejected the server's credentials
@@ -90,16 +90,16 @@ class FileTooLarge(ServerError):
     pass
 
 
-class SharedMemoryUnavailable(ServerError):
+class ShmUnavailable(ServerError):
     pass
 
 
-class BulkUnavailable(ServerError):
+class TcpUnavailable(ServerError):
     """The server has no data port (--data-port 0)."""
 
 
 class DataConnectionLost(ServerError):
-    """A bulk stream's data connection broke, or its client stopped reading it."""
+    """A tcp stream's data connection broke, or its client stopped reading it."""
 
 
 class TooManyStreams(ServerError):
@@ -151,8 +151,8 @@ _CODES: dict[type[ServerError], grpc.StatusCode] = {
     RevisionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     CheckpointChanged: grpc.StatusCode.FAILED_PRECONDITION,
     FileTooLarge: grpc.StatusCode.FAILED_PRECONDITION,
-    SharedMemoryUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
-    BulkUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
+    ShmUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
+    TcpUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
     DataConnectionLost: grpc.StatusCode.UNAVAILABLE,
     TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
     RequestTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,

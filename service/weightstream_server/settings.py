@@ -101,7 +101,7 @@ class ServerSettings(BaseSettings):
     )
     data_port: int = Field(
         default=50052,
-        description="TCP port of the bulk data connections for clients on other hosts (transport tcp); 0 turns it off",
+        description="TCP port of the tcp transport's data connections (clients on other hosts); 0 turns it off",
     )
     data_advertise: str | None = Field(
         default=None,

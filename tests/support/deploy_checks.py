@@ -68,7 +68,7 @@ GRPC_HEALTH_SERVICES = ("", SERVICE_NAME, LIVENESS_SERVICE_NAME)
 # The client reads this one when no shm_dir is passed (the same-host transport).
 CLIENT_SHM_ENV = "WEIGHTSTREAM_SHM_DIR"
 
-# The host a bulk stream tells its client to dial for the data port.
+# The host a tcp stream tells its client to dial for the data port.
 DATA_ADVERTISE_ENV = ENV_PREFIX + "DATA_ADVERTISE"
 
 # The downward API's fields as a pod would see them: values of the right form, so that the settings

@@ -23,8 +23,8 @@ from weightstream.client import replicas
 from weightstream.client.options import SHM_DIR_ENV
 from weightstream.client.transports.base import StreamCancel, Transport
 from weightstream.client.transports.grpc_stream import GrpcTransport
-from weightstream.client.transports.shm import SharedMemoryTransport
-from weightstream.client.transports.tcp import BulkTransport, Fallback
+from weightstream.client.transports.shm import ShmTransport
+from weightstream.client.transports.tcp import Fallback, TcpTransport
 from weightstream.protocol import wire
 from weightstream.protocol.names import TRANSPORTS, TransportChoice
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
@@ -83,7 +83,7 @@ def channel_credentials(
 def data_tls_context(
     tls: bool, ca_file: str | Path | None, client_cert: str | Path | None, client_key: str | Path | None
 ) -> ssl.SSLContext | None:
-    """The bulk data connection's TLS context, from the channel's PEM files (None for plaintext)."""
+    """The data connection's TLS context, from the channel's PEM files (None for plaintext)."""
     if not tls:
         return None
     context = ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
@@ -97,7 +97,7 @@ class Channels:
     """One client's channels to channel_target, made on first use, and the transport of each stream.
 
     metadata goes with every call (the bearer token). transport is one of TRANSPORTS: "auto" uses
-    shared memory when the server proves it sees shm_dir, else the server's data port (the bulk
+    shared memory when the server proves it sees shm_dir, else the server's data port (the tcp transport's
     transport), and gRPC when neither can be used; "shm" insists on shared memory, "tcp" on the
     data port, "grpc" tries neither. data_tls wraps data connections when the channel runs TLS.
 
@@ -126,7 +126,7 @@ class Channels:
         self._kind = transport
         self._shm_dir = shm_dir
         self._data_tls = data_tls
-        self._bulk_fallback = Fallback()
+        self._tcp_fallback = Fallback()
         self._lock = threading.Lock()
         self._channels: list[grpc.Channel] = []
         self._stub: pb_grpc.WeightStreamServiceStub | None = None
@@ -166,15 +166,15 @@ class Channels:
         grant = self._negotiated_grant()
         made: Transport
         if grant and self._shm_dir is not None:
-            made = SharedMemoryTransport(self.channel(index), self._shm_dir, max_ring_bytes=grant)
+            made = ShmTransport(self.channel(index), self._shm_dir, max_ring_bytes=grant)
         elif self._kind in ("auto", "tcp"):
             host = replicas.target_host(self._channel_target)
-            made = BulkTransport(
+            made = TcpTransport(
                 self.channel(index),
                 target_host=host,
                 tls=self._data_tls,
                 server_hostname=host or None,
-                fallback=self._bulk_fallback if self._kind == "auto" else None,
+                fallback=self._tcp_fallback if self._kind == "auto" else None,
             )
         else:
             made = GrpcTransport(self.channel(index))
@@ -248,7 +248,7 @@ class Channels:
             if self._shm_grant is None:
                 granted = None
                 if self._shm_dir is not None:
-                    granted = SharedMemoryTransport.negotiate(
+                    granted = ShmTransport.negotiate(
                         self.channel(0), self._shm_dir, self.metadata, required=self._kind == "shm"
                     )
                 else:

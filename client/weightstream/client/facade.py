@@ -87,7 +87,7 @@ class WeightStreamClient:
     (see RetryPolicy; on by default); None fails at the first error and turns the idle-stream
     deadline off. transport chooses the data path: "auto" (the default) uses shared memory when the
     server proves it sees shm_dir (default: the environment variable WEIGHTSTREAM_SHM_DIR), else a
-    bulk TCP connection to the server's data port (TLS with the same files when tls=True), and gRPC
+    TCP connection to the server's data port (TLS with the same files when tls=True), and gRPC
     when neither can be used (one INFO line says why); "shm" and "tcp" insist on theirs; "grpc"
     tries neither. The environment is read once, here (options.ClientOptions).
     """

@@ -75,7 +75,7 @@ def _family(address: str) -> str | None:
 
 
 def target_host(channel: str) -> str:
-    """The host of a channel target (the first address of several), as a bulk stream dials it; "" for unix sockets."""
+    """The host of a channel target (the first address of several), as a tcp stream dials it; "" for unix sockets."""
     if channel.startswith("unix:"):
         return ""
     for scheme in ("ipv4:", "ipv6:"):

@@ -1,4 +1,4 @@
-"""The bulk data connection's protocol, written once for both sides: the handshake and the frames.
+"""The data port's protocol, written once for both sides: the handshake and the frames.
 
 A StreamTensorsBulk call announces a data port and a one-time ticket. The client opens a TCP
 connection there (TLS when the server's gRPC port runs TLS, with the same certificates) and

@@ -83,7 +83,7 @@ class ServerStatus(BaseModel):
     version: str
     uptime_s: float
     grpc_port: int
-    data_port: int = Field(description="port of the bulk data connections (transport tcp); 0 when off")
+    data_port: int = Field(description="port of the tcp transport's data connections; 0 when off")
     tls: bool = Field(description="gRPC is served over TLS")
     auth: bool = Field(description="gRPC calls and /status, /metrics need a bearer token")
     draining: bool

@@ -27,11 +27,11 @@ from google.protobuf.message import DecodeError, Message
 
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import (
-    BulkUnavailable,
     InvalidRequest,
     RequestTimeout,
     ServerError,
-    SharedMemoryUnavailable,
+    ShmUnavailable,
+    TcpUnavailable,
     TooManyStreams,
     status_code,
 )
@@ -49,12 +49,12 @@ T = TypeVar("T")
 def abort(context: grpc.ServicerContext, stats: ServerStats, method: str, model: str, exc: Exception) -> NoReturn:
     """End the RPC with exc's status code and message (internal errors: logged whole, sent as their type only)."""
     code = status_code(exc)
-    # A bulk stream refused for want of a data port is a client's probe (it falls back), not an error.
-    if not isinstance(exc, BulkUnavailable):
+    # A tcp stream refused for want of a data port is a client's probe (it falls back), not an error.
+    if not isinstance(exc, TcpUnavailable):
         stats.error(code.name)
     if isinstance(exc, ServerError):
         # A client that falls back from shared memory or the data port to gRPC is no warning.
-        level = logging.INFO if isinstance(exc, SharedMemoryUnavailable | BulkUnavailable) else logging.WARNING
+        level = logging.INFO if isinstance(exc, ShmUnavailable | TcpUnavailable) else logging.WARNING
         logger.log(level, "%s %r: %s: %s", method, model, code.name, exc)
         context.abort(code, str(exc))
     logger.error("%s %r: internal error", method, model, exc_info=exc)

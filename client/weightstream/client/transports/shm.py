@@ -1,7 +1,7 @@
 """The same-host transport: chunk bytes read from a shared-memory ring the server fills.
 
 negotiate() proves that the server sees the client's directory (a nonce file written here, read
-back there) and returns a SharedMemoryTransport, or None when the server cannot use it; the client
+back there) and returns a ShmTransport, or None when the server cannot use it; the client
 then streams over gRPC. Each stream() takes the segment the server announces from its hand-over
 socket and maps it (names, sizes, the hand-over and the mapping itself are weightstream.protocol.shm's,
 shared with the server), yields the chunks of each
@@ -55,7 +55,7 @@ NEGOTIATE_TIMEOUT_S = 10.0
 HANDOVER_TIMEOUT_S = 10.0
 
 
-class SharedMemoryTransport:
+class ShmTransport:
     """StreamTensorsShared on one channel, its segments mapped from shm_dir.
 
     slots and slot_bytes are the ring asked for (slot_bytes 0: shm.default_slot_bytes of the
@@ -93,7 +93,7 @@ class SharedMemoryTransport:
         *,
         timeout: float | None = NEGOTIATE_TIMEOUT_S,
         required: bool = False,
-    ) -> SharedMemoryTransport | None:
+    ) -> ShmTransport | None:
         """A transport if the server at channel sees shm_dir as this process does; None (logged once) if not.
 
         None when this process cannot write to shm_dir, or the server answers FAILED_PRECONDITION

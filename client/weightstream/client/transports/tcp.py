@@ -1,4 +1,4 @@
-"""The bulk transport: chunk bytes read from a TCP (or TLS) connection to the server's data port.
+"""The tcp transport: chunk bytes read from a TCP (or TLS) connection to the server's data port.
 
 A StreamTensorsBulk call (the control plane: authenticated, resumable, its status how the stream
 ended) announces the data port and a one-time ticket; the client connects, shows the ticket, and
@@ -70,7 +70,7 @@ RECEIVE_PIECE_BYTES = 1024 * 1024
 
 
 class Fallback:
-    """Whether a client's bulk streams gave up on the data port (auto), shared by all of them. Thread-safe."""
+    """Whether a client's tcp streams gave up on the data port (auto), shared by all of them. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -92,7 +92,7 @@ class _Cut(Exception):
     """The data connection ended or failed before its END frame."""
 
 
-class BulkTransport:
+class TcpTransport:
     """StreamTensorsBulk on one channel, its chunks read from the data port.
 
     target_host is dialled when the server announces no host; tls (a client context with the
@@ -147,7 +147,7 @@ class BulkTransport:
             except _Unusable as exc:
                 if self._fallback is None:
                     raise FailedPreconditionError(
-                        f"model {request.model!r}: the bulk transport cannot be used: {exc}"
+                        f"model {request.model!r}: the tcp transport cannot be used: {exc}"
                     ) from None
                 self._fallback.fall_back(str(exc))
             if conn is None:
@@ -172,7 +172,7 @@ class BulkTransport:
         try:
             announcement = next(messages)
         except StopIteration:
-            raise IntegrityError(f"model {model!r}: the bulk stream ended before it announced its data port") from None
+            raise IntegrityError(f"model {model!r}: the tcp stream ended before it announced its data port") from None
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):

@@ -32,7 +32,7 @@ from types import TracebackType
 
 from weightstream.protocol import shm
 from weightstream.protocol.shm import NONCE_PREFIX, is_nonce_name, is_segment_name, is_socket_name, map_segment
-from weightstream_server.errors import InvalidRequest, RequestTimeout, SharedMemoryUnavailable
+from weightstream_server.errors import InvalidRequest, RequestTimeout, ShmUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -258,18 +258,18 @@ def check_nonce(directory: Path, name: str, nonce: bytes) -> None:
     try:
         fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
-        raise SharedMemoryUnavailable(
+        raise ShmUnavailable(
             f"the server does not see nonce file {name!r} in its shared-memory directory {directory} "
             f"({exc.strerror or exc}): the client's directory is another one"
         ) from None
     try:
         content = os.read(fd, MAX_NONCE_BYTES + 1)
     except OSError as exc:
-        raise SharedMemoryUnavailable(f"cannot read nonce file {name!r}: {exc.strerror or exc}") from None
+        raise ShmUnavailable(f"cannot read nonce file {name!r}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
     if not hmac.compare_digest(content, nonce):
-        raise SharedMemoryUnavailable(
+        raise ShmUnavailable(
             f"nonce file {name!r} in {directory} holds other bytes than the client wrote: "
             "the client's directory is another one"
         )

@@ -43,7 +43,7 @@ from pathlib import Path
 import grpc
 
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server.errors import ClientGone, InvalidRequest, SharedMemoryUnavailable
+from weightstream_server.errors import ClientGone, InvalidRequest, ShmUnavailable
 from weightstream_server.serving import validation
 from weightstream_server.serving.reader import DirectReader, page_cached, reads_directly
 from weightstream_server.serving.stream_session import Streams
@@ -62,7 +62,7 @@ ATTACH_TIMEOUT_S = 60.0
 FIRST_MESSAGE_TIMEOUT_S = 5.0
 
 
-class SharedMemoryServicer:
+class ShmServicer:
     """OpenSharedMemory and StreamTensorsShared. Safe to call from many threads."""
 
     def __init__(self, streams: Streams) -> None:
@@ -91,7 +91,7 @@ class SharedMemoryServicer:
         """
         try:
             directory = self._directory()
-        except SharedMemoryUnavailable as exc:
+        except ShmUnavailable as exc:
             rpc.abort(context, self._streams.stats, "StreamTensorsShared", "", exc)
         with self._streams.session(context, method="StreamTensorsShared", kind="shared stream") as session:
             first = rpc.first_message(requests, FIRST_MESSAGE_TIMEOUT_S, "StreamTensorsSharedRequest")
@@ -153,7 +153,7 @@ class SharedMemoryServicer:
     def _directory(self) -> Path:
         directory = self._streams.settings.shm_dir
         if directory is None:
-            raise SharedMemoryUnavailable("this server has no shared-memory directory (--shm-dir); use StreamTensors")
+            raise ShmUnavailable("this server has no shared-memory directory (--shm-dir); use StreamTensors")
         return directory
 
 
@@ -174,6 +174,6 @@ def _slot_message(filled: FilledSlot) -> pb.StreamTensorsSharedResponse:
     )
 
 
-def add_to_server(servicer: SharedMemoryServicer, server: grpc.Server) -> None:
+def add_to_server(servicer: ShmServicer, server: grpc.Server) -> None:
     """Register the two shared-memory methods (a second generic handler for WeightStreamService)."""
     rpc.register(server, rpc.handler(servicer.OpenSharedMemory), rpc.handler(servicer.StreamTensorsShared))

@@ -1,6 +1,6 @@
-"""The data port: where clients of bulk streams connect, and the tickets that admit them.
+"""The data port: where clients of tcp streams connect, and the tickets that admit them.
 
-A bulk stream (tcp_servicer.py) issues a ticket on its authenticated gRPC call and announces it;
+A tcp stream (tcp_servicer.py) issues a ticket on its authenticated gRPC call and announces it;
 the client connects to the data port and sends tcp.MAGIC and the ticket. The port admits
 a connection only with a ticket that is waiting, from the address the call came from (and, under
 mutual TLS, with the certificate the call showed), and only once: the ticket is withdrawn when it
@@ -67,7 +67,7 @@ class Pending:
 
 
 class Tickets:
-    """The tickets of the bulk streams waiting for their connections. Thread-safe."""
+    """The tickets of the tcp streams waiting for their connections. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""The bulk transport: StreamTensorsBulk, chunk bytes on a TCP connection to the data port.
+"""The tcp transport: StreamTensorsBulk, chunk bytes on a TCP connection to the data port.
 
 The call is the control plane: it is authenticated like every call, runs in a StreamSession (the
 checks, --max-streams, the drain, the counting, the end-of-stream line) and its status says how
@@ -42,11 +42,11 @@ import numpy as np
 from weightstream.protocol import tcp, wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import (
-    BulkUnavailable,
     ClientGone,
     CorruptCheckpoint,
     DataConnectionLost,
     RequestTimeout,
+    TcpUnavailable,
 )
 from weightstream_server.serving.checksums import KeptChecksums
 from weightstream_server.serving.read_plan import ChunkPlace
@@ -73,7 +73,7 @@ ChunkKey = tuple[str, int, str, int, int]
 _chunk_checksums: KeptChecksums[ChunkKey] = KeptChecksums(CHUNK_CHECKSUMS_KEPT)
 
 
-class BulkServicer:
+class TcpServicer:
     """StreamTensorsBulk. Safe to call from many threads.
 
     data_port is None when the server has none (every call is then FAILED_PRECONDITION);
@@ -90,13 +90,13 @@ class BulkServicer:
     ) -> Iterator[pb.StreamTensorsBulkResponse]:
         port = self._port
         if port is None:
-            error = BulkUnavailable("this server has no data port (--data-port 0); use StreamTensors")
+            error = TcpUnavailable("this server has no data port (--data-port 0); use StreamTensors")
             rpc.abort(context, self._streams.stats, "StreamTensorsBulk", request.request.model, error)
         connection = _Connection()
         context.add_callback(connection.close)
         streams = self._streams
         with streams.session(
-            context, method="StreamTensorsBulk", kind="bulk stream", model=request.request.model
+            context, method="StreamTensorsBulk", kind="tcp stream", model=request.request.model
         ) as session:
             chunk_bytes = session.start(request.request)
             plan = session.plan_reads(chunk_bytes)
@@ -118,7 +118,7 @@ class BulkServicer:
             manifest = session.manifest
             direct = streams.cache is None and reads_directly(manifest, plan) and page_cached(manifest, plan)
             logger.debug(
-                "bulk stream %r from %s: %d tensors, %d bytes, %s",
+                "tcp stream %r from %s: %d tensors, %d bytes, %s",
                 session.model_id,
                 session.peer,
                 session.tensors,
@@ -298,6 +298,6 @@ class _FrameSender:
             ) from exc
 
 
-def add_to_server(servicer: BulkServicer, server: grpc.Server) -> None:
+def add_to_server(servicer: TcpServicer, server: grpc.Server) -> None:
     """Register StreamTensorsBulk (a generic handler for WeightStreamService)."""
     rpc.register(server, rpc.handler(servicer.StreamTensorsBulk))
