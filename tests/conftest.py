@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import torch
@@ -17,7 +18,8 @@ from tests.support.checkpoints import write_many_dtypes, write_tiny_llama
 from tests.support.s3_stores import S3_BUCKET, S3_OTHER_BUCKET, S3RVER_KEY, S3Process, s3_settings, s3rver
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient
-from weightstream_server import WeightStreamServer
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server import ServerSettings, WeightStreamServer
 
 # Chaos, load and fuzz tests record figures there; they are printed at the end of the run.
 pytest_plugins = ["tests.support.reliability_report"]
@@ -60,6 +62,46 @@ def many_dtypes(model_root: Path) -> dict[str, torch.Tensor]:
     state = write_many_dtypes(model_root / "many-dtypes")
     assert sum(t.numel() * t.element_size() for t in state.values()) > 300 * 1000 * 1000
     return state
+
+
+@pytest.fixture(scope="module")
+def root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model root of the test module's own, empty: the module writes its models into it."""
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_"))
+
+
+@pytest.fixture(scope="module")
+def root_settings(root: Path) -> ServerSettings:
+    """The settings of root_server: loopback, port 0, the module's root (a module overrides this to tune them)."""
+    return loopback_settings(model_root=root)
+
+
+@pytest.fixture(scope="module")
+def root_server(root_settings: ServerSettings) -> Iterator[WeightStreamServer]:
+    """A server of the module's own, on the module's root."""
+    with serving(root_settings) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stub_target(root_server: WeightStreamServer) -> str:
+    """Where raw_channel connects: root_server (a module overrides this to use another server)."""
+    return f"127.0.0.1:{root_server.port}"
+
+
+@pytest.fixture(scope="module")
+def raw_channel(stub_target: str) -> Iterator[grpc.Channel]:
+    """A plain gRPC channel to stub_target that takes messages of up to 64 MiB both ways."""
+    limit = 64 * 1024 * 1024
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    with grpc.insecure_channel(stub_target, options=options) as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def stub(raw_channel: grpc.Channel) -> pb_grpc.WeightStreamServiceStub:
+    """The raw service stub on raw_channel, for requests that the client library would never send."""
+    return pb_grpc.WeightStreamServiceStub(raw_channel)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@
 - metrics: a server's Prometheus samples and its process's resident memory.
 - faults: a TCP proxy that cuts or freezes connections.
 - reliability_report: the pytest plugin that prints the figures the reliability tests record.
-- deploy_checks: the checker of the deployment files (manifests, compose file, Dockerfile).
 - vllm_runs: the vLLM test's model and engine runs in .venv-vllm; vllm_scripts/ holds the scripts
   that run there (by path, with that environment's interpreter).
 """

@@ -4,7 +4,7 @@ RankModel is rank `rank` of `ranks` of a small model whose load_weights does wha
 loaders do (narrow to a rank's part, copy into a block of a fused parameter, fill a padded
 vocabulary), plus loaders that do more than that (a transpose, arithmetic, a read of the values,
 replacing a parameter's memory, two parts of one tensor), which plan_loads() must leave to the
-loader (FALLBACK, and "halves"). Used by tests/test_weight_plan.py and, on a GPU,
+loader (FALLBACK, and "halves"). Used by tests/client/test_loader_plan.py and, on a GPU,
 benchmarks/cuda_plan_load.py.
 """
 

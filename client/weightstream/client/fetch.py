@@ -30,8 +30,6 @@ from weightstream.protocol import wire
 logger = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".partial"
-# Block size for re-reading a .partial file's bytes to checksum them.
-_READ_BLOCK_BYTES = 4 * 1024 * 1024
 
 
 class FileSource(Protocol):
@@ -174,14 +172,7 @@ def _fetch_file(
 
 def _crc_of_prefix(partial: Path, length: int) -> int:
     """CRC32C of the first length bytes of partial (0 for none)."""
-    crc = 0
     if not length:
-        return crc
-    with partial.open("rb") as f:
-        while length:
-            block = f.read(min(_READ_BLOCK_BYTES, length))
-            if not block:
-                break
-            crc = wire.crc32c_extend(crc, block)
-            length -= len(block)
-    return crc
+        return 0
+    with partial.open("rb", buffering=0) as f:
+        return wire.crc32c_of_range(lambda start, size: os.pread(f.fileno(), size, start), 0, length)[0]

@@ -1,9 +1,11 @@
-"""When a broken stream is retried: the policy, its backoff, and the idle-stream watchdog.
+"""When a broken stream is retried: the decision, the policy, its backoff, and the idle-stream watchdog.
 
 A stream is retried on UNAVAILABLE (server gone, restarted or draining, connection reset),
 RESOURCE_EXHAUSTED (every stream slot taken), ABORTED, and when no message arrived for
 idle_timeout seconds (the watchdog cancels the call). Everything else ends the load, and so does
 UNAVAILABLE that says the connection can never succeed as configured (permanent_connect_error).
+decide_retry makes that decision for one failed try and raises the load's error when it gives up;
+the load session only waits and resumes.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
-from weightstream.client.transports.base import StreamCancel
+from weightstream.client.errors import UnavailableError, WeightStreamError, from_rpc_error
+from weightstream.client.transports.base import StreamCancel, TransportError
+from weightstream.client.transports.call_reader import CANCEL_GRACE_S, StreamAbandoned
+
+Failed = grpc.RpcError | StreamAbandoned | TransportError
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
 # The reason a StreamCancel carries when the watchdog stopped an idle stream.
@@ -51,6 +58,74 @@ def reached_no_server(message: str) -> bool:
     """
     reason = message.lower().rsplit("last error:", 1)[-1]
     return any(words in reason for words in _NO_SERVER_ERRORS)
+
+
+def status_of(exc: Failed) -> tuple[grpc.StatusCode, str]:
+    """The status code and details a failed try ended with (a broken data connection counts as UNAVAILABLE)."""
+    if isinstance(exc, TransportError):
+        return grpc.StatusCode.UNAVAILABLE, exc.error.message
+    if isinstance(exc, grpc.Call):
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.UNKNOWN, ""
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    """Try again after delay seconds. reached: the try found a server (else it was a wait for one)."""
+
+    delay: float
+    reached: bool
+    what: str  # the failure in words, for the log line
+    details: str  # what gRPC said
+
+
+def decide_retry(
+    exc: Failed,
+    *,
+    idle: bool,
+    replaced: bool,
+    outage: Outage | None,
+    model: str,
+    target: str,
+    missing_bytes: Callable[[], int],
+) -> RetryDecision:
+    """Whether the try that exc ended is tried again, and when; raises the load's error when it is not.
+
+    idle: the watchdog cancelled the try as idle (or its call was abandoned after the cancel).
+    replaced: the call ended CANCELLED because another stream replaced its channel, which is
+    retried like a broken one. outage is None when the load has no retry policy.
+    """
+    code, details = status_of(exc)
+    abandoned = isinstance(exc, StreamAbandoned)
+    if abandoned and outage is None:  # not expected: without a policy nothing watches for idle streams
+        raise UnavailableError(f"from {target}: the stream stopped", code=grpc.StatusCode.UNAVAILABLE) from exc
+    retryable = idle or replaced or (code in RETRYABLE_CODES and not permanent_connect_error(details))
+    if outage is None or not retryable:
+        if isinstance(exc, TransportError):
+            raise exc.error from exc
+        raise exc
+    what = f"no message for {outage.idle_timeout:g} s" if idle else code.name
+    if isinstance(exc, TransportError):
+        what = exc.error.message
+    if abandoned:
+        what += f", and the call had not ended {CANCEL_GRACE_S:g} s after its cancel"
+    found_no_server = code == grpc.StatusCode.UNAVAILABLE and reached_no_server(details)
+    reached = isinstance(exc, TransportError) or not found_no_server
+    delay = outage.next_delay(reached=reached)
+    if delay is None:
+        error: WeightStreamError
+        if isinstance(exc, TransportError):
+            error = exc.error
+        elif isinstance(exc, grpc.RpcError) and not idle:
+            error = from_rpc_error(exc, target)
+        else:
+            error = UnavailableError(f"from {target}: {what}", code=grpc.StatusCode.UNAVAILABLE)
+        raise type(error)(
+            f"model {model!r}: {error.message}; gave up after {outage.failures} tries in "
+            f"{outage.elapsed:.1f} s with {missing_bytes()} bytes missing",
+            code=error.code,
+        ) from exc
+    return RetryDecision(delay, reached, what, details)
 
 
 @dataclass(frozen=True)
@@ -120,6 +195,10 @@ class Outage:
         if remaining <= 0:
             return None
         return min(self._policy.backoff(self._steps - 1, self._rng), remaining)
+
+    @property
+    def idle_timeout(self) -> float:
+        return self._policy.idle_timeout
 
     @property
     def elapsed(self) -> float:

@@ -29,7 +29,6 @@ from weightstream.client.channels import Channels
 from weightstream.client.errors import (
     FailedPreconditionError,
     IntegrityError,
-    UnavailableError,
     WeightStreamError,
     from_rpc_error,
     translated,
@@ -40,15 +39,14 @@ from weightstream.client.progress import byte_bar
 from weightstream.client.retry import (
     IDLE,
     READY_WAIT_S,
-    RETRYABLE_CODES,
     IdleWatchdog,
     Outage,
     RetryPolicy,
-    permanent_connect_error,
-    reached_no_server,
+    decide_retry,
+    status_of,
 )
 from weightstream.client.transports.base import ChunkRef, StreamCancel, Transport, TransportError
-from weightstream.client.transports.call_reader import CANCEL_GRACE_S, StreamAbandoned
+from weightstream.client.transports.call_reader import StreamAbandoned
 from weightstream.protocol import wire
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -378,68 +376,39 @@ class _Stream:
     ) -> tuple[float, bool]:
         """(seconds to wait, whether the try reached a server) after exc ended the try cancel stops.
 
-        Raises the load's error instead when exc is not worth retrying or the outage is spent.
-        transport is the try's: a call that ended CANCELLED because another stream replaced its
-        channel is retried like one that broke. A try is cancelled only by the watchdog and by the
-        load's stop, so one abandoned while the load runs was idle.
+        Raises the load's error instead when the load was stopped, a precondition failed, or
+        decide_retry gives up. transport is the try's. A try is cancelled only by the watchdog and
+        by the load's stop, so one abandoned while the load runs was idle.
         """
-        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-        details = (exc.details() if isinstance(exc, grpc.Call) else None) or ""
-        if isinstance(exc, TransportError):
-            # A broken data connection or a chunk that failed its check there: resumed like UNAVAILABLE.
-            code, details = grpc.StatusCode.UNAVAILABLE, exc.error.message
-        abandoned = isinstance(exc, StreamAbandoned)
-        idle = cancel.reason == IDLE or abandoned
+        code, _ = status_of(exc)
         if self.stop.reason is not None:
             raise WeightStreamError(f"model {self.model!r}: the load was stopped") from exc
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             assert isinstance(exc, grpc.RpcError)
             raise self.session.precondition_failed(exc) from exc
         target = self.session.config.target
-        if abandoned and self.outage is None:  # not expected: without a policy nothing watches for idle streams
-            raise UnavailableError(f"from {target}: the stream stopped", code=grpc.StatusCode.UNAVAILABLE) from exc
-        replaced = code == grpc.StatusCode.CANCELLED and self.session.config.channels.replaced(transport)
-        retryable = idle or replaced or (code in RETRYABLE_CODES and not permanent_connect_error(details))
-        if self.outage is None or not retryable:
-            if isinstance(exc, TransportError):
-                raise exc.error from exc
-            raise exc
-        retry = self.session.config.retry
-        assert retry is not None
-        what = f"no message for {retry.idle_timeout:g} s" if idle else code.name
-        if isinstance(exc, TransportError):
-            what = exc.error.message
-        if abandoned:
-            what += f", and the call had not ended {CANCEL_GRACE_S:g} s after its cancel"
-        reached = isinstance(exc, TransportError) or not (
-            code == grpc.StatusCode.UNAVAILABLE and reached_no_server(details)
+        decision = decide_retry(
+            exc,
+            idle=cancel.reason == IDLE or isinstance(exc, StreamAbandoned),
+            replaced=code == grpc.StatusCode.CANCELLED and self.session.config.channels.replaced(transport),
+            outage=self.outage,
+            model=self.model,
+            target=target,
+            missing_bytes=self._missing_bytes,
         )
-        delay = self.outage.next_delay(reached=reached)
-        missing = self._missing_bytes()
-        if delay is None:
-            error: WeightStreamError
-            if isinstance(exc, TransportError):
-                error = exc.error
-            elif isinstance(exc, grpc.RpcError) and not idle:
-                error = from_rpc_error(exc, target)
-            else:
-                error = UnavailableError(f"from {target}: {what}", code=grpc.StatusCode.UNAVAILABLE)
-            raise type(error)(
-                f"model {self.model!r}: {error.message}; gave up after {self.outage.failures} tries in "
-                f"{self.outage.elapsed:.1f} s with {missing} bytes missing",
-                code=error.code,
-            ) from exc
-        if reached:
+        # decide_retry returns only where the load has a policy (an outage) to retry under.
+        assert self.outage is not None and self.session.config.retry is not None
+        if decision.reached:
             self._waiting = False
             logger.warning(
                 "model %r: stream from %s failed (%s), try %d of %d in %.2f s for the %d bytes missing",
                 self.model,
                 target,
-                what,
+                decision.what,
                 self.outage.failures + 1,
-                retry.attempts,
-                delay,
-                missing,
+                self.session.config.retry.attempts,
+                decision.delay,
+                self._missing_bytes(),
             )
         else:
             # One warning per wait: the probes that follow come every few seconds.
@@ -449,11 +418,11 @@ class _Stream:
                 "model %r: no server at %s (%s) for %.1f s; waiting for one, at most %.0f s more",
                 self.model,
                 target,
-                details,
+                decision.details,
                 self.outage.elapsed,
                 self.outage.remaining,
             )
-        return delay, reached
+        return decision.delay, decision.reached
 
     def _pause(self, delay: float, reached: bool, stopped: threading.Event) -> bool:
         """Wait before the next try; True if the load was stopped meanwhile.

@@ -114,6 +114,16 @@ def default_slot_bytes(chunk_bytes: int) -> int:
     return min(CHUNKS_PER_SLOT * chunk_bytes, wire.MAX_CHUNK_BYTES)
 
 
+def ring_bytes(slots: int, slot_bytes: int) -> int:
+    """The size of a ring's segment: its slots laid back to back from the segment's start."""
+    return slots * slot_bytes
+
+
+def slot_address(base: int, slot_bytes: int, slot: int, offset: int = 0) -> int:
+    """Where byte offset of slot lies in a ring mapped at base (both sides address slots this way)."""
+    return base + slot * slot_bytes + offset
+
+
 def aligned(offset: int) -> int:
     """offset rounded up to the next SLOT_ALIGN boundary."""
     return -(-offset // SLOT_ALIGN) * SLOT_ALIGN

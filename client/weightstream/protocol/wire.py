@@ -54,6 +54,25 @@ def crc32c_extend(crc: int, data: bytes) -> int:
     return int(google_crc32c.extend(crc, data))
 
 
+def crc32c_of_range(
+    read_at: Callable[[int, int], bytes], start: int, length: int, *, block_bytes: int = 4 * 1024 * 1024, crc: int = 0
+) -> tuple[int, int]:
+    """The CRC32C of length bytes from start (after what crc covers), read as read_at(offset, size) block by block.
+
+    Returns (crc, bytes read); a read shorter than asked ends it early, so a caller that got fewer
+    bytes than length knows the file was shorter. Holds one block at a time.
+    """
+    done = 0
+    while done < length:
+        want = min(block_bytes, length - done)
+        block = read_at(start + done, want)
+        crc = crc32c_extend(crc, block)
+        done += len(block)
+        if len(block) < want:
+            break
+    return crc, done
+
+
 def is_plain_file_name(name: str) -> bool:
     """Whether name is a single, non-hidden file name of letters, digits, ".", "_" and "-"."""
     return _PLAIN_FILE_NAME.fullmatch(name) is not None

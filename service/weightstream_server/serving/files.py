@@ -159,9 +159,9 @@ def read_file(
         crc = 0
         read_before = 0
         if to_end and known is None:
-            for start, size in wire.split_range(0, offset, chunk_bytes):
-                crc = wire.crc32c_extend(crc, _read(opened, start, size, display))
-            read_before = offset
+            crc, read_before = wire.crc32c_of_range(
+                lambda start, size: _read(opened, start, size, display), 0, offset, block_bytes=chunk_bytes
+            )
         pieces = list(wire.split_range(offset, end, chunk_bytes)) or [(offset, 0)]
         for index, (start, size) in enumerate(pieces):
             data, read_here = _piece(opened, file, start, size, display, through)

@@ -560,18 +560,14 @@ def _write_all(fd: int, data: bytes, offset: int) -> None:
 
 def _crc_of(path: Path, size: int) -> int | None:
     """The CRC32C of the file at path (read through), or None if it cannot be read whole."""
-    crc = 0
-    read = 0
     try:
         # O_NOFOLLOW: a link swapped in after the lstat of the check is not followed out of DIR.
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with open(fd, "rb", buffering=0) as f:
-            while True:
-                block = f.read(_CHECK_BLOCK_BYTES)
-                if not block:
-                    break
-                crc = wire.crc32c_extend(crc, block)
-                read += len(block)
+            # One byte past size: a file that grew reads more than size and fails the check.
+            crc, read = wire.crc32c_of_range(
+                lambda start, length: os.pread(f.fileno(), length, start), 0, size + 1, block_bytes=_CHECK_BLOCK_BYTES
+            )
     except OSError:
         return None
     return crc if read == size else None

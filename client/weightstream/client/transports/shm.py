@@ -237,7 +237,7 @@ class _Ring:
                 f"model {model!r}: the server announced segment socket {name[:200]!r} for {slots} x {slot_bytes} "
                 "bytes, not a shared-memory ring"
             )
-        size = slots * slot_bytes
+        size = shm.ring_bytes(slots, slot_bytes)
         fd = _take_segment(directory, name, announcement.ticket, model)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size != size:
@@ -260,7 +260,7 @@ class _Ring:
                 f"ring (slot {chunk.slot if chunk.HasField('slot') else None}, slot offset {chunk.slot_offset}, "
                 f"{chunk.length} bytes; {self.slots} slots of {self.slot_bytes} bytes)"
             )
-        address = self.mapping.address + chunk.slot * self.slot_bytes + chunk.slot_offset
+        address = shm.slot_address(self.mapping.address, self.slot_bytes, chunk.slot, chunk.slot_offset)
         return ChunkRef(chunk.tensor, chunk.offset, chunk.crc32c, chunk.length, address, chunk.length, self.region)
 
     def close(self) -> None:

@@ -59,7 +59,7 @@ class Segment:
     def __init__(self, directory: Path, slots: int, slot_bytes: int) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
-        size = slots * slot_bytes
+        size = shm.ring_bytes(slots, slot_bytes)
         self.name = shm.new_segment_name()
         self.socket_name = shm.new_socket_name()
         self.ticket = secrets.token_bytes(shm.TICKET_BYTES)
@@ -89,7 +89,7 @@ class Segment:
         self.address = self._mapping.address
 
     def slot_address(self, slot: int) -> int:
-        return self.address + slot * self.slot_bytes
+        return shm.slot_address(self.address, self.slot_bytes, slot)
 
     def hand_over(self, timeout: float, ended: Callable[[], bool]) -> None:
         """Give the memfd to the first connection that sends the ticket, then close the socket.

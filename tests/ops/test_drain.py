@@ -35,11 +35,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_proxy")]
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("drain")
-
-
-@pytest.fixture(scope="module")
 def state(root: Path) -> dict[str, torch.Tensor]:
     return write_model(root, MODEL, tensors=TENSORS, numel=NUMEL, seed=2)
 

@@ -65,16 +65,9 @@ def many(model_root: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def channel(target: str) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(
-        target, options=[("grpc.max_receive_message_length", 64 * MIB), ("grpc.max_send_message_length", 64 * MIB)]
-    ) as channel:
-        yield channel
-
-
-@pytest.fixture(scope="module")
-def stub(channel: grpc.Channel) -> pb_grpc.WeightStreamServiceStub:
-    return pb_grpc.WeightStreamServiceStub(channel)
+def stub_target(target: str) -> str:
+    """The raw stub talks to the session's server, next to the other tests' models."""
+    return target
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -391,12 +384,12 @@ def test_bad_names_name_the_tensor(
 
 @pytest.mark.usefixtures("still_serving")
 def test_more_names_than_the_limit_are_refused_before_any_work(
-    good: dict[str, torch.Tensor], channel: grpc.Channel
+    good: dict[str, torch.Tensor], raw_channel: grpc.Channel
 ) -> None:
     """MAX_REQUESTED_TENSORS + 1 empty TensorRequests, serialized by hand (building a million messages is slow)."""
     model = pb.StreamTensorsRequest(model=GOOD).SerializeToString()
     raw = model + b"\x12\x00" * (MAX_REQUESTED_TENSORS + 1)
-    call = channel.unary_stream(SERVICE + "StreamTensors", request_serializer=None, response_deserializer=None)
+    call = raw_channel.unary_stream(SERVICE + "StreamTensors", request_serializer=None, response_deserializer=None)
     error = rpc_error(lambda: call(raw, timeout=CALL_TIMEOUT_S))
     assert error.code() == Code.INVALID_ARGUMENT
     assert f"{MAX_REQUESTED_TENSORS + 1} tensors, more than {MAX_REQUESTED_TENSORS}" in error.details()
@@ -473,13 +466,13 @@ MALFORMED_PROTOBUF = [b"\xff\xff\xff\xff", b"\x0a\x02\xc3\x28", b"\x0a\x05abc", 
     "method",
     ["GetManifest", "StreamTensors", "ListModelFiles", "ReadModelFile", "OpenSharedMemory", "StreamTensorsShared"],
 )
-def test_malformed_protobuf_is_invalid_argument(channel: grpc.Channel, method: str) -> None:
-    call = channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
+def test_malformed_protobuf_is_invalid_argument(raw_channel: grpc.Channel, method: str) -> None:
+    call = raw_channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
     for raw in MALFORMED_PROTOBUF:
         error = rpc_error(lambda raw=raw: call(raw, timeout=CALL_TIMEOUT_S))  # type: ignore[misc]
         if method == "StreamTensorsShared":
             # This server has no --shm-dir, so the call is refused before its first message is read;
-            # tests/test_admission.py sends these bytes to a server that has one.
+            # tests/server/test_admission.py sends these bytes to a server that has one.
             assert error.code() == Code.FAILED_PRECONDITION, (raw, error.code(), error.details())
             continue
         assert error.code() == Code.INVALID_ARGUMENT, (raw, error.code(), error.details())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from safetensors.torch import _TYPES as SAFETENSORS_TYPES  # the dtype spellings safetensors writes
@@ -114,3 +116,21 @@ def test_range_set_merges_out_of_order_and_repeated_ranges() -> None:
     assert ranges.complete and ranges.missing() == []
     with pytest.raises(ValueError, match="outside"):
         ranges.add(90, 101)
+
+
+@pytest.mark.parametrize("length", [0, 1, 4095, 4096, 4097, 3 * 4096])
+def test_crc32c_of_range_reads_in_blocks_and_stops_at_a_short_read(length: int) -> None:
+    data = bytes(random.Random(length).randrange(256) for _ in range(5 * 4096))
+    asked: list[tuple[int, int]] = []
+
+    def read_at(start: int, size: int) -> bytes:
+        asked.append((start, size))
+        return data[start : start + size]
+
+    crc, read = wire.crc32c_of_range(read_at, 7, length, block_bytes=4096)
+    assert (crc, read) == (wire.crc32c(data[7 : 7 + length]), length)
+    assert all(size <= 4096 for _, size in asked)
+    # A source shorter than asked: the bytes it had, and how many.
+    crc, read = wire.crc32c_of_range(read_at, len(data) - 100, length + 100, block_bytes=4096)
+    assert read == min(length + 100, 100)
+    assert crc == wire.crc32c(data[len(data) - 100 :][:read])

@@ -13,14 +13,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.support.checkpoints import received, write_raw_safetensors
-from tests.support.servers import loopback_settings, serving
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server.storage import sources as source
@@ -31,21 +30,6 @@ CALL_TIMEOUT_S = 60.0
 # More items than any real index holds (the largest open checkpoints list about 100,000 tensors).
 TOO_MANY_ITEMS = 600_000
 LARGE_TENSORS = 20_000
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("index-root")
-
-
-@pytest.fixture(scope="module")
-def stub(root: Path) -> Iterator[pb_grpc.WeightStreamServiceStub]:
-    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-    with (
-        serving(loopback_settings(model_root=root)) as server,
-        grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options) as channel,
-    ):
-        yield pb_grpc.WeightStreamServiceStub(channel)
 
 
 def byte_tensors(folder: Path, count: int) -> None:

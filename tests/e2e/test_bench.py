@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 HAS_CRYPTOGRAPHY = importlib.util.find_spec("cryptography") is not None
 NETWORK_ROWS = (CEILING, BARE_GRPC, LOAD_INTO_TCP, LOAD_INTO_GRPC, ITER_TENSORS, LOAD_STATE_DICT, CACHE_TCP, CACHE_GRPC)
 TLS_ROWS = (TLS_TCP, TLS_GRPC)
-LOAD_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "load_bench.py"
+LOAD_BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "load_bench.py"
 
 
 def test_bench_prints_table_and_writes_json_and_plot(tmp_path: Path) -> None:

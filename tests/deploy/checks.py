@@ -11,7 +11,7 @@ the other objects of an overlay must agree on: the Services and NetworkPolicies 
 carry its gRPC and data ports, a server behind a Service or with several replicas announces its own
 pod IP for the data port, and an upstream names the headless Service and gRPC port of a server of
 the cluster (the overlays applied together) whose token and TLS settings it meets, through the
-NetworkPolicies on both sides. tests/test_deploy.py runs the checks on the real files and on broken
+NetworkPolicies on both sides. tests/deploy/test_deploy.py runs the checks on the real files and on broken
 copies of them.
 """
 

@@ -17,7 +17,7 @@ import pytest
 
 from weightstream.cli import build_parser
 
-SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "container_test.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "container_test.sh"
 
 
 def _podman_calls(verb: str) -> list[str]:

@@ -22,11 +22,6 @@ TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ops-tls")
-
-
-@pytest.fixture(scope="module")
 def state(root: Path) -> dict[str, torch.Tensor]:
     return write_model(root, MODEL, tensors=3, numel=10_000, seed=7)
 

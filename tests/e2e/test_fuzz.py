@@ -4,7 +4,7 @@ Profiles (the environment variable WEIGHTSTREAM_FUZZ_PROFILE picks one):
 
 - ci (the default): a few hundred cases in all, well under a minute, the same cases on every run;
 - nightly: 10,000 new random cases per test, for a long run:
-  `WEIGHTSTREAM_FUZZ_PROFILE=nightly python -m pytest tests/test_fuzz.py`.
+  `WEIGHTSTREAM_FUZZ_PROFILE=nightly python -m pytest tests/e2e/test_fuzz.py`.
 
 The parser is called directly on in-memory files and may only return checked tensors or raise the
 server's CorruptCheckpoint or UnsupportedCheckpoint. Requests go to the session server over loopback,
@@ -90,13 +90,9 @@ def good(model_root: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def channel(target: str) -> grpc.Channel:
-    return grpc.insecure_channel(target)
-
-
-@pytest.fixture(scope="module")
-def stub(channel: grpc.Channel) -> pb_grpc.WeightStreamServiceStub:
-    return pb_grpc.WeightStreamServiceStub(channel)
+def stub_target(target: str) -> str:
+    """The raw stub talks to the session's server, next to the other tests' models."""
+    return target
 
 
 @pytest.fixture
@@ -497,7 +493,7 @@ def _mutated(valid: bytes, data: Any) -> bytes:
 
 
 @pytest.mark.usefixtures("still_serving")
-def test_raw_request_bytes(good: dict[str, torch.Tensor], channel: grpc.Channel) -> None:
+def test_raw_request_bytes(good: dict[str, torch.Tensor], raw_channel: grpc.Channel) -> None:
     """Random and mutated bytes as the request of each RPC; malformed protobuf included."""
     valid = {
         "StreamTensors": pb.StreamTensorsRequest(
@@ -508,7 +504,7 @@ def test_raw_request_bytes(good: dict[str, torch.Tensor], channel: grpc.Channel)
         "ReadModelFile": pb.ReadModelFileRequest(model=MODEL, file="model.safetensors").SerializeToString(),
     }
     calls = {
-        method: channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
+        method: raw_channel.unary_stream(SERVICE + method, request_serializer=None, response_deserializer=None)
         for method in valid
     }
     counts: Counter[str] = Counter()

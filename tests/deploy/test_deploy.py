@@ -6,7 +6,7 @@ compose file against the Compose specification's schema (as vendored by check-js
 Dockerfile with hadolint. On top of that, every `weightstream` command line and every WEIGHTSTREAM_*
 variable the files give a container is parsed by the server's own parser and settings, and probes,
 ports, drain time and security settings are checked against what those settings say. The checker
-is tests/support/deploy_checks.py; these tests run it on the real files and on broken copies.
+is tests/deploy/checks.py; these tests run it on the real files and on broken copies.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.support.deploy_checks import (
+from tests.deploy.checks import (
     AWS_CREDENTIAL_ENV,
     CLIENT_SHM_ENV,
     COMPOSE_FILE,

@@ -15,7 +15,7 @@ import pytest
 import weightstream
 import weightstream.client
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVER_ONLY = ("runai_model_streamer", "fastapi", "uvicorn", "safetensors", "boto3")
 GENERATED = ("weightstream_pb2.py", "weightstream_pb2.pyi", "weightstream_pb2_grpc.py")
 

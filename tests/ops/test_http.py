@@ -29,11 +29,6 @@ TOKEN = "ops-http-token"
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ops-http")
-
-
-@pytest.fixture(scope="module")
 def state(root: Path) -> dict[str, torch.Tensor]:
     return write_model(root, MODEL, tensors=4, numel=64 * 1024, seed=11)  # 1 MiB
 

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def mypy(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:

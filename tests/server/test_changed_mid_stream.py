@@ -12,7 +12,7 @@ kernel reads into the ring's slots) are checked through reader.DirectReader on r
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from tests.support.checkpoints import pattern_tensors, received, write_pattern_file
-from tests.support.servers import loopback_settings, serving
+from tests.support.servers import loopback_settings
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server import ServerSettings
 from weightstream_server.errors import ServerError, status_code
 from weightstream_server.serving.catalog import Catalog
 from weightstream_server.serving.read_plan import plan_reads
@@ -41,17 +42,8 @@ WEIGHTS = "model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("changing-root")
-
-
-@pytest.fixture(scope="module")
-def stub(root: Path) -> Iterator[pb_grpc.WeightStreamServiceStub]:
-    with (
-        serving(loopback_settings(model_root=root, read_ahead_bytes=16 * MIB)) as server,
-        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
-    ):
-        yield pb_grpc.WeightStreamServiceStub(channel)
+def root_settings(root: Path) -> ServerSettings:
+    return loopback_settings(model_root=root, read_ahead_bytes=16 * MIB)
 
 
 def write_old(root: Path, model: str) -> Path:

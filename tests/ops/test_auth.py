@@ -27,11 +27,6 @@ MATRIX = [(None, False), ("wrong-token", False), (FIRST, True), (SECOND, True)]
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ops-auth")
-
-
-@pytest.fixture(scope="module")
 def state(root: Path) -> dict[str, torch.Tensor]:
     return write_model(root, MODEL, tensors=3, numel=1000, seed=3)
 

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.support.checkpoints import pattern_tensors, received, write_pattern_file
-from tests.support.servers import loopback_settings, serving
+from tests.support.servers import loopback_settings
 from weightstream.client import PermissionDeniedError, WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server import ServerSettings
 from weightstream_server.storage.sources import LocalSource, ModelFiles
 
 MIB = 1024 * 1024
@@ -41,28 +42,20 @@ ESCAPED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITIO
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("escape-root")
-
-
-@pytest.fixture(scope="module")
 def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder outside the model root that the server's user can read: where the secrets are."""
     return tmp_path_factory.mktemp("escape-outside")
 
 
 @pytest.fixture(scope="module")
-def target(root: Path) -> Iterator[str]:
+def root_settings(root: Path) -> ServerSettings:
     # The smallest read-ahead, so that a stream reads its file over many seconds' worth of messages.
-    with serving(loopback_settings(model_root=root, read_ahead_bytes=16 * MIB)) as server:
-        yield f"127.0.0.1:{server.port}"
+    return loopback_settings(model_root=root, read_ahead_bytes=16 * MIB)
 
 
 @pytest.fixture(scope="module")
-def stub(target: str) -> Iterator[pb_grpc.WeightStreamServiceStub]:
-    options = [("grpc.max_receive_message_length", 64 * MIB)]
-    with grpc.insecure_channel(target, options=options) as channel:
-        yield pb_grpc.WeightStreamServiceStub(channel)
+def target(stub_target: str) -> str:
+    return stub_target
 
 
 Arm = Callable[[Callable[[], None], int], None]

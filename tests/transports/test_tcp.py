@@ -48,11 +48,6 @@ POLICY = RetryPolicy(attempts=20, initial_backoff=0.05, max_backoff=0.2, total_d
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tcp-models")
-
-
-@pytest.fixture(scope="module")
 def state(root: Path) -> dict[str, torch.Tensor]:
     return write_model(root, MODEL, tensors=TENSORS, numel=NUMEL, seed=17)
 
