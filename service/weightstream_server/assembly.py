@@ -1,4 +1,4 @@
-"""Building the gRPC server: create_server returns it with its bound port, not yet started."""
+"""The assembly of a server: from settings to a WeightStreamServer with its bound port, not yet started.
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from weightstream_server.serving.reader import StreamerPool
 from weightstream_server.serving.stream_session import Streams, StreamSlots
 from weightstream_server.settings import ServerSettings, split_host_port
 from weightstream_server.storage.disk_cache import DiskCache
-from weightstream_server.storage.sources import LocalSource, Source
+from weightstream_server.storage.local import LocalSource
+from weightstream_server.storage.sources import Source
 from weightstream_server.storage.tiers import TieredSource, Tiers
 from weightstream_server.transports import servicer
 from weightstream_server.transports.rpc import HeldCallLimit
@@ -51,7 +52,7 @@ HELD_CALLS = 4
 SHORT_CALL_WORKERS = 8
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WeightStreamServer:
     """A gRPC server and what it serves from; stop() also closes the streamers.
 
@@ -178,10 +179,9 @@ def configure_s3(settings: ServerSettings) -> None:
 def create_server(settings: ServerSettings) -> WeightStreamServer:
     """A gRPC server for settings, bound to settings.host:settings.grpc_port (0 picks a free port)."""
     configure_process(settings)
-    sources = build_sources(settings)
+    sources, tiered = build_sources(settings)
     catalog = Catalog(sources)
-    tiered = tuple(source for source in sources if isinstance(source, TieredSource))
-    tiers = Tiers(next((s.cache for s in tiered if s.cache is not None), None), tiered)
+    tiers = Tiers(next((s.cache for s in tiered if s.cache is not None), None), tuple(tiered))
     s3_credentials = None
     if settings.s3_buckets:
         configure_s3(settings)
@@ -225,7 +225,15 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    streams = Streams(settings, catalog, pool, stats, readiness, StreamSlots(settings.max_streams), cache)
+    streams = Streams(
+        settings=settings,
+        catalog=catalog,
+        pool=pool,
+        stats=stats,
+        readiness=readiness,
+        slots=StreamSlots(settings.max_streams),
+        cache=cache,
+    )
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
     data_port = None
@@ -254,20 +262,20 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     if port == 0:
         raise OSError(f"could not bind gRPC to {settings.host}:{settings.grpc_port}")
     return WeightStreamServer(
-        server,
-        port,
-        settings,
-        catalog,
-        pool,
-        stats,
-        readiness,
-        health_servicer,
-        tokens,
-        workers,
-        Liveness(workers),
-        cache,
-        data_port,
-        tiers,
+        grpc_server=server,
+        port=port,
+        settings=settings,
+        catalog=catalog,
+        pool=pool,
+        stats=stats,
+        readiness=readiness,
+        health=health_servicer,
+        tokens=tokens,
+        workers=workers,
+        liveness=Liveness(workers),
+        cache=cache,
+        data_port=data_port,
+        tiers=tiers,
     )
 
 
@@ -293,9 +301,10 @@ def _read_pem(path: Path, what: str) -> bytes:
     return data
 
 
-def build_sources(settings: ServerSettings) -> list[Source]:
-    """The sources settings name, each checked to be usable at start-up."""
+def build_sources(settings: ServerSettings) -> tuple[list[Source], list[TieredSource]]:
+    """The sources settings name, each checked to be usable at start-up, and those of them that are tiers."""
     sources: list[Source] = []
+    tiered: list[TieredSource] = []
     if settings.model_root is not None:
         local = LocalSource(settings.model_root)
         if not local.reachable():
@@ -308,13 +317,18 @@ def build_sources(settings: ServerSettings) -> list[Source]:
         client, probe_client = make_client(settings), make_client(settings, probe=True)
         for bucket in settings.s3_buckets:
             s3 = S3Source(bucket, client, probe_client)
-            sources.append(TieredSource(s3, disk_cache) if disk_cache is not None else s3)
+            if disk_cache is None:
+                sources.append(s3)
+            else:
+                tiered.append(TieredSource(s3, disk_cache))
+                sources.append(tiered[-1])
     if settings.upstream is not None:
         from weightstream_server.storage.upstream import UpstreamSource
 
         # Last: it claims every model id the sources before it do not.
-        sources.append(TieredSource(UpstreamSource(settings), disk_cache))
-    return sources
+        tiered.append(TieredSource(UpstreamSource(settings), disk_cache))
+        sources.append(tiered[-1])
+    return sources, tiered
 
 
 def advertised(settings: ServerSettings) -> tuple[str, int | None]:

@@ -28,7 +28,7 @@ from weightstream_server.errors import ServerError, status_code
 from weightstream_server.serving.catalog import Catalog
 from weightstream_server.serving.read_plan import plan_reads
 from weightstream_server.serving.reader import DirectReader
-from weightstream_server.storage.sources import LocalSource
+from weightstream_server.storage.local import LocalSource
 
 pytestmark = pytest.mark.slow
 

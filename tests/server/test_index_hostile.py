@@ -3,7 +3,7 @@
 An index of too many JSON items is refused unparsed, like a header of too many items; an index that
 is a directory, nested too deeply or holding a number too long to convert is DATA_LOSS naming the
 model and the file, logged as one line with no traceback. A large valid index costs one parse per
-version of the file, not one per request: parses are counted by wrapping source.parse_index in
+version of the file, not one per request: parses are counted by wrapping index.parse_index in
 this process, where the server runs.
 """
 
@@ -22,7 +22,7 @@ import pytest
 from tests.support.checkpoints import received, write_raw_safetensors
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
-from weightstream_server.storage import sources as source
+from weightstream_server.storage import index, local
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -98,13 +98,13 @@ def test_a_large_index_is_parsed_once_per_version(
     byte_tensors(folder, LARGE_TENSORS)
     (folder / INDEX).write_bytes(index_of(LARGE_TENSORS))
     parses: list[str] = []
-    original = source.parse_index
+    original = index.parse_index
 
     def counted(model: str, raw: bytes) -> dict[str, str]:
         parses.append(model)
         return original(model, raw)
 
-    monkeypatch.setattr(source, "parse_index", counted)
+    monkeypatch.setattr(local, "parse_index", counted)
     for _ in range(3):
         manifest = stub.GetManifest(pb.GetManifestRequest(model="large-index"), timeout=CALL_TIMEOUT_S)
         assert len(manifest.tensors) == LARGE_TENSORS

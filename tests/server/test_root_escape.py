@@ -27,7 +27,8 @@ from weightstream.client import PermissionDeniedError, WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server import ServerSettings
-from weightstream_server.storage.sources import LocalSource, ModelFiles
+from weightstream_server.storage.local import LocalSource
+from weightstream_server.storage.sources import ModelFiles
 
 MIB = 1024 * 1024
 PUBLIC = b"public-bytes-"

@@ -50,7 +50,7 @@ from weightstream_server.serving import reader as reader_module
 from weightstream_server.serving.catalog import Catalog, Manifest
 from weightstream_server.serving.read_plan import plan_reads
 from weightstream_server.serving.reader import DirectReader, page_cached, reads_directly
-from weightstream_server.storage.sources import LocalSource
+from weightstream_server.storage.local import LocalSource
 from weightstream_server.transports.shm import segments as shm_segments
 from weightstream_server.transports.shm import servicer as shm_servicer
 

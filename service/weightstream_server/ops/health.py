@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from weightstream_server.storage.sources import LocalSource, Source
+from weightstream_server.storage.sources import Source
 from weightstream_server.transports.rpc import SERVICE
 
 logger = logging.getLogger(__name__)
@@ -227,17 +227,8 @@ class ReadinessHealthServicer(health.HealthServicer):
         return super().Check(request, context)
 
 
-def public_name(source: Source) -> str:
-    """What a caller without a token is told a source is: "model root", an s3:// id, or the source's type."""
-    if isinstance(source, LocalSource):
-        return "model root"
-    described = source.describe()
-    # Clients name an S3 source's models by this id; any other description may hold a server's address.
-    return described if described.startswith("s3://") else type(source).__name__
-
-
 def _probe(source: Source) -> SourceState:
-    name = public_name(source)
+    name = source.public_name()
     try:
         return SourceState(source.describe(), bool(source.reachable()), public_name=name)
     except Exception as exc:

@@ -16,16 +16,10 @@ from dataclasses import dataclass, field
 from weightstream.protocol import dtypes
 from weightstream_server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, TensorNotFound
 from weightstream_server.storage.header import read_header
-from weightstream_server.storage.sources import (
-    INDEX_FILE,
-    S3_SCHEME,
-    ModelFiles,
-    OpenFiles,
-    Source,
-    SourceFile,
-    parse_s3_model_id,
-    revision,
-)
+from weightstream_server.storage.index import INDEX_FILE
+from weightstream_server.storage.model_ids import S3_SCHEME, parse_s3_model_id
+from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.sources import ModelFiles, Source, SourceFile, revision
 
 
 @dataclass(frozen=True)

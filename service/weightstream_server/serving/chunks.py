@@ -29,7 +29,7 @@ from weightstream_server.serving.cache import SHARED_READ_WAIT_S, CachedUnit, Cl
 from weightstream_server.serving.catalog import Manifest
 from weightstream_server.serving.read_plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 from weightstream_server.serving.reader import PooledStreamer, open_plan, read_units
-from weightstream_server.storage.sources import OpenFiles
+from weightstream_server.storage.open_files import OpenFiles
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ from weightstream_server.errors import (
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog
 from weightstream_server.serving.checksums import KeptChecksums
-from weightstream_server.storage.sources import COMPANION_FILES, OpenFiles, Source, SourceFile, revision
+from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.sources import COMPANION_FILES, Source, SourceFile, revision
 
 # Companion files are configs and tokenizers (a few MB at most); a larger one is refused rather
 # than sent, so that an allowed name cannot be used to pull a large private file.

@@ -39,8 +39,8 @@ from weightstream.protocol import wire
 from weightstream_server.errors import CorruptCheckpoint, ServerError, StorageUnavailable, TooManyStreams
 from weightstream_server.serving.catalog import Manifest
 from weightstream_server.serving.read_plan import ChunkPlace, ReadPlan
-from weightstream_server.storage.sources import OpenFiles, file_error
-from weightstream_server.storage.tiers import TieredSource
+from weightstream_server.storage.file_errors import file_error
+from weightstream_server.storage.open_files import OpenFiles
 
 logger = logging.getLogger(__name__)
 
@@ -145,9 +145,10 @@ def read_units(
     """
     if not plan.files:
         return
-    if isinstance(manifest.source, TieredSource) and manifest.files[plan.files[0].file_index].local is None:
-        # Files of a tier above (an upstream server, S3 through the disk cache): read as they arrive.
-        yield from manifest.source.read_units(manifest.files, plan)
+    # Files of a tier above (an upstream server, S3 through the disk cache) are read as they arrive.
+    units = manifest.source.read_units(manifest.files, plan)
+    if units is not None:
+        yield from units
         return
     with contextlib.ExitStack() as stack:
         opened = files if files is not None else stack.enter_context(open_plan(manifest, plan))

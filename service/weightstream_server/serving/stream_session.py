@@ -70,7 +70,7 @@ class StreamSlots:
             self._taken -= 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Streams:
     """What every stream of a server is served from; the servicers open their sessions from it."""
 

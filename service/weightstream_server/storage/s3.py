@@ -14,8 +14,8 @@ put into messages or logs: errors name the bucket and key only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import boto3
 import botocore.exceptions
@@ -30,17 +30,12 @@ from weightstream_server.errors import (
     StorageUnavailable,
 )
 from weightstream_server.settings import ServerSettings
-from weightstream_server.storage.sources import (
-    COMPANION_FILES,
-    INDEX_FILE,
-    MAX_INDEX_BYTES,
-    S3_SCHEME,
-    ModelFiles,
-    S3Location,
-    SourceFile,
-    parse_index,
-    parse_s3_model_id,
-)
+from weightstream_server.storage.index import INDEX_FILE, MAX_INDEX_BYTES, parse_index
+from weightstream_server.storage.model_ids import S3_SCHEME, S3Location, parse_s3_model_id
+from weightstream_server.storage.sources import COMPANION_FILES, ModelFiles, SourceFile
+
+if TYPE_CHECKING:
+    from weightstream_server.serving.read_plan import ReadPlan
 
 _NOT_FOUND = {"NoSuchBucket", "NoSuchKey", "404", "NotFound"}
 _DENIED = {"AccessDenied", "403", "AllAccessDisabled", "AccountProblem", "Forbidden"}
@@ -91,6 +86,13 @@ class S3Source:
 
     def describe(self) -> str:
         return f"s3://{self.bucket}"
+
+    def public_name(self) -> str:
+        # Clients name this source's models by it.
+        return f"s3://{self.bucket}"
+
+    def read_units(self, files: Sequence[SourceFile], plan: ReadPlan) -> None:
+        return None  # the streamer reads objects by URL
 
     def reachable(self) -> bool:
         try:

@@ -70,6 +70,9 @@ class TieredSource:
             return self.inner.describe()
         return f"{self.inner.describe()} through the disk cache {self.cache.directory}"
 
+    def public_name(self) -> str:
+        return self.inner.public_name()
+
     def reachable(self) -> bool:
         return self.inner.reachable()
 
@@ -115,7 +118,15 @@ class TieredSource:
             return b""
         return b"".join(data for data, _ in self._counted(self.inner.read_from(file, start, length)))
 
-    def read_units(self, files: Sequence[SourceFile], plan: ReadPlan) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def read_units(self, files: Sequence[SourceFile], plan: ReadPlan) -> Iterator[tuple[int, int, torch.Tensor]] | None:
+        """The plan's units as this tier reads them; None for files in the disk cache (the streamer reads those)."""
+        if files[plan.files[0].file_index].local is not None:
+            return None
+        return self._read_remote_units(files, plan)
+
+    def _read_remote_units(
+        self, files: Sequence[SourceFile], plan: ReadPlan
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Yield (index in plan.files, index of the unit, its bytes as flat uint8) per read unit of a plan
         of remote files, file after file; each tensor is a view into one buffer, valid until the next
         item is taken. Fills of every file of the plan start at once, so that they read in parallel."""

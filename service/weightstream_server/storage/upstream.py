@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,6 +32,9 @@ from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ModelNotFound, UpstreamError
 from weightstream_server.settings import ServerSettings
 from weightstream_server.storage.sources import ModelFiles, SourceFile
+
+if TYPE_CHECKING:
+    from weightstream_server.serving.read_plan import ReadPlan
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +78,12 @@ class UpstreamSource:
 
     def describe(self) -> str:
         return f"upstream {self.target}"
+
+    def public_name(self) -> str:
+        return "upstream"  # its address stays with the callers that hold a token
+
+    def read_units(self, files: Sequence[SourceFile], plan: ReadPlan) -> None:
+        return None  # read through a TieredSource, which fills and reads the files itself
 
     def reachable(self) -> bool:
         stub = health_pb2_grpc.HealthStub(self._client.channel)
