@@ -1,4 +1,4 @@
-"""The assembly of a server: from settings to a WeightStreamServer with its bound port, not yet started.
+"""The assembly of a server: from settings to a WeightStreamServer with its bound port, not yet started."""
 
 from __future__ import annotations
 
