@@ -1,9 +1,11 @@
 # Set-up and checks. `make demo` and `make test` work on a fresh machine: each creates .venv,
-# installs torch first (a CPU build by default; set TORCH_SPEC to keep another), then the project.
+# installs torch first (a CPU build by default; set TORCH_SPEC to keep another), then the project:
+# `make demo` with the runtime extras only (client and server), `make test` adds the dev extra.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+RUNTIME_STAMP := $(VENV)/.weightstream-runtime
 STAMP := $(VENV)/.weightstream-installed
 VLLM_VENV ?= .venv-vllm
 VLLM_TORCH_SPEC ?= torch==2.13.0
@@ -12,14 +14,18 @@ S3RVER := tests/s3/node_modules/s3rver/bin/s3rver.js
 
 .PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv
 
-$(STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -e ".[server]"
+	touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP)
 	$(BIN)/python -m pip install -e ".[server,dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUNTIME_STAMP)
 	$(BIN)/weightstream demo
 
 $(S3RVER): tests/s3/package.json

@@ -256,6 +256,9 @@ class _HangingSource:
     def describe(self) -> str:
         return "s3://hanging"
 
+    def public_name(self) -> str:
+        return "s3://hanging"
+
     def reachable(self) -> bool:
         self.calls += 1
         if self.hanging:

@@ -29,8 +29,8 @@ import pytest
 import torch
 import transformers
 
-from benchmarks.harness import evict_from_page_cache
 from tests.support.checkpoints import expected_piece, llama_config, load_folder, skeleton, write_model, write_tiny_llama
+from tests.support.page_cache import PAGE, make_cached, make_partly_cached, make_uncached
 from tests.support.ports import free_ports
 from tests.support.reliability_report import record
 from tests.support.serve_processes import serve_process
@@ -670,10 +670,10 @@ def test_a_direct_read_partly_in_the_page_cache_gives_the_chunks_bytes_and_crc32
     plan = plan_reads(manifest, [], 4 << 20)
     (source,) = manifest.files
     path = Path(source.path)
-    evict_from_page_cache(path)
     data_start = source.size - plan.total_bytes
-    with path.open("rb") as f:  # the first 300 KiB of the tensor back in the cache
-        os.pread(f.fileno(), 300 * 1024, data_start)
+    # The premise, established and checked: the first pages of the tensor cached, none of the rest.
+    cached_start = data_start // PAGE * PAGE
+    make_partly_cached(path, cached_start, 300 * 1024, source.size)
     handed_over: list[int] = []
     real_read_into = reader_module._ChunkRead.read_into
 
@@ -724,7 +724,7 @@ def test_direct_reads_warm_and_cold_and_refuse_a_changed_or_short_file(tmp_path:
     assert not any(read_all(manifest)), "the page cache holds the file just written: no read needs a thread"
     assert bytes(buffer.numpy()) == expected
     buffer.zero_()
-    evict_from_page_cache(path)
+    make_uncached(path)
     assert not page_cached(manifest, plan)
     assert any(read_all(manifest)), "after eviction, reads wait for storage on the reader's threads"
     assert bytes(buffer.numpy()) == expected
@@ -791,9 +791,9 @@ def test_cold_files_are_read_by_the_streamer_and_copied_into_slots(
         with WeightStreamClient(
             _target(server), progress=False, transport="shm", shm_dir=shm_dir, chunk_bytes=CHUNK
         ) as client:
-            evict_from_page_cache(tmp_path / "cold" / "model.safetensors")
+            make_uncached(tmp_path / "cold" / "model.safetensors")
             _assert_same(state, client.load_state_dict("cold"))
-            (tmp_path / "cold" / "model.safetensors").read_bytes()  # into the page cache
+            make_cached(tmp_path / "cold" / "model.safetensors")
             _assert_same(state, client.load_state_dict("cold"))
     assert _fill_paths(caplog) == [COPIED_INTO_SLOTS, READ_INTO_SLOTS]
 

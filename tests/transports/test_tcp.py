@@ -21,10 +21,10 @@ import grpc
 import pytest
 import torch
 
-from benchmarks.harness import evict_from_page_cache
 from tests.support.certificates import Pki, make_pki
 from tests.support.checkpoints import expected_piece, load_folder, skeleton, write_model
 from tests.support.faults import CuttingProxy
+from tests.support.page_cache import make_uncached
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.s3_stores import S3_BUCKET, S3Process, s3_settings, upload_folder
 from tests.support.serve_processes import Supervisor
@@ -112,7 +112,7 @@ def test_slices_the_cache_and_cold_files_over_the_data_port(
     reference = load_folder(tiny_llama_folder)
     for folder in (tiny_llama_folder, root / MODEL):
         for path in folder.glob("*.safetensors"):
-            evict_from_page_cache(path)
+            make_uncached(path)
     # tiny-llama lives under the session's model root; the tcp model under this module's.
     with (
         serving(loopback_settings(model_root=tiny_llama_folder.parent, data_port=free_ports(1)[0])) as plain,

@@ -37,7 +37,7 @@ from weightstream.client.retry import (
 )
 from weightstream.client.session import LoadSession, SessionConfig
 from weightstream.client.sharding import ShardSpec, sliced_manifest
-from weightstream.client.targets import plan_targets
+from weightstream.client.targets import match_targets
 from weightstream.protocol import wire
 from weightstream.protocol.names import TransportChoice, TransportName
 from weightstream.v1 import weightstream_pb2 as pb
@@ -294,9 +294,9 @@ class WeightStreamClient:
         manifest = self.manifest(model)
         if shard is not None:
             manifest = sliced_manifest(manifest, shard)
-        plan = plan_targets(module, manifest, strict=strict)
-        dests = {name: Destination(name, tensor) for name, tensor in plan.targets.items()}
-        report = self._receive_into(model, manifest, dests, started, plan.missing, plan.unexpected)
+        matched = match_targets(module, manifest, strict=strict)
+        dests = {name: Destination(name, tensor) for name, tensor in matched.targets.items()}
+        report = self._receive_into(model, manifest, dests, started, matched.missing, matched.unexpected)
         logger.info(
             "loaded %s into %s: %d tensors, %d bytes in %.3f s (%.2f GB/s), %d retries, %d bytes re-sent",
             model,

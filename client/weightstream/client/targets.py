@@ -13,7 +13,7 @@ _SHOWN = 5
 
 
 @dataclass(frozen=True)
-class TargetPlan:
+class TargetMatch:
     """The module tensors to write, by checkpoint name, and what did not match."""
 
     targets: dict[str, torch.Tensor]
@@ -21,7 +21,7 @@ class TargetPlan:
     unexpected: list[str]
 
 
-def plan_targets(module: torch.nn.Module, manifest: Manifest, *, strict: bool) -> TargetPlan:
+def match_targets(module: torch.nn.Module, manifest: Manifest, *, strict: bool) -> TargetMatch:
     """Check names, shapes and dtypes of module against manifest; raise before anything is written.
 
     The module's tensors are its state_dict entries (parameters and persistent buffers). Names that
@@ -60,7 +60,7 @@ def plan_targets(module: torch.nn.Module, manifest: Manifest, *, strict: bool) -
             details,
         )
     targets = {name: tensor.detach() for name, tensor in loadable.items()}
-    return TargetPlan(targets, missing, unexpected)
+    return TargetMatch(targets, missing, unexpected)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[object, ...]:
