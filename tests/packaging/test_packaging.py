@@ -200,3 +200,43 @@ def test_the_wheel_holds_the_packages_and_no_benchmark_or_test_code(tmp_path: Pa
     assert tops == ["weightstream", "weightstream_server"], tops
     harness = [n for n in names if "bench" in n.rsplit("/", 1)[-1] or "harness" in n or "/tests/" in n]
     assert not harness, f"{wheel.name} ships benchmark or test code: {harness}"
+
+
+TEST_ONLY = {"moto", "schemathesis", "pytest", "mypy", "hypothesis", "ruff", "transformers", "grpcio-tools"}
+
+
+def _closure(name: str, extras: frozenset[str]) -> set[str]:
+    """The installed distributions that `pip install name[extras]` requires, transitively (by metadata)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    pending = [(name, extras)]
+    while pending:
+        current, wanted = pending.pop()
+        key = canonicalize_name(current)
+        if key in seen and not wanted:
+            continue
+        seen.add(key)
+        try:
+            requires = distribution(current).requires or []
+        except PackageNotFoundError:
+            continue
+        for line in requires:
+            requirement = Requirement(line)
+            marker = requirement.marker
+            if marker is None or any(marker.evaluate({"extra": e}) for e in (*wanted, "")):
+                if canonicalize_name(requirement.name) != key or requirement.extras - wanted:
+                    pending.append((requirement.name, frozenset(requirement.extras)))
+    return seen
+
+
+def test_the_demo_install_pulls_no_test_only_package() -> None:
+    """`make demo` installs weightstream[server]; nothing of the dev extra may come with it."""
+    runtime = _closure("weightstream", frozenset({"server"}))
+    assert {"grpcio", "torch", "runai-model-streamer", "fastapi"} <= runtime, sorted(runtime)
+    assert not runtime & TEST_ONLY, sorted(runtime & TEST_ONLY)
+    # The check can fail: the dev extra does pull them.
+    assert TEST_ONLY - {"grpcio-tools"} <= _closure("weightstream", frozenset({"dev"}))
