@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import datetime
-import ipaddress
 import os
 import re
 import socket
@@ -243,51 +241,10 @@ class TlsFiles:
 
 def write_tls_files(folder: Path) -> TlsFiles:
     """A fresh CA and a server certificate for 127.0.0.1, valid for a day; ImportError without cryptography."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from tests.support.certificates import make_pki
 
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def builder(subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:
-        return (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(issuer)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-        )
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "weightstream bench CA")])
-    ca_cert = (
-        builder(ca_name, ca_name, ca_key)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server_cert = (
-        builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]), ca_name, server_key)
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    files = TlsFiles(folder / "ca.pem", folder / "server.pem", folder / "server.key")
-    files.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    files.cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
-    files.key.write_bytes(
-        server_key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return files
+    pki = make_pki(folder, "bench")
+    return TlsFiles(pki.ca, pki.server_cert, pki.server_key)
 
 
 def _timed(action: Callable[[], object]) -> float:

@@ -84,9 +84,12 @@ def root_server(root_settings: ServerSettings) -> Iterator[WeightStreamServer]:
 
 
 @pytest.fixture(scope="module")
-def stub_target(root_server: WeightStreamServer) -> str:
-    """Where raw_channel connects: root_server (a module overrides this to use another server)."""
-    return f"127.0.0.1:{root_server.port}"
+def stub_target(request: pytest.FixtureRequest) -> str:
+    """Where raw_channel connects: root_server, or the session's server in a module that sets
+    STUB_ON_SESSION_SERVER = True (its requests then meet the models of every other test)."""
+    if getattr(request.module, "STUB_ON_SESSION_SERVER", False):
+        return str(request.getfixturevalue("target"))
+    return f"127.0.0.1:{request.getfixturevalue('root_server').port}"
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,10 @@ REQUEST_CODES = {
 MAX_MESSAGE_CHARS = 4096
 
 
+# The raw stub (conftest.stub) talks to the session's server, next to the other tests' models.
+STUB_ON_SESSION_SERVER = True
+
+
 @pytest.fixture(scope="module")
 def good(model_root: Path) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(5)
@@ -87,12 +91,6 @@ def good(model_root: Path) -> dict[str, torch.Tensor]:
     (model_root / MODEL).mkdir()
     save_file(state, str(model_root / MODEL / "model.safetensors"))
     return state
-
-
-@pytest.fixture(scope="module")
-def stub_target(target: str) -> str:
-    """The raw stub talks to the session's server, next to the other tests' models."""
-    return target
 
 
 @pytest.fixture

@@ -43,6 +43,10 @@ RETAINED_BYTES = 48 * MIB
 Code: TypeAlias = grpc.StatusCode
 
 
+# The raw stub (conftest.stub) talks to the session's server, next to the other tests' models.
+STUB_ON_SESSION_SERVER = True
+
+
 @pytest.fixture(scope="module")
 def good(model_root: Path) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
@@ -62,12 +66,6 @@ def many(model_root: Path) -> dict[str, torch.Tensor]:
     (model_root / MANY).mkdir()
     save_file(state, str(model_root / MANY / "model.safetensors"))
     return state
-
-
-@pytest.fixture(scope="module")
-def stub_target(target: str) -> str:
-    """The raw stub talks to the session's server, next to the other tests' models."""
-    return target
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

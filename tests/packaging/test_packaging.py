@@ -17,6 +17,21 @@ import weightstream.client
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_ONLY = ("runai_model_streamer", "fastapi", "uvicorn", "safetensors", "boto3")
+# The start of a script run in a fresh interpreter: any import of a server-only package fails there.
+BLOCK_SERVER_ONLY = f"""
+import importlib.abc
+import sys
+
+BLOCKED = {SERVER_ONLY!r}
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{{name}} is blocked (server-only)")
+        return None
+
+sys.meta_path.insert(0, Block())
+"""
 GENERATED = ("weightstream_pb2.py", "weightstream_pb2.pyi", "weightstream_pb2_grpc.py")
 
 
@@ -37,19 +52,7 @@ def describe(result: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.mark.slow
 def test_client_and_cli_import_without_server_dependencies(tmp_path: Path) -> None:
-    code = f"""
-        import importlib.abc
-        import sys
-
-        BLOCKED = {SERVER_ONLY!r}
-
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in BLOCKED:
-                    raise ImportError(f"{{name}} is blocked (server-only)")
-                return None
-
-        sys.meta_path.insert(0, Block())
+    code = BLOCK_SERVER_ONLY + textwrap.dedent("""
         for name in BLOCKED:
             sys.modules.pop(name, None)
 
@@ -71,7 +74,7 @@ def test_client_and_cli_import_without_server_dependencies(tmp_path: Path) -> No
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
         assert not loaded, loaded
         print("ok")
-    """
+    """)
     result = run_python(code, tmp_path)
     assert result.returncode == 0, describe(result)
     assert result.stdout.strip() == "ok", describe(result)
@@ -131,25 +134,13 @@ def test_package_ships_py_typed() -> None:
 
 @pytest.mark.slow
 def test_protocol_imports_with_the_client_dependencies_only_and_neither_side(tmp_path: Path) -> None:
-    code = f"""
-        import importlib.abc
-        import sys
-
-        BLOCKED = {SERVER_ONLY!r}
-
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in BLOCKED:
-                    raise ImportError(f"{{name}} is blocked (server-only)")
-                return None
-
-        sys.meta_path.insert(0, Block())
+    code = BLOCK_SERVER_ONLY + textwrap.dedent("""
         import weightstream.protocol
         from weightstream.protocol import dtypes, framing, names, shm, tcp, wire  # noqa: F401
 
         sides = sorted(m for m in sys.modules if m.startswith(("weightstream.client", "weightstream_server")))
         print(",".join(sides) or "none")
-    """
+    """)
     result = run_python(code, tmp_path)
     assert result.returncode == 0, describe(result)
     assert result.stdout.strip() == "none", f"importing weightstream.protocol loaded {result.stdout.strip()}"
