@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.harness import evict_from_page_cache
@@ -73,16 +75,22 @@ def make_partly_cached(path: Path, start: int, cached: int, end: int) -> None:
     )
 
 
-def make_uncached(path: Path) -> None:
-    """Drop every page of path from the page cache, checked with mincore (retried; AssertionError if it cannot)."""
+def make_uncached(path: Path, also: Callable[[], bool] | None = None) -> None:
+    """Drop every page of path from the page cache, checked with mincore and by also() where given.
+
+    Retried (readahead still in flight may bring pages back); AssertionError if it cannot be done,
+    for example while another process maps the file.
+    """
     pages: list[bool] = []
-    for _ in range(ATTEMPTS):
+    for attempt in range(ATTEMPTS):
         evict_from_page_cache(path)
         pages = cached_pages(path)
-        if not any(pages):
+        if not any(pages) and (also is None or also()):
             return
+        time.sleep(0.05 * attempt)
     raise AssertionError(
         f"premise not established: {sum(pages)} pages of {path} stayed cached after {ATTEMPTS} evictions"
+        + ("" if any(pages) else ", or the caller's own check still found it cached")
     )
 
 

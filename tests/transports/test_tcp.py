@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import ssl
 import threading
@@ -110,12 +111,13 @@ def test_slices_the_cache_and_cold_files_over_the_data_port(
 ) -> None:
     """Gathered slices, a server cache and a cold page cache send from memory, not from the files."""
     reference = load_folder(tiny_llama_folder)
-    for folder in (tiny_llama_folder, root / MODEL):
+    # A copy of tiny-llama that no process has mapped, so that its pages can be dropped.
+    shutil.copytree(tiny_llama_folder, root / "tiny-llama", dirs_exist_ok=True)
+    for folder in (root / "tiny-llama", root / MODEL):
         for path in folder.glob("*.safetensors"):
             make_uncached(path)
-    # tiny-llama lives under the session's model root; the tcp model under this module's.
     with (
-        serving(loopback_settings(model_root=tiny_llama_folder.parent, data_port=free_ports(1)[0])) as plain,
+        serving(loopback_settings(model_root=root, data_port=free_ports(1)[0])) as plain,
         serving(loopback_settings(model_root=root, data_port=free_ports(1)[0], cache_bytes=256 << 20)) as cached,
     ):
         with WeightStreamClient(_target(plain), progress=False, transport="tcp") as client:
