@@ -89,7 +89,7 @@ MODEL = "bench-llama"
 SENDER_IDLE_S = 600.0
 # A transfer that moves no byte for this long has failed (both ends of the ceiling give up).
 STALL_S = 60
-BARE_METHOD = "/weightstream.bench.Bare/Stream"
+BARE_METHOD = "/benchmarks.load_bench.Bare/Stream"
 PAGE_CACHE = "page cache"
 SERVER_CACHE = "server cache"
 TLS = "tls"

@@ -42,7 +42,7 @@ _CHANNEL_OPTIONS: list[tuple[str, int]] = [
     # server that died without closing its connection (power loss, a cut cable, a frozen node) is
     # noticed in about 15 s, not when the kernel's TCP retransmission timeout fires (about 15 min).
     # The stream then fails UNAVAILABLE and is resumed. The server accepts pings every 5 s
-    # (grpc_server.py, min_ping_interval_without_data_ms), so these never earn a GOAWAY
+    # (weightstream_server.assembly, min_ping_interval_without_data_ms), so these never earn a GOAWAY
     # "too_many_pings".
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),

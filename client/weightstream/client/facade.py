@@ -316,7 +316,7 @@ class WeightStreamClient:
         """Write the parts of model's tensors that targets name straight into their views, in place.
 
         Each WriteTarget asks for one slice of its tensor (or all of it) and names the views it is
-        copied into (weight_plan.plan_loads finds them for an engine's own loader); only those
+        copied into (loader_plan.plan_loads finds them for an engine's own loader); only those
         bytes are sent. manifest: the one the targets were planned from (default: asked now); the
         load is of its revision, so a model changed since fails rather than mixing. Errors are as
         for load_into, partially_written included.

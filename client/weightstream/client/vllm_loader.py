@@ -21,7 +21,7 @@ Configuration is `model_loader_extra_config` (`--model-loader-extra-config` on `
 | transport |                        | "auto" (default: shm, else tcp, else grpc), "shm", "tcp", "grpc"|
 
 vLLM's `model` folder then holds only config.json and the tokenizer: no weights are downloaded
-or staged on disk. Each rank receives only its own bytes: weight_plan.plan_loads runs the model's
+or staged on disk. Each rank receives only its own bytes: loader_plan.plan_loads runs the model's
 own `load_weights` once per checkpoint tensor over a placeholder of no memory and records which
 slice of the tensor vLLM's weight loaders read and which parameter views they write (fused qkv
 and gate_up blocks, row-parallel columns, the padded vocabulary, replicated key/value heads all

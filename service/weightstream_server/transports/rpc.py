@@ -7,7 +7,7 @@ deserializer would end a request of bad bytes with INTERNAL, not INVALID_ARGUMEN
 
 Worker threads: gRPC runs each call on a thread of the server's pool for as long as its handler
 runs, which for a streaming call is as long as its client likes. WeightStreamService's streaming
-calls are admitted by their StreamSession (stream_session.py, --max-streams); HeldCallLimit bounds
+calls are admitted by their StreamSession (serving/stream_session.py, --max-streams); HeldCallLimit bounds
 every other call that holds a thread while it waits for its client (reflection), so that the
 workers kept for short calls stay free.
 """

@@ -1,6 +1,6 @@
 """The gRPC servicer: translates between protobuf messages and the server's domain objects.
 
-Streams run in a StreamSession (stream_session.py), which does their checks, counting and
+Streams run in a StreamSession (serving/stream_session.py), which does their checks, counting and
 end-of-stream line; errors become gRPC status codes in rpc.abort only.
 """
 

@@ -4,9 +4,9 @@ A client next to the server (same pod, same host) offers a directory both can se
 with medium Memory, or /dev/shm). OpenSharedMemory checks that the server sees it: the client wrote a
 nonce file there, and the server must read back the same bytes. StreamTensorsShared then serves the
 same chunks as StreamTensors, but their bytes lie in a ring of slots in one segment (a sealed
-memfd, handed to the client over a Unix socket in that directory: shm_segments.py), and the gRPC
+memfd, handed to the client over a Unix socket in that directory: segments.py), and the gRPC
 messages carry only (tensor, offset, CRC32C, slot, slot offset). The ring's flow control and
-filling are in shm_ring.py; the stream's checks, plan and counting are the StreamSession's, as for
+filling are in ring.py; the stream's checks, plan and counting are the StreamSession's, as for
 every stream.
 
 Copies per byte on this side: where every file is local and in the page cache and no slice gathers
@@ -23,7 +23,7 @@ Memory: each stream holds one segment of slots * slot_bytes, at most the server'
 setting (OpenSharedMemoryResponse.max_ring_bytes).
 
 Threading: each stream runs on its gRPC worker thread (reads, copies, sends) plus one thread of its
-own that hands the segment over and then reads the client's credits (shm_ring.read_credits), and,
+own that hands the segment over and then reads the client's credits (ring.read_credits), and,
 until the first message has come, one that waits for it (rpc.first_message).
 
 Admission: a server without a shared-memory directory refuses the call (FAILED_PRECONDITION) before
