@@ -165,10 +165,18 @@ def test_no_protocol_module_imports_the_client_or_the_server() -> None:
 
 @pytest.mark.slow
 def test_the_wheel_holds_the_packages_and_no_benchmark_or_test_code(tmp_path: Path) -> None:
+    import shutil
     import zipfile
 
+    # Built from a copy of what the wheel is made of: a build/ folder in the checkout would carry stale files.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("client", "service"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), ROOT],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), source],
         capture_output=True,
         text=True,
         timeout=300,

@@ -3,7 +3,11 @@
 A manifest is cached per model and rebuilt when any of its files changes (its size, its
 modification time, or, for local files, its identity: another inode, a new change time), so a
 request costs a walk to each file and one stat, not a header parse. Headers are read through
-descriptors opened beneath the model root (source.OpenFiles), checked again once read.
+descriptors opened beneath the model root (storage.open_files), checked again once read.
+
+Concurrent requests of one model version share one build, and each file version's header is
+parsed once (storage.parse_once): a header that failed to parse is remembered as failed for that
+version, so neither a burst of requests nor a repeated one parses it again.
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ from dataclasses import dataclass, field
 
 from weightstream.protocol import dtypes
 from weightstream_server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, TensorNotFound
-from weightstream_server.storage.header import read_header
+from weightstream_server.storage.header import HeaderTensor, read_header
 from weightstream_server.storage.index import INDEX_FILE
 from weightstream_server.storage.model_ids import S3_SCHEME, parse_s3_model_id
 from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.parse_once import ParseOnce
 from weightstream_server.storage.sources import ModelFiles, Source, SourceFile, revision
+
+# Failed parses (and builds in flight) remembered, by file or model; each costs a message.
+MAX_REMEMBERED = 4096
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,9 @@ class Catalog:
         self.sources = tuple(sources)
         self._lock = threading.Lock()
         self._cache: dict[str, Manifest] = {}
+        # Builds in flight (none kept: _cache keeps manifests), and headers that failed to parse.
+        self._builds: ParseOnce[Manifest] = ParseOnce(max_weight=MAX_REMEMBERED, keep_results=False)
+        self.headers: ParseOnce[list[HeaderTensor]] = ParseOnce(max_weight=MAX_REMEMBERED, keep_results=False)
 
     def source_for(self, model: str) -> Source:
         for source in self.sources:
@@ -85,22 +96,32 @@ class Catalog:
         # size and modification time), and reads check the identities the manifest holds.
         if cached is not None and cached.revision == current and cached.files == located.files:
             return cached
-        manifest = build_manifest(source, located, current)
+        version = current + "".join(f":{f.fingerprint}" for f in located.files)
+        manifest = self._builds.get(model, version, lambda: build_manifest(source, located, current, self.headers))
         with self._lock:
             self._cache[model] = manifest
         return manifest
 
 
-def build_manifest(source: Source, located: ModelFiles, revision: str) -> Manifest:
-    """Read every file's header and join them into one manifest, checked against the index."""
+def build_manifest(
+    source: Source, located: ModelFiles, revision: str, headers: ParseOnce[list[HeaderTensor]] | None = None
+) -> Manifest:
+    """Read every file's header (each once per version, through headers) and join them into one manifest,
+    checked against the index."""
     tensors: list[TensorEntry] = []
     by_name: dict[str, TensorEntry] = {}
     for file_index, source_file in enumerate(located.files):
         display = f"model {located.model!r}, file {source_file.name!r}"
-        with OpenFiles(source, located.model, {file_index: source_file}) as opened:
-            read = functools.partial(opened.read_range, file_index)
-            header = read_header(read, source_file.size, display)
-            opened.check_unchanged(file_index)
+
+        def parse(
+            source_file: SourceFile = source_file, file_index: int = file_index, display: str = display
+        ) -> list[HeaderTensor]:
+            with OpenFiles(source, located.model, {file_index: source_file}) as opened:
+                header = read_header(functools.partial(opened.read_range, file_index), source_file.size, display)
+                opened.check_unchanged(file_index)
+            return header
+
+        header = parse() if headers is None else headers.get(source_file.path, source_file.fingerprint, parse)
         for header_tensor in header:
             if header_tensor.name in by_name:
                 other = located.files[by_name[header_tensor.name].file_index].name

@@ -13,6 +13,8 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 # entry of the weight map costs a few hundred bytes of Python objects. The largest open checkpoints
 # list about 100,000 tensors; an index at this bound costs about 150 MB while it is parsed.
 MAX_INDEX_ITEMS = 500_000
+# Parsed weight maps a source keeps (one per index file, its latest version), bounded by their entries in all.
+INDEX_CACHE_ENTRIES = 2 * MAX_INDEX_ITEMS
 _FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*\.safetensors")
 _QUOTED_CHARS = 80
 

@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightstream_server.errors import CheckpointChanged, CorruptCheckpoint, ModelNotFound
 from weightstream_server.storage.file_errors import file_error
-from weightstream_server.storage.index import INDEX_FILE, MAX_INDEX_BYTES, MAX_INDEX_ITEMS, parse_index
+from weightstream_server.storage.index import INDEX_CACHE_ENTRIES, INDEX_FILE, MAX_INDEX_BYTES, parse_index
 from weightstream_server.storage.model_ids import check_model_id
 from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.parse_once import ParseOnce
 from weightstream_server.storage.safe_walk import SafeWalk
 from weightstream_server.storage.sources import COMPANION_FILES, LocalFile, ModelFiles, SourceFile
 
 if TYPE_CHECKING:
     from weightstream_server.serving.read_plan import ReadPlan
-
-
-# Parsed weight maps kept (one per model, its latest version), bounded by their entries in all.
-INDEX_CACHE_ENTRIES = 2 * MAX_INDEX_ITEMS
 
 
 class LocalSource:
@@ -39,7 +34,9 @@ class LocalSource:
         self.root = Path(os.path.realpath(root))
         # An absolute link target is inside the root when it names a path under either spelling.
         self._roots = tuple(dict.fromkeys((str(self.root), os.path.abspath(root))))
-        self._indexes = _IndexCache(INDEX_CACHE_ENTRIES)
+        self._indexes: ParseOnce[dict[str, str]] = ParseOnce(
+            max_weight=INDEX_CACHE_ENTRIES, keep_results=True, weight=len
+        )
 
     def claims(self, model: str) -> bool:
         return "://" not in model
@@ -123,16 +120,16 @@ class LocalSource:
         index = self._file(model, folder, INDEX_FILE, what)
         if index.size > MAX_INDEX_BYTES:
             raise CorruptCheckpoint(f"{what} is larger than {MAX_INDEX_BYTES} bytes")
-        weight_map = self._indexes.get(index)
-        if weight_map is None:
+
+        def parse() -> dict[str, str]:
             with OpenFiles(self, model, {0: index}) as opened:
                 raw = opened.read_range(0, 0, index.size)
                 opened.check_unchanged(0)
             if len(raw) != index.size:
                 raise CheckpointChanged(f"{what} is shorter than when it was listed; it changed on disk")
-            weight_map = parse_index(model, raw)
-            self._indexes.put(index, weight_map)
-        return weight_map
+            return parse_index(model, raw)
+
+        return self._indexes.get(index.path, index.fingerprint, parse)
 
     def _file(self, model: str, folder: SafeWalk, name: str, what: str) -> SourceFile:
         """The listed file name in folder: followed beneath the root if it is a link, checked to be a regular file."""
@@ -153,35 +150,3 @@ class LocalSource:
             raise CorruptCheckpoint(f"{what} is not a regular file")
         local = LocalFile(self._roots, relative, entry.st_dev, entry.st_ino, entry.st_mtime_ns, entry.st_ctime_ns)
         return SourceFile(name, str(self.root / resolved.lstrip("/")), entry.st_size, str(entry.st_mtime_ns), local)
-
-
-class _IndexCache:
-    """Parsed weight maps by index file, the latest version of each; least recently used go past a bound.
-
-    Concurrency: every method may be called from any thread. The maps are shared: never written.
-    """
-
-    def __init__(self, max_entries: int) -> None:
-        self._max_entries = max_entries
-        self._lock = threading.Lock()
-        self._maps: OrderedDict[str, tuple[str, dict[str, str]]] = OrderedDict()
-        self._entries = 0
-
-    def get(self, index: SourceFile) -> dict[str, str] | None:
-        with self._lock:
-            kept = self._maps.get(index.path)
-            if kept is None or kept[0] != index.fingerprint:
-                return None
-            self._maps.move_to_end(index.path)
-            return kept[1]
-
-    def put(self, index: SourceFile, weight_map: dict[str, str]) -> None:
-        with self._lock:
-            old = self._maps.pop(index.path, None)
-            if old is not None:
-                self._entries -= len(old[1])
-            self._maps[index.path] = (index.fingerprint, weight_map)
-            self._entries += len(weight_map)
-            while self._entries > self._max_entries and len(self._maps) > 1:
-                _, (_, dropped) = self._maps.popitem(last=False)
-                self._entries -= len(dropped)

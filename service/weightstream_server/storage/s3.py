@@ -30,8 +30,9 @@ from weightstream_server.errors import (
     StorageUnavailable,
 )
 from weightstream_server.settings import ServerSettings
-from weightstream_server.storage.index import INDEX_FILE, MAX_INDEX_BYTES, parse_index
+from weightstream_server.storage.index import INDEX_CACHE_ENTRIES, INDEX_FILE, MAX_INDEX_BYTES, parse_index
 from weightstream_server.storage.model_ids import S3_SCHEME, S3Location, parse_s3_model_id
+from weightstream_server.storage.parse_once import ParseOnce
 from weightstream_server.storage.sources import COMPANION_FILES, ModelFiles, SourceFile
 
 if TYPE_CHECKING:
@@ -80,6 +81,9 @@ class S3Source:
         self.bucket = bucket
         self._client = client
         self._probe_client = probe_client
+        self._indexes: ParseOnce[dict[str, str]] = ParseOnce(
+            max_weight=INDEX_CACHE_ENTRIES, keep_results=True, weight=len
+        )
 
     def claims(self, model: str) -> bool:
         return model == S3_SCHEME + self.bucket or model.startswith(f"{S3_SCHEME}{self.bucket}/")
@@ -164,13 +168,18 @@ class S3Source:
     ) -> dict[str, str] | None:
         if INDEX_FILE not in objects:
             return None
-        size, _etag = objects[INDEX_FILE]
+        size, etag = objects[INDEX_FILE]
         key = location.prefix + INDEX_FILE
         if size > MAX_INDEX_BYTES:
             raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} is larger than {MAX_INDEX_BYTES} bytes")
-        with _translated(location.bucket, key):
-            raw = self._client.get_object(Bucket=location.bucket, Key=key)["Body"].read()
-        return parse_index(model, raw)
+
+        def parse() -> dict[str, str]:
+            with _translated(location.bucket, key):
+                # IfMatch: the object read is the version listed, or the read fails (and is not remembered).
+                raw = self._client.get_object(Bucket=location.bucket, Key=key, IfMatch=etag)["Body"].read()
+            return parse_index(model, raw)
+
+        return self._indexes.get(f"{S3_SCHEME}{location.bucket}/{key}", f"{etag}:{size}", parse)
 
 
 def _source_file(location: S3Location, name: str, objects: dict[str, tuple[int, str]]) -> SourceFile:
