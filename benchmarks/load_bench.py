@@ -89,7 +89,7 @@ MODEL = "bench-llama"
 SENDER_IDLE_S = 600.0
 # A transfer that moves no byte for this long has failed (both ends of the ceiling give up).
 STALL_S = 60
-BARE_METHOD = "/benchmarks.load_bench.Bare/Stream"
+BARE_METHOD = "/weightstream.bench.Bare/Stream"
 PAGE_CACHE = "page cache"
 SERVER_CACHE = "server cache"
 TLS = "tls"
@@ -200,7 +200,7 @@ def _grpc_sender(paths: Sequence[str], chunk_bytes: int) -> None:
                     yield data
 
     handler = grpc.method_handlers_generic_handler(
-        "benchmarks.harness.Bare",
+        "weightstream.bench.Bare",
         {"Stream": grpc.unary_stream_rpc_method_handler(stream, request_deserializer=None, response_serializer=None)},
     )
     server = grpc.server(
