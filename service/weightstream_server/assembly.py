@@ -29,6 +29,7 @@ from weightstream_server.ops.stats import ServerStats
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog
 from weightstream_server.serving.reader import StreamerPool
+from weightstream_server.serving.stalls import StallWatch
 from weightstream_server.serving.stream_session import Streams, StreamSlots
 from weightstream_server.settings import ServerSettings, split_host_port
 from weightstream_server.storage.disk_cache import DiskCache
@@ -232,6 +233,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         stats=stats,
         readiness=readiness,
         slots=StreamSlots(settings.max_streams),
+        stalls=StallWatch(settings.stall_timeout),
         cache=cache,
     )
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)

@@ -109,6 +109,11 @@ class ServerSettings(BaseSettings):
         "maps it); none: --host when it names one address, else the host of the client's own target",
     )
     max_streams: int = Field(default=16, description="concurrent streams before RESOURCE_EXHAUSTED")
+    stall_timeout: float = Field(
+        default=60.0,
+        description="seconds a stream may wait on a client that takes nothing it is sent before the stream is "
+        "ended (its slot, worker and buffers freed)",
+    )
     read_ahead_bytes: ByteCount = Field(
         default=256 * 1024 * 1024,
         description="bytes each stream reads ahead of what it sent; bounds server memory per stream",
@@ -225,6 +230,8 @@ class ServerSettings(BaseSettings):
                 problems.append(f"data_advertise: {exc}")
         if self.max_streams < 1:
             problems.append(f"max_streams must be at least 1, not {self.max_streams}")
+        if not self.stall_timeout > 0:
+            problems.append(f"stall_timeout must be more than 0 seconds, not {self.stall_timeout}")
         if not wire.MIN_CHUNK_BYTES <= self.chunk_bytes <= wire.MAX_CHUNK_BYTES:
             problems.append(
                 f"chunk_bytes must be within {wire.MIN_CHUNK_BYTES}..{wire.MAX_CHUNK_BYTES}, not {self.chunk_bytes}"

@@ -399,9 +399,8 @@ def test_hostile_connections_to_the_data_port_cost_a_line_each_and_nothing_else(
     root: Path, state: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(listener, "HANDSHAKE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(tcp_servicer, "SEND_STALL_S", 1.0)
     caplog.set_level(logging.WARNING, logger=listener.logger.name)
-    with running(root, data_port=free_ports(1)[0]) as r:
+    with running(root, data_port=free_ports(1)[0], stall_timeout=1.0) as r:
         server = r.server
         assert server.data_port is not None
         port = server.data_port.port

@@ -26,9 +26,10 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar
 
 import grpc
 
@@ -44,10 +45,12 @@ from weightstream_server.serving.chunks import ServedChunk, serve_chunks
 from weightstream_server.serving.files import FilePiece, read_file
 from weightstream_server.serving.read_plan import ReadPlan, plan_reads
 from weightstream_server.serving.reader import PooledStreamer, StreamerPool
+from weightstream_server.serving.stalls import StallWatch
 from weightstream_server.settings import ServerSettings
 from weightstream_server.transports import rpc
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M")
 
 
 class StreamSlots:
@@ -80,6 +83,7 @@ class Streams:
     stats: ServerStats
     readiness: Readiness
     slots: StreamSlots
+    stalls: StallWatch
     # Shared by every stream; None when --cache-bytes is 0.
     cache: UnitCache | None = None
 
@@ -219,6 +223,21 @@ class StreamSession:
             yield piece
             self.read += piece.read
 
+    def waiting_on_client(self) -> contextlib.AbstractContextManager[None]:
+        """Around a wait on the client (a send it must take, a slot it must return): --stall-timeout bounds it."""
+        return self._streams.stalls.waiting(self._context, self._describe)
+
+    def send(self, messages: Iterable[tuple[M, int]]) -> Iterator[M]:
+        """Each (message, payload bytes) handed to gRPC, counted once gRPC took it; each send bounded by the stall rule.
+
+        gRPC resumes the generator only once the message was sent, so the time in `yield` is the
+        time the client's flow control held the send.
+        """
+        for message, nbytes in messages:
+            with self.waiting_on_client():
+                yield message
+            self.count_sent(nbytes)
+
     def count_read(self, nbytes: int) -> None:
         """Count bytes read from storage for this stream."""
         self.read += nbytes
@@ -226,6 +245,9 @@ class StreamSession:
     def count_sent(self, nbytes: int) -> None:
         """Count payload bytes the transport took."""
         self.sent += nbytes
+
+    def _describe(self) -> str:
+        return f"{self._kind} of model {self.model_id!r} from {self.peer}"
 
     def _check_open(self) -> None:
         # Manifests are still served while draining: a load in flight may ask for one again.

@@ -49,9 +49,7 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
                 len(plan.files),
             )
             with session.streamer() as streamer:
-                for message, payload_bytes in pack_chunks(session.chunks(streamer), plan.chunk_bytes):
-                    yield message
-                    session.count_sent(payload_bytes)
+                yield from session.send(pack_chunks(session.chunks(streamer), plan.chunk_bytes))
 
     def ListModelFiles(
         self, request: pb.ListModelFilesRequest, context: grpc.ServicerContext
@@ -66,11 +64,16 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
     ) -> Iterator[pb.ReadModelFileResponse]:
         """One file's bytes from request.offset; a stream like the others, so that drain waits for it."""
         with self._streams.session(context, method="ReadModelFile", kind="file read", model=request.model) as session:
-            for piece in session.read_file(request):
-                yield pb.ReadModelFileResponse(
-                    offset=piece.offset, crc32c=piece.crc32c, file_crc32c=piece.file_crc32c, data=piece.data
+            responses = (
+                (
+                    pb.ReadModelFileResponse(
+                        offset=piece.offset, crc32c=piece.crc32c, file_crc32c=piece.file_crc32c, data=piece.data
+                    ),
+                    len(piece.data),
                 )
-                session.count_sent(len(piece.data))
+                for piece in session.read_file(request)
+            )
+            yield from session.send(responses)
 
 
 def add_to_server(servicer: WeightStreamServicer, server: grpc.Server) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import threading
@@ -181,7 +182,12 @@ class _Filling:
         return FilledSlot(self.slot, chunks, self.nbytes)
 
 
-def fill_slots(writes: Iterator[SlotWrite], segment: Segment, credits: Credits) -> Iterator[FilledSlot]:
+def fill_slots(
+    writes: Iterator[SlotWrite],
+    segment: Segment,
+    credits: Credits,
+    waiting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+) -> Iterator[FilledSlot]:
     """Write chunks into free slots; yield each slot once it is filled and every write into it is done.
 
     Small chunks share a slot (each at a SLOT_ALIGN boundary); a slot is closed once it is full or
@@ -191,7 +197,8 @@ def fill_slots(writes: Iterator[SlotWrite], segment: Segment, credits: Credits) 
     order they were filled. Before waiting for a free slot, every closed slot is yielded (waiting
     for its writes), so the client always has every filled slot and the ring cannot deadlock.
     Raises ClientGone when the ring closes while a slot is awaited, or the error the credit
-    thread met. On the way out, however it ends, no write into the segment is left running.
+    thread met. A wait for a slot the client must return runs inside waiting() (the stall rule).
+    On the way out, however it ends, no write into the segment is left running.
     """
     closed: collections.deque[_Filling] = collections.deque()
     current: _Filling | None = None
@@ -212,7 +219,8 @@ def fill_slots(writes: Iterator[SlotWrite], segment: Segment, credits: Credits) 
                         yield _take_filled(closed)
                         slot = credits.take(block=False)
                         continue
-                    slot = credits.take()
+                    with waiting():
+                        slot = credits.take()
                     if slot is None:
                         if credits.error is not None:
                             raise credits.error

@@ -138,9 +138,8 @@ class ShmServicer:
                         writes = map(read_into, reader.reads())
                     else:
                         writes = map(copied, session.chunks(streamer))
-                    for filled in fill_slots(writes, segment, credits):
-                        yield _slot_message(filled)
-                        session.count_sent(filled.nbytes)
+                    filled_slots = fill_slots(writes, segment, credits, session.waiting_on_client)
+                    yield from session.send((_slot_message(filled), filled.nbytes) for filled in filled_slots)
                 # A stream that fits in the ring is done before the client has even taken the
                 # segment; ending now would close the socket before it came.
                 if not credits.wait_attached(ATTACH_TIMEOUT_S):

@@ -16,7 +16,8 @@ the memory they lie in, with the CRC32C taken there.
 
 Memory: one chunk-sized buffer per stream, plus the chunk source's read-ahead; a client that reads
 slowly holds the sends, never more memory (the kernel's socket buffer is the only queue). A client
-that reads nothing for SEND_STALL_S ends its stream UNAVAILABLE.
+that reads nothing for --stall-timeout seconds ends its stream UNAVAILABLE (the stall rule, serving/stalls.py,
+with the socket's own timeout as the wait's bound).
 
 Threading: the stream's gRPC worker thread waits for the connection, then sends every frame; the
 connection is closed when the call terminates (a callback), after its status went out, so that a
@@ -61,8 +62,6 @@ logger = logging.getLogger(__name__)
 
 # How long a stream waits for its client's data connection after announcing it.
 CONNECT_TIMEOUT_S = 10.0
-# A client that takes no byte for this long is taken for gone.
-SEND_STALL_S = 60.0
 # CRC32Cs kept per chunk and file version: 4 MiB chunks of 1 TiB of checkpoints.
 CHUNK_CHECKSUMS_KEPT = 262_144
 _WAIT_POLL_S = 0.25
@@ -115,7 +114,7 @@ class TcpServicer:
                     f"the client did not open its data connection to port {port.port} within {CONNECT_TIMEOUT_S:.0f} s"
                 )
             connection.set(conn)
-            sender = _FrameSender(conn, session.peer)
+            sender = _FrameSender(conn, session.peer, self._streams.settings.stall_timeout)
             manifest = session.manifest
             direct = streams.cache is None and reads_directly(manifest, plan) and page_cached(manifest, plan)
             logger.debug(
@@ -235,14 +234,15 @@ class _Connection:
 class _FrameSender:
     """Writes a stream's frames to its connection; a broken or stalled connection is DataConnectionLost."""
 
-    def __init__(self, conn: socket.socket, peer: str) -> None:
+    def __init__(self, conn: socket.socket, peer: str, stall_timeout: float) -> None:
         self._conn = conn
         self._peer = peer
+        self._stall_timeout = stall_timeout
         # A plain TCP socket can take file pages from the kernel; a TLS one needs the bytes here.
         self.plain = not isinstance(conn, ssl.SSLSocket)
         self.chunks = 0
         self.nbytes = 0
-        conn.settimeout(SEND_STALL_S)
+        conn.settimeout(stall_timeout)
 
     def from_memory(self, place: ChunkPlace, crc32c: int, data: np.ndarray) -> None:
         header = tcp.chunk_header(place.tensor.encode(), place.offset, place.length, crc32c)
@@ -277,8 +277,8 @@ class _FrameSender:
             try:
                 n = os.sendfile(out, fd, offset + done, length - done)
             except BlockingIOError:
-                if not writable.poll(SEND_STALL_S * 1000):
-                    raise TimeoutError(f"the client took no byte for {SEND_STALL_S:.0f} s") from None
+                if not writable.poll(self._stall_timeout * 1000):
+                    raise TimeoutError(f"the client took no byte for {self._stall_timeout:.0f} s") from None
                 continue
             if n == 0:
                 check_unchanged()

@@ -1,0 +1,128 @@
+"""The stall rule: calls whose clients never read are ended after --stall-timeout, and a good client is served.
+
+The attacker opens streaming calls and never asks for a message, so gRPC's flow control holds the
+server's sends: without the rule the admitted ones keep their stream slots (--max-streams 2 here)
+and worker threads for as long as the attacker likes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tests.support.checkpoints import write_model
+from tests.support.servers import loopback_settings, serving
+from weightstream.client import ResourceExhaustedError, RetryPolicy, WeightStreamClient
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server import ServerSettings, WeightStreamServer
+from weightstream_server.serving import stalls
+
+pytestmark = pytest.mark.slow
+
+MODEL = "stalled"
+STALL_S = 2.0
+UNREAD = 10
+# 4 tensors of 16 MiB: far more than gRPC's flow-control windows hold for an unread call.
+TENSORS, NUMEL = 4, 4 * 1024 * 1024
+POLICY = RetryPolicy(attempts=100, initial_backoff=0.1, max_backoff=0.5, total_deadline=60.0, idle_timeout=30.0)
+
+
+@pytest.fixture(scope="module")
+def state(root: Path) -> dict[str, torch.Tensor]:
+    return write_model(root, MODEL, tensors=TENSORS, numel=NUMEL, seed=3)
+
+
+@pytest.fixture(scope="module")
+def root_settings(root: Path) -> ServerSettings:
+    return loopback_settings(model_root=root, max_streams=2, stall_timeout=STALL_S, data_port=0)
+
+
+def open_unread(stub: pb_grpc.WeightStreamServiceStub, kind: str) -> list[grpc.Future]:
+    """UNREAD calls of kind, started and never read."""
+    calls: list[grpc.Future] = []
+    for _ in range(UNREAD):
+        if kind == "StreamTensors":
+            calls.append(stub.StreamTensors(pb.StreamTensorsRequest(model=MODEL), timeout=120))
+        else:
+            request = pb.ReadModelFileRequest(model=MODEL, file="model.safetensors")
+            calls.append(stub.ReadModelFile(request, timeout=120))
+    return calls
+
+
+def load(target: str, state: dict[str, torch.Tensor]) -> None:
+    with WeightStreamClient(target, progress=False, transport="grpc", retry=POLICY) as client:
+        got = client.load_state_dict(MODEL)
+    assert all(torch.equal(got[name], tensor) for name, tensor in state.items())
+
+
+def read_file(target: str, state: dict[str, torch.Tensor]) -> None:
+    """A whole-file read that tries again while every stream slot is taken (read_file itself does not retry)."""
+    deadline = time.monotonic() + POLICY.total_deadline
+    with WeightStreamClient(target, progress=False, transport="grpc") as client:
+        while True:
+            try:
+                data = b"".join(piece for piece, _ in client.read_file(MODEL, "model.safetensors"))
+                break
+            except ResourceExhaustedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    assert len(data) > TENSORS * NUMEL * 4
+
+
+@pytest.mark.parametrize(("kind", "good"), [("StreamTensors", load), ("ReadModelFile", read_file)])
+def test_a_good_client_is_served_while_unread_calls_are_open(
+    kind: str,
+    good: Callable[[str, dict[str, torch.Tensor]], None],
+    root_server: WeightStreamServer,
+    stub: pb_grpc.WeightStreamServiceStub,
+    state: dict[str, torch.Tensor],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=stalls.logger.name)
+    target = f"127.0.0.1:{root_server.port}"
+    calls = open_unread(stub, kind)
+    try:
+        started = time.monotonic()
+        good(target, state)
+        seconds = time.monotonic() - started
+    finally:
+        for call in calls:
+            call.cancel()
+    stalled = [r.getMessage() for r in caplog.records if "took nothing for" in r.getMessage()]
+    assert stalled, "no stream was ended by the stall rule"
+    assert all("127.0.0.1" in line for line in stalled), stalled
+    # The good client waited for the stalled streams' slots, and not much longer.
+    assert seconds < 10 * STALL_S, seconds
+    # And the server serves as before.
+    good(target, state)
+
+
+def test_a_client_that_reads_slowly_but_steadily_is_not_ended(root: Path, state: dict[str, torch.Tensor]) -> None:
+    """Each message taken restarts the clock: pauses well within STALL_S between messages end nothing.
+
+    A send can wait for more than one of the client's reads (a message larger than gRPC's
+    flow-control window), so the pauses are a fraction of the timeout.
+    """
+    timeout = 5.0
+    request = pb.ReadModelFileRequest(model=MODEL, file="model.safetensors", max_chunk_bytes=1024 * 1024)
+    with (
+        serving(loopback_settings(model_root=root, stall_timeout=timeout, data_port=0)) as server,
+        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        responses: Iterator[pb.ReadModelFileResponse] = pb_grpc.WeightStreamServiceStub(channel).ReadModelFile(
+            request, timeout=120
+        )
+        received = 0
+        for index, response in enumerate(responses):
+            received += len(response.data)
+            if index < 16:
+                time.sleep(timeout / 20)
+    assert received > TENSORS * NUMEL * 4
