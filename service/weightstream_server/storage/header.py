@@ -7,8 +7,9 @@ Every check a hostile or damaged file could fail is made here, before any tensor
 from __future__ import annotations
 
 import json
+import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from weightstream.protocol import dtypes, wire
@@ -32,9 +33,11 @@ SAFETENSORS_DTYPES = frozenset(
 )
 # Error messages travel in gRPC trailers (8 KiB by default), so values quoted in them are cut.
 _QUOTED_CHARS = 80
+# JSON's white space.
+_SPACE = re.compile(r"[ \t\n\r]*")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HeaderTensor:
     """One tensor of one file; start and end are absolute byte offsets in the file."""
 
@@ -80,17 +83,17 @@ def read_header(read_range: Callable[[int, int], bytes], file_size: int, display
         raise CorruptCheckpoint(f"{display_name}: header is not UTF-8: {exc}") from exc
     # Dropped before parsing, so that a large header is held once (as text), not twice.
     del raw
-    header = _parse_json(display_name, text)
-    del text
-    if not isinstance(header, dict):
-        raise CorruptCheckpoint(f"{display_name}: header is not a JSON object")
     data_start = 8 + header_len
     data_size = file_size - data_start
-    tensors = [
-        _parse_entry(display_name, name, entry, data_start, data_size)
-        for name, entry in header.items()
-        if name != "__metadata__"
-    ]
+    # Each entry is decoded alone and checked at once: the header is never held as parsed JSON whole
+    # (its text and the checked tensors are), and a name given twice keeps its last entry, as JSON does.
+    by_name: dict[str, HeaderTensor] = {}
+    for name, entry in _entries(display_name, text):
+        if name != "__metadata__":
+            by_name[name] = _parse_entry(display_name, name, entry, data_start, data_size)
+    del text
+    tensors = list(by_name.values())
+    del by_name
     tensors.sort(key=lambda t: (t.start, t.end))
     previous: HeaderTensor | None = None
     for tensor in tensors:
@@ -106,14 +109,54 @@ def read_header(read_range: Callable[[int, int], bytes], file_size: int, display
     return tensors
 
 
-def _parse_json(display_name: str, text: str) -> object:
-    try:
-        return json.loads(text)
-    except RecursionError as exc:
-        raise CorruptCheckpoint(f"{display_name}: header is not valid JSON: nested too deeply") from exc
-    except ValueError as exc:
-        # JSONDecodeError, and also the integer of more than 4300 digits that int() refuses.
-        raise CorruptCheckpoint(f"{display_name}: header is not valid JSON: {str(exc)[:_QUOTED_CHARS]}") from exc
+def _entries(display_name: str, text: str) -> Iterator[tuple[str, object]]:
+    """The (name, value) pairs of the JSON object text, each value decoded on its own, in order."""
+    decoder = json.JSONDecoder()
+    at = _skip_space(text, 0)
+    if text[at : at + 1] != "{":
+        try:
+            json.loads(text)
+        except (RecursionError, ValueError) as exc:
+            raise _invalid(display_name, exc) from exc
+        raise CorruptCheckpoint(f"{display_name}: header is not a JSON object")
+    at = _skip_space(text, at + 1)
+    if text[at : at + 1] == "}":
+        at = _skip_space(text, at + 1)
+    else:
+        while True:
+            try:
+                if text[at : at + 1] != '"':
+                    raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
+                name, at = decoder.raw_decode(text, at)
+                at = _skip_space(text, at)
+                if text[at : at + 1] != ":":
+                    raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
+                value, at = decoder.raw_decode(text, _skip_space(text, at + 1))
+            except (RecursionError, ValueError) as exc:
+                raise _invalid(display_name, exc) from exc
+            yield name, value
+            at = _skip_space(text, at)
+            if text[at : at + 1] == ",":
+                at = _skip_space(text, at + 1)
+                continue
+            if text[at : at + 1] == "}":
+                at = _skip_space(text, at + 1)
+                break
+            raise _invalid(display_name, json.JSONDecodeError("Expecting ',' delimiter", text, at))
+    if at != len(text):
+        raise _invalid(display_name, json.JSONDecodeError("Extra data", text, at))
+
+
+def _skip_space(text: str, at: int) -> int:
+    match = _SPACE.match(text, at)
+    return match.end() if match else at
+
+
+def _invalid(display_name: str, exc: BaseException) -> CorruptCheckpoint:
+    if isinstance(exc, RecursionError):
+        return CorruptCheckpoint(f"{display_name}: header is not valid JSON: nested too deeply")
+    # JSONDecodeError, and also the integer of more than 4300 digits that int() refuses.
+    return CorruptCheckpoint(f"{display_name}: header is not valid JSON: {str(exc)[:_QUOTED_CHARS]}")
 
 
 def _quote(value: object) -> str:

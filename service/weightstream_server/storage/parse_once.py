@@ -86,8 +86,11 @@ class ParseOnce(Generic[T]):
         try:
             result = parse()
         except CONTENT_ERRORS as exc:
-            flight.error = exc
-            self._keep(path, _Kept(version, None, exc, 1))
+            # A copy without the traceback: the parse's frames (the file's bytes among their locals)
+            # must not live as long as the remembered failure.
+            error = type(exc)(str(exc))
+            flight.error = error
+            self._keep(path, _Kept(version, None, error, 1))
             raise
         else:
             flight.result, flight.ok = result, True
