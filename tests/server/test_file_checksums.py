@@ -84,3 +84,24 @@ def test_a_changed_file_gets_its_own_checksum(
     crc, _, kernel, _ = read_from(r, stub, FILE_BYTES - 1)
     assert crc == wire.crc32c(path.read_bytes())
     assert kernel >= FILE_BYTES
+
+
+def test_reads_from_an_offset_cancelled_after_one_piece_read_the_prefix_once(
+    served: tuple[Running, pb_grpc.WeightStreamServiceStub, Path],
+) -> None:
+    """The attack: ask for the tail of a large file, take one piece, cancel, again and again."""
+    r, stub, path = served
+    counted = r.get("/status").json()["storage_bytes_read_total"]
+    kernel = kernel_bytes_read()
+    for _ in range(4):
+        request = pb.ReadModelFileRequest(model="big", file=WEIGHTS, offset=FILE_BYTES // 2, max_chunk_bytes=64 * 1024)
+        call = stub.ReadModelFile(request, timeout=60)
+        next(call)
+        call.cancel()
+    kernel = kernel_bytes_read() - kernel
+    counted = r.get("/status").json()["storage_bytes_read_total"] - counted
+    # One read of the whole file for its checksum, then only what each call sends and reads ahead.
+    assert FILE_BYTES <= counted < FILE_BYTES + 4 * SMALL_READ, counted
+    assert kernel < 2 * FILE_BYTES, kernel
+    crc, counted, _, data = read_from(r, stub, FILE_BYTES - 1)
+    assert (crc, data, counted) == (wire.crc32c(path.read_bytes()), path.read_bytes()[-1:], 1)

@@ -9,7 +9,8 @@ is checked against the listing before the last piece goes out.
 
 The whole-file CRC32C that ends a read is computed once per version of a file (its fingerprint)
 and kept (at most CHECKSUMS_KEPT files, for the life of the process): a read from an offset then
-reads only the bytes it sends.
+reads only the bytes it sends. A read from offset 0 checksums what it sends; the first read of a
+version from an offset reads the whole file once for it, before its first piece, single-flight.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog
 from weightstream_server.serving.checksums import KeptChecksums
 from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.parse_once import ParseOnce
 from weightstream_server.storage.sources import COMPANION_FILES, Source, SourceFile, revision
 
 # Companion files are configs and tokenizers (a few MB at most); a larger one is refused rather
@@ -94,6 +96,8 @@ class FilePiece:
 
 
 # Whole-file CRC32Cs by file version (path, size, fingerprint).
+# Whole-file CRC32Cs being computed from the start of a file for reads from an offset: one per version at a time.
+_whole_file_crcs: ParseOnce[int] = ParseOnce(max_weight=CHECKSUMS_KEPT, keep_results=False)
 _checksums: KeptChecksums[tuple[str, int, str]] = KeptChecksums(CHECKSUMS_KEPT)
 
 
@@ -159,10 +163,23 @@ def read_file(
         known = _checksums.get(key) if to_end else None
         crc = 0
         read_before = 0
-        if to_end and known is None:
-            crc, read_before = wire.crc32c_of_range(
-                lambda start, size: _read(opened, start, size, display), 0, offset, block_bytes=chunk_bytes
-            )
+        if to_end and known is None and offset:
+            # From an offset the CRC32C needs the bytes before it: computed whole, once per version
+            # however many reads ask at once, and kept before any piece goes out, so that a client
+            # that takes one piece and cancels cannot make the next read of the file read it again.
+            computed: list[int] = []
+
+            def whole_file_crc() -> int:
+                whole, done = wire.crc32c_of_range(
+                    lambda start, size: _read(opened, start, size, display), 0, file.size, block_bytes=chunk_bytes
+                )
+                opened.check_unchanged(0)
+                computed.append(done)
+                _checksums.put(key, whole)
+                return whole
+
+            known = _whole_file_crcs.get(file.path, f"{file.size}:{file.fingerprint}", whole_file_crc)
+            read_before = computed[0] if computed else 0
         pieces = list(wire.split_range(offset, end, chunk_bytes)) or [(offset, 0)]
         for index, (start, size) in enumerate(pieces):
             data, read_here = _piece(opened, file, start, size, display, through)
