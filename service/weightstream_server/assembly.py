@@ -232,7 +232,8 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         pool=pool,
         stats=stats,
         readiness=readiness,
-        slots=StreamSlots(settings.max_streams),
+        # A client may hold every slot but one by default: there is always one for somebody else.
+        slots=StreamSlots(settings.max_streams, settings.max_streams_per_client or max(1, settings.max_streams - 1)),
         stalls=StallWatch(settings.stall_timeout),
         cache=cache,
     )

@@ -109,6 +109,11 @@ class ServerSettings(BaseSettings):
         "maps it); none: --host when it names one address, else the host of the client's own target",
     )
     max_streams: int = Field(default=16, description="concurrent streams before RESOURCE_EXHAUSTED")
+    max_streams_per_client: int | None = Field(
+        default=None,
+        description="stream slots one client (a bearer token, else a peer host) may hold at once; "
+        "default every slot but one (at least 1), so that one is always left for another client",
+    )
     stall_timeout: float = Field(
         default=60.0,
         description="seconds a stream may wait on a client that takes nothing it is sent before the stream is "
@@ -230,6 +235,11 @@ class ServerSettings(BaseSettings):
                 problems.append(f"data_advertise: {exc}")
         if self.max_streams < 1:
             problems.append(f"max_streams must be at least 1, not {self.max_streams}")
+        if self.max_streams_per_client is not None and not 1 <= self.max_streams_per_client <= self.max_streams:
+            problems.append(
+                f"max_streams_per_client must be within 1..max_streams ({self.max_streams}), "
+                f"not {self.max_streams_per_client}"
+            )
         if not self.stall_timeout > 0:
             problems.append(f"stall_timeout must be more than 0 seconds, not {self.stall_timeout}")
         if not wire.MIN_CHUNK_BYTES <= self.chunk_bytes <= wire.MAX_CHUNK_BYTES:

@@ -70,7 +70,15 @@ def test_sixteen_clients_at_once_each_get_every_byte(load_root: Path, expected: 
         name: wire.numel(shape) * dtype.itemsize for name, (shape, dtype) in read_shapes(load_root / MODEL)[1].items()
     }
     read_ahead = 64 * MIB
-    args = ("--max-streams", str(CLIENTS), "--read-ahead-bytes", str(read_ahead))
+    # Every client is on this host: the per-client share must let all sixteen in at once.
+    args = (
+        "--max-streams",
+        str(CLIENTS),
+        "--max-streams-per-client",
+        str(CLIENTS),
+        "--read-ahead-bytes",
+        str(read_ahead),
+    )
     with Supervisor(load_root, tmp_path, *args) as server:
         idle_rss = rss(server.pid)
         started = time.perf_counter()

@@ -126,3 +126,46 @@ def test_a_client_that_reads_slowly_but_steadily_is_not_ended(root: Path, state:
             if index < 16:
                 time.sleep(timeout / 20)
     assert received > TENSORS * NUMEL * 4
+
+
+def test_one_client_cannot_take_every_slot_and_another_is_served_at_once(
+    root: Path, state: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """Two token holders: the attacker's unread calls hold at most its share (every slot but one), so
+    the other's load needs no stall timeout to pass. Distinct clients on one host are told apart
+    by their tokens (without tokens, by their hosts: no second host here)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("attacker-token\ngood-token\n")
+    settings = loopback_settings(model_root=root, max_streams=2, stall_timeout=60.0, token_file=tokens, data_port=0)
+    with (
+        serving(settings) as server,
+        grpc.insecure_channel(
+            f"127.0.0.1:{server.port}", options=[("grpc.max_receive_message_length", 64 << 20)]
+        ) as channel,
+    ):
+        stub = pb_grpc.WeightStreamServiceStub(channel)
+        attacker = (("authorization", "Bearer attacker-token"),)
+        calls = [
+            stub.StreamTensors(pb.StreamTensorsRequest(model=MODEL), metadata=attacker, timeout=120)
+            for _ in range(UNREAD)
+        ]
+        try:
+            refused = 0
+            for call in calls:
+                try:
+                    next(call)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    assert "--max-streams-per-client" in (exc.details() or ""), exc.details()
+                    refused += 1
+            assert refused == UNREAD - 1, "the attacker holds one slot of two"
+            started = time.monotonic()
+            with WeightStreamClient(
+                f"127.0.0.1:{server.port}", token="good-token", progress=False, transport="grpc"
+            ) as good:
+                got = good.load_state_dict(MODEL)
+            assert all(torch.equal(got[name], tensor) for name, tensor in state.items())
+            assert time.monotonic() - started < 20, "served without waiting for the stall timeout"
+        finally:
+            for call in calls:
+                call.cancel()

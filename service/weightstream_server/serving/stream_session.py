@@ -23,6 +23,7 @@ the server and holds only parts that are safe to use from many threads (StreamSl
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -54,23 +55,49 @@ M = TypeVar("M")
 
 
 class StreamSlots:
-    """The --max-streams limit: size slots, each held by one stream from its start to its end. Thread-safe."""
+    """The --max-streams limit: size slots, each held by one stream from its start to its end, at most
+    per_client of them by one client (a bearer token, else a peer host), so that no client can take
+    every slot and others keep being served. Thread-safe."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, per_client: int | None = None) -> None:
         self.size = size
+        self.per_client = per_client or size
         self._lock = threading.Lock()
         self._taken = 0
+        self._by_client: dict[str, int] = {}
 
-    def take(self) -> None:
-        """Take a slot; TooManyStreams when none is free (nothing waits for one)."""
+    def take(self, client: str = "") -> None:
+        """Take a slot for client; TooManyStreams when none is free, or client holds its share (nothing waits)."""
         with self._lock:
             if self._taken >= self.size:
                 raise TooManyStreams(f"{self.size} streams are already running; try again later")
+            held = self._by_client.get(client, 0)
+            if held >= self.per_client:
+                raise TooManyStreams(
+                    f"this client already holds {held} of the {self.size} stream slots "
+                    "(--max-streams-per-client); try again later"
+                )
             self._taken += 1
+            self._by_client[client] = held + 1
 
-    def give_back(self) -> None:
+    def give_back(self, client: str = "") -> None:
         with self._lock:
             self._taken -= 1
+            held = self._by_client.pop(client, 0) - 1
+            if held > 0:
+                self._by_client[client] = held
+
+
+def client_of(context: grpc.ServicerContext, peer: str) -> str:
+    """Who a call comes from, for the per-client share: its bearer token's digest, else its peer's host."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            return "token:" + hashlib.sha256(value.strip().encode()).hexdigest()[:16]
+    # "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234", "unix:/path": the address without its port.
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return "host:" + address.rpartition(":")[0]
+    return "host:" + peer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +142,7 @@ class StreamSession:
         self._started = 0.0
         self._holds_slot = False
         self.peer = ""
+        self._client = ""
 
     def __enter__(self) -> StreamSession:
         self._started = time.monotonic()
@@ -123,7 +151,8 @@ class StreamSession:
         self._streams.stats.stream_started()
         try:
             self._check_open()
-            self._streams.slots.take()
+            self._client = client_of(self._context, self.peer)
+            self._streams.slots.take(self._client)
             self._holds_slot = True
         except Exception as exc:
             # Ends the call as __exit__ would have: counted, logged, the status sent (rpc.abort raises).
@@ -257,7 +286,7 @@ class StreamSession:
     def _end(self, code: grpc.StatusCode) -> None:
         if self._holds_slot:
             self._holds_slot = False
-            self._streams.slots.give_back()
+            self._streams.slots.give_back(self._client)
         # What the stream's buffers took goes back to the kernel, not only to malloc's free lists.
         release_free_memory()
         seconds = time.monotonic() - self._started
