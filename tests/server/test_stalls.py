@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.support.checkpoints import write_model
+from tests.support.reliability_report import record
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import ResourceExhaustedError, RetryPolicy, WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
@@ -100,6 +101,7 @@ def test_a_good_client_is_served_while_unread_calls_are_open(
     assert stalled, "no stream was ended by the stall rule"
     assert all("127.0.0.1" in line for line in stalled), stalled
     # The good client waited for the stalled streams' slots, and not much longer.
+    record("stall rule", **{f"good_{kind}_during_{UNREAD}_unread_calls_s": round(seconds, 2)})
     assert seconds < 10 * STALL_S, seconds
     # And the server serves as before.
     good(target, state)
@@ -165,7 +167,9 @@ def test_one_client_cannot_take_every_slot_and_another_is_served_at_once(
             ) as good:
                 got = good.load_state_dict(MODEL)
             assert all(torch.equal(got[name], tensor) for name, tensor in state.items())
-            assert time.monotonic() - started < 20, "served without waiting for the stall timeout"
+            seconds = time.monotonic() - started
+            record("stall rule", good_load_beside_another_clients_unread_calls_s=round(seconds, 2))
+            assert seconds < 20, "served without waiting for the stall timeout"
         finally:
             for call in calls:
                 call.cancel()
