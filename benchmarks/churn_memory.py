@@ -14,7 +14,6 @@ Usage (from the repository root): python benchmarks/churn_memory.py [--seconds 1
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -27,11 +26,10 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import (
-    free_port,
     peak_rss,
     reset_peak_rss,
     rss,
-    run_process,
+    serve_weightstream,
 )
 from weightstream.protocol import wire
 from weightstream.samples import llama_like_state_dict, save_sharded
@@ -61,11 +59,9 @@ def churn(target: str, seconds: float, opened: list[int]) -> None:
                 call.cancel()
 
 
-def case(root: Path, clients: int, seconds: float, env: dict[str, str]) -> tuple[float, float, float, int]:
+def case(root: Path, clients: int, seconds: float, pythonpath: str | None) -> tuple[float, float, float, int]:
     """(idle MiB, peak growth MiB, growth after MiB, streams opened) of one fresh server under clients."""
-    command = [sys.executable, "-m", "weightstream", "serve", "--model-root", str(root), "--host", "127.0.0.1"]
-    command += ["--grpc-port", "0", "--http-port", "0", "--data-port", str(free_port()), "--log-level", "INFO"]
-    with run_process(command, "grpc_port", env=env) as (proc, port):
+    with serve_weightstream(root, wire.DEFAULT_CHUNK_BYTES, pythonpath=pythonpath) as (proc, port):
         target = f"127.0.0.1:{port}"
         churn(target, 0.5, [0])  # warm: streamers and channels made, first-use costs paid
         time.sleep(2)
@@ -89,15 +85,15 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="fresh servers per case (default 3)")
     parser.add_argument("--server-pythonpath", default=None, help="PYTHONPATH of the server process")
     args = parser.parse_args()
-    env = dict(os.environ)
-    if args.server_pythonpath:
-        env["PYTHONPATH"] = args.server_pythonpath
     with tempfile.TemporaryDirectory(prefix="weightstream-churn-") as tmp:
         root = Path(tmp)
         state = llama_like_state_dict(layers=3, hidden=1024, intermediate=2816, vocab=16000)
         save_sharded(state, root / MODEL, shards=2)
         total = sum(t.numel() * t.element_size() for t in state.values())
-        results = {clients: [case(root, clients, args.seconds, env) for _ in range(args.runs)] for clients in (1, 4)}
+        results = {
+            clients: [case(root, clients, args.seconds, args.server_pythonpath) for _ in range(args.runs)]
+            for clients in (1, 4)
+        }
     print(f"checkpoint: {total / MIB:.0f} MiB; {args.seconds:g} s of churn per case, {args.runs} fresh servers each")
     print("| clients | idle RSS MiB | peak growth MiB, median (min..max) | after, MiB (min..max) | streams opened |")
     print("|---|---|---|---|---|")

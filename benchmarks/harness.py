@@ -195,13 +195,18 @@ def free_port() -> int:
 
 
 def serve_weightstream(
-    root: Path | None, chunk_bytes: int, extra_args: Sequence[str] = (), *, data_port: int | None = None
+    root: Path | None,
+    chunk_bytes: int,
+    extra_args: Sequence[str] = (),
+    *,
+    data_port: int | None = None,
+    pythonpath: str | None = None,
 ) -> contextlib.AbstractContextManager[tuple[subprocess.Popen[str], int]]:
     """`weightstream serve` in its own process on a free gRPC port.
 
     data_port: None gives the server a free data port (never the default 50052, which another
     server may hold), 0 turns it off. Other settings come from extra_args (which win over these),
-    then WEIGHTSTREAM_*.
+    then WEIGHTSTREAM_*. pythonpath: the server's PYTHONPATH (another checkout, for a before/after).
     """
     command = [
         sys.executable,
@@ -223,7 +228,8 @@ def serve_weightstream(
     ]
     if root is not None:
         command += ["--model-root", str(root)]
-    return run_process([*command, *extra_args], "grpc_port")
+    env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
+    return run_process([*command, *extra_args], "grpc_port", env=env)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import struct
 import sys
@@ -29,7 +28,8 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import free_port, peak_rss, reset_peak_rss, rss, run_process
+from benchmarks.harness import peak_rss, reset_peak_rss, rss, serve_weightstream
+from weightstream.protocol import wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
@@ -83,9 +83,6 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="fresh servers to measure (default 3)")
     parser.add_argument("--server-pythonpath", default=None, help="PYTHONPATH of the server process")
     args = parser.parse_args()
-    env = dict(os.environ)
-    if args.server_pythonpath:
-        env["PYTHONPATH"] = args.server_pythonpath
     steps = ("1 request", "4 at once", "4 at once, again")
     figures: dict[str, list[tuple[float, float]]] = {s: [] for s in steps}
     with tempfile.TemporaryDirectory(prefix="weightstream-header-") as tmp:
@@ -94,11 +91,10 @@ def main() -> int:
         for _ in range(args.runs):
             # A fresh server for 1 request, and another for 4 at once (then 4 more): no step warms the next.
             for first, callers in ((steps[0], 1), (steps[1], 4)):
-                command = [sys.executable, "-m", "weightstream", "serve", "--model-root", str(root)]
-                command += ["--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0"]
-                # INFO: the ready line (grpc_port=) is an INFO line.
-                command += ["--data-port", str(free_port()), "--log-level", "INFO"]
-                with run_process(command, "grpc_port", env=env) as (proc, port):
+                with serve_weightstream(root, wire.DEFAULT_CHUNK_BYTES, pythonpath=args.server_pythonpath) as (
+                    proc,
+                    port,
+                ):
                     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                         stub = pb_grpc.WeightStreamServiceStub(channel)
                         figures[first].append(step(proc.pid, stub, callers))
