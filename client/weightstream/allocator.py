@@ -7,11 +7,11 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
 _tuned = False
 
 
-def tune_malloc() -> bool:
+def tune_malloc(arenas: int | None = None) -> bool:
     """Keep glibc from returning freed message buffers to the kernel between messages; True if applied.
 
     Every gRPC message is a fresh multi-MiB allocation. By default glibc serves those with mmap and
@@ -21,6 +21,11 @@ def tune_malloc() -> bool:
     in-flight set of messages stays resident. The server calls this at start-up; an engine that
     loads through the client may call it once at start-up too (`weightstream load` and `bench` do).
     Not glibc (musl, macOS): nothing happens.
+
+    arenas: at most this many malloc arenas from now on (glibc's default is 8 per core). Each
+    thread that allocates may get an arena of its own, and what a short stream's threads freed in
+    theirs stays there, fragmented, after the stream: the server caps them (see
+    benchmarks/churn_memory.py). Only the first call's value counts.
     """
     global _tuned
     if _tuned:
@@ -32,6 +37,8 @@ def tune_malloc() -> bool:
     mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)
     mallopt(_M_TRIM_THRESHOLD, 1 << 34)
     mallopt(_M_TOP_PAD, 256 * 1024 * 1024)
+    if arenas is not None:
+        mallopt(_M_ARENA_MAX, arenas)
     _tuned = True
     logger.debug("glibc malloc tuned for large message buffers")
     return True

@@ -2,12 +2,16 @@
 
 The attacker opens streaming calls and never asks for a message, so gRPC's flow control holds the
 server's sends: without the rule the admitted ones keep their stream slots (--max-streams 2 here)
-and worker threads for as long as the attacker likes.
+and worker threads for as long as the attacker likes. On the shared-memory transport the attacker
+takes one tensor and then returns no ring slot; on the data port it takes one tensor and then
+reads its data connection no further.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,13 +21,13 @@ import pytest
 import torch
 
 from tests.support.checkpoints import write_model
+from tests.support.ports import free_ports
 from tests.support.reliability_report import record
 from tests.support.servers import loopback_settings, serving
-from weightstream.client import ResourceExhaustedError, RetryPolicy, WeightStreamClient
+from weightstream.client import ResourceExhaustedError, RetryPolicy, WeightStreamClient, WeightStreamError
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server import ServerSettings, WeightStreamServer
-from weightstream_server.serving import stalls
 
 pytestmark = pytest.mark.slow
 
@@ -40,21 +44,60 @@ def state(root: Path) -> dict[str, torch.Tensor]:
     return write_model(root, MODEL, tensors=TENSORS, numel=NUMEL, seed=3)
 
 
+# The attackers' loads wait as long as the test likes: the server, not their idle watchdog, must end them.
+HOLDING = RetryPolicy(attempts=1, total_deadline=600.0, idle_timeout=600.0)
+
+
 @pytest.fixture(scope="module")
-def root_settings(root: Path) -> ServerSettings:
-    return loopback_settings(model_root=root, max_streams=2, stall_timeout=STALL_S, data_port=0)
+def shm_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="weightstream-test-stalls-") as name:
+        yield Path(name)
 
 
-def open_unread(stub: pb_grpc.WeightStreamServiceStub, kind: str) -> list[grpc.Future]:
-    """UNREAD calls of kind, started and never read."""
+@pytest.fixture(scope="module")
+def root_settings(root: Path, shm_dir: Path) -> ServerSettings:
+    return loopback_settings(
+        model_root=root, max_streams=2, stall_timeout=STALL_S, data_port=free_ports(1)[0], shm_dir=shm_dir
+    )
+
+
+TRANSPORT_OF = {"StreamTensorsShared": "shm", "StreamTensorsBulk": "tcp"}
+
+
+@contextlib.contextmanager
+def unread_calls(stub: pb_grpc.WeightStreamServiceStub, kind: str, target: str, shm_dir: Path) -> Iterator[list]:
+    """UNREAD calls of kind, started and never read (or, on shm and tcp, read for one tensor), cancelled on exit.
+
+    Yields the loads still held on shm and tcp (every other one was refused at once: one client's share).
+    """
     calls: list[grpc.Future] = []
-    for _ in range(UNREAD):
-        if kind == "StreamTensors":
-            calls.append(stub.StreamTensors(pb.StreamTensorsRequest(model=MODEL), timeout=120))
-        else:
-            request = pb.ReadModelFileRequest(model=MODEL, file="model.safetensors")
-            calls.append(stub.ReadModelFile(request, timeout=120))
-    return calls
+    held: list[tuple[WeightStreamClient, Iterator[tuple[str, torch.Tensor]]]] = []
+    try:
+        for _ in range(UNREAD):
+            if kind == "StreamTensors":
+                calls.append(stub.StreamTensors(pb.StreamTensorsRequest(model=MODEL), timeout=120))
+            elif kind == "ReadModelFile":
+                request = pb.ReadModelFileRequest(model=MODEL, file="model.safetensors")
+                calls.append(stub.ReadModelFile(request, timeout=120))
+            else:
+                client = WeightStreamClient(
+                    target, progress=False, transport=TRANSPORT_OF[kind], shm_dir=shm_dir, retry=HOLDING
+                )
+                tensors = client.iter_tensors(MODEL)
+                try:
+                    next(tensors)
+                except ResourceExhaustedError:
+                    client.close()
+                    continue
+                held.append((client, tensors))
+        yield held
+    finally:
+        for call in calls:
+            call.cancel()
+        for client, tensors in held:
+            with contextlib.suppress(WeightStreamError):
+                tensors.close()
+            client.close()
 
 
 def load(target: str, state: dict[str, torch.Tensor]) -> None:
@@ -78,25 +121,31 @@ def read_file(target: str, state: dict[str, torch.Tensor]) -> None:
     assert len(data) > TENSORS * NUMEL * 4
 
 
-@pytest.mark.parametrize(("kind", "good"), [("StreamTensors", load), ("ReadModelFile", read_file)])
+@pytest.mark.parametrize(
+    ("kind", "good"),
+    [
+        ("StreamTensors", load),
+        ("ReadModelFile", read_file),
+        ("StreamTensorsShared", load),
+        ("StreamTensorsBulk", load),
+    ],
+)
 def test_a_good_client_is_served_while_unread_calls_are_open(
     kind: str,
     good: Callable[[str, dict[str, torch.Tensor]], None],
     root_server: WeightStreamServer,
     stub: pb_grpc.WeightStreamServiceStub,
     state: dict[str, torch.Tensor],
+    shm_dir: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger=stalls.logger.name)
+    caplog.set_level(logging.WARNING)
     target = f"127.0.0.1:{root_server.port}"
-    calls = open_unread(stub, kind)
-    try:
+    with unread_calls(stub, kind, target, shm_dir) as held:
+        assert len(held) == (1 if kind in TRANSPORT_OF else 0), "one client holds one of two slots"
         started = time.monotonic()
         good(target, state)
         seconds = time.monotonic() - started
-    finally:
-        for call in calls:
-            call.cancel()
     stalled = [r.getMessage() for r in caplog.records if "took nothing for" in r.getMessage()]
     assert stalled, "no stream was ended by the stall rule"
     assert all("127.0.0.1" in line for line in stalled), stalled

@@ -9,7 +9,9 @@ stream in flight ends early with no error. Once any stream of the process has re
 pool parks its streamers for the rest of the process instead of closing them.
 
 Memory: the bytes a stream reads ahead live in its streamer's ring of buffers, bounded by the
-read-ahead setting. With owned=False the chunk a reader yields is a view into that ring, valid
+read-ahead setting, and a stream reaches that bound by slow start (read_windows): its first reads
+cover 16 MiB, each next window twice the last, so that a stream cancelled early costs little.
+With owned=False the chunk a reader yields is a view into that ring, valid
 only until the next chunk is taken: callers must copy it out before asking for more.
 
 Files: local files are read only through descriptors opened beneath the model root for the reads
@@ -155,11 +157,48 @@ def read_units(
         yield from _read_units(streamer, manifest, plan, read_ahead_bytes, opened)
 
 
+# A stream's first reads cover this much, and each next window twice the last, up to the read-ahead:
+# a stream cancelled early (open/cancel churn) has allocated and read this much, not its whole ring.
+SLOW_START_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Consecutive read units of a plan read by one stream_files call: (file in plan, first unit, end) each."""
+
+    spans: tuple[tuple[int, int, int], ...]
+    nbytes: int
+    largest: int
+
+
+def read_windows(plan: ReadPlan, read_ahead_bytes: int) -> Iterator[_Window]:
+    """The plan's units, file after file, in windows of SLOW_START_BYTES, then doubling, then the rest.
+
+    Once a window would reach the read-ahead, the rest of the plan is one window: from there the
+    streamer's ring recycles its buffers under memory_limit, with no barrier between windows.
+    """
+    target = min(SLOW_START_BYTES, read_ahead_bytes)
+    spans: list[tuple[int, int, int]] = []
+    nbytes = largest = 0
+    for file_id, file_plan in enumerate(plan.files):
+        start = 0
+        for index, size in enumerate(file_plan.sizes):
+            nbytes += size
+            largest = max(largest, size)
+            if nbytes >= target and target < read_ahead_bytes:
+                spans.append((file_id, start, index + 1))
+                yield _Window(tuple(spans), nbytes, largest)
+                spans, nbytes, largest, start = [], 0, 0, index + 1
+                target *= 2
+        if start < len(file_plan.sizes):
+            spans.append((file_id, start, len(file_plan.sizes)))
+    if spans:
+        yield _Window(tuple(spans), nbytes, largest)
+
+
 def _read_units(
     streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int, opened: OpenFiles
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    requests = [FileChunks(i, opened.path(fp.file_index), fp.offsets, fp.sizes) for i, fp in enumerate(plan.files)]
-    largest = max(max(fp.sizes) for fp in plan.files)
     file_names = ", ".join(manifest.files[fp.file_index].name for fp in plan.files)
     remote = manifest.files[plan.files[0].file_index].local is None
     if remote:
@@ -170,38 +209,53 @@ def _read_units(
     received = 0
     file_streamer = streamer.file_streamer
     try:
-        try:
-            file_streamer.stream_files(
-                requests,
-                streamer.s3_credentials if remote else None,
-                "cpu",
-                memory_limit=max(read_ahead_bytes, largest),
-                owned=False,
-            )
-        except BaseException:
-            # Reads submitted before the failure would open the /proc paths of descriptors closed by then.
-            file_streamer.drain_live_submissions()
-            raise
-        chunks = file_streamer.get_chunks()
-        try:
-            for file_id, range_index, data in chunks:
-                file_plan = plan.files[file_id]
-                unit = file_plan.places[range_index]
-                flat = data.view(-1)
-                if flat.numel() != file_plan.sizes[range_index]:
-                    _check_unchanged(opened, plan)
-                    raise failure(
-                        f"model {manifest.model!r}: tensor {unit.place.tensor!r}: read {flat.numel()} bytes at "
-                        f"file offset {file_plan.offsets[range_index]}, expected {file_plan.sizes[range_index]}"
-                    )
-                received += 1
-                remaining[file_id] -= 1
-                if remaining[file_id] == 0:
-                    # Before its last bytes go out: a file rewritten while it was read is never sent whole.
-                    opened.check_unchanged(file_plan.file_index)
-                yield file_id, range_index, flat
-        finally:
-            chunks.close()
+        for window in read_windows(plan, read_ahead_bytes):
+            requests = [
+                FileChunks(
+                    k,
+                    opened.path(plan.files[file_id].file_index),
+                    plan.files[file_id].offsets[start:end],
+                    plan.files[file_id].sizes[start:end],
+                )
+                for k, (file_id, start, end) in enumerate(window.spans)
+            ]
+            try:
+                file_streamer.stream_files(
+                    requests,
+                    streamer.s3_credentials if remote else None,
+                    "cpu",
+                    memory_limit=max(min(window.nbytes, read_ahead_bytes), window.largest),
+                    owned=False,
+                )
+            except BaseException:
+                # Reads submitted before the failure would open the /proc paths of descriptors closed by then.
+                file_streamer.drain_live_submissions()
+                raise
+            chunks = file_streamer.get_chunks()
+            try:
+                for k, relative_index, data in chunks:
+                    file_id, start, _ = window.spans[k]
+                    range_index = start + relative_index
+                    file_plan = plan.files[file_id]
+                    unit = file_plan.places[range_index]
+                    flat = data.view(-1)
+                    if flat.numel() != file_plan.sizes[range_index]:
+                        _check_unchanged(opened, plan)
+                        raise failure(
+                            f"model {manifest.model!r}: tensor {unit.place.tensor!r}: read {flat.numel()} bytes at "
+                            f"file offset {file_plan.offsets[range_index]}, expected {file_plan.sizes[range_index]}"
+                        )
+                    received += 1
+                    remaining[file_id] -= 1
+                    if remaining[file_id] == 0:
+                        # Before its last bytes go out: a file rewritten while it was read is never sent whole.
+                        opened.check_unchanged(file_plan.file_index)
+                    yield file_id, range_index, flat
+            finally:
+                chunks.close()
+                # The window's ring goes now, not when the next window's ring is already allocated
+                # (stream_files builds the new one before it drops the old).
+                file_streamer.requests_iterator = None
     except ValueError as exc:
         # The streamer's errors are terse ("End of file reached", "File access error"): name the
         # model and files. Locally the usual cause is a file changed after its header was read.

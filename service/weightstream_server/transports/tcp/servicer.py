@@ -293,7 +293,12 @@ class _FrameSender:
     def _sending(self) -> Iterator[None]:
         try:
             yield
-        except (TimeoutError, OSError) as exc:
+        except TimeoutError as exc:
+            raise DataConnectionLost(
+                f"the client at {self._peer} took nothing for {self._stall_timeout:.0f} s (--stall-timeout) on its "
+                f"data connection, after {self.nbytes} bytes; the stream is ended"
+            ) from exc
+        except OSError as exc:
             raise DataConnectionLost(
                 f"the data connection to {self._peer} broke after {self.nbytes} bytes: {exc}"
             ) from exc
