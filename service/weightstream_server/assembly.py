@@ -26,6 +26,9 @@ from weightstream_server.ops.health import (
 )
 from weightstream_server.ops.preload import start_preload
 from weightstream_server.ops.stats import ServerStats
+from weightstream_server.revisions.changes import Changes
+from weightstream_server.revisions.published import Publisher
+from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog
 from weightstream_server.serving.reader import StreamerPool
@@ -36,6 +39,7 @@ from weightstream_server.storage.disk_cache import DiskCache
 from weightstream_server.storage.local import LocalSource
 from weightstream_server.storage.sources import Source
 from weightstream_server.storage.tiers import TieredSource, Tiers
+from weightstream_server.transports import revisions as revisions_servicer
 from weightstream_server.transports import servicer
 from weightstream_server.transports.rpc import HeldCallLimit
 from weightstream_server.transports.shm import servicer as shm_servicer
@@ -83,6 +87,8 @@ class WeightStreamServer:
     data_port: DataPort | None = None
     # The disk cache and the sources read from a tier above (--upstream, S3 behind --disk-cache).
     tiers: Tiers = field(default_factory=Tiers)
+    # What the servicers serve from (revisions, publishes and changes included); None for a bare server.
+    streams: Streams | None = None
 
     @property
     def tls(self) -> bool:
@@ -185,7 +191,8 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     """A gRPC server for settings, bound to settings.host:settings.grpc_port (0 picks a free port)."""
     configure_process(settings)
     sources, tiered = build_sources(settings)
-    catalog = Catalog(sources)
+    revisions = RevisionStore(settings.keep_revisions)
+    catalog = Catalog(sources, revisions)
     tiers = Tiers(next((s.cache for s in tiered if s.cache is not None), None), tuple(tiered))
     s3_credentials = None
     if settings.s3_buckets:
@@ -194,16 +201,20 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     pool = StreamerPool(settings.max_streams, s3_credentials)
     stats = ServerStats()
     tokens = TokenFile(settings.token_file) if settings.token_file is not None else None
+    publish_tokens = TokenFile(settings.publish_token_file) if settings.publish_token_file is not None else None
     readiness = Readiness(catalog.sources)
     cache = UnitCache(settings.cache_bytes) if settings.cache_bytes else None
     # Calls beyond their limit are refused RESOURCE_EXHAUSTED as they start, before they wait for
     # anything (streams by their StreamSession, the others by HeldCallLimit): they hold a worker
     # for moments only, and the SHORT_CALL_WORKERS stay free.
     workers = futures.ThreadPoolExecutor(
-        max_workers=settings.max_streams + HELD_CALLS + SHORT_CALL_WORKERS, thread_name_prefix="weightstream-rpc"
+        max_workers=settings.max_streams + settings.max_watches + HELD_CALLS + SHORT_CALL_WORKERS,
+        thread_name_prefix="weightstream-rpc",
     )
     # Auth first: a call it refuses takes no place of HeldCallLimit's.
-    interceptors: list[grpc.ServerInterceptor] = [AuthInterceptor(tokens, stats)] if tokens is not None else []
+    interceptors: list[grpc.ServerInterceptor] = (
+        [AuthInterceptor(tokens, stats, publish_tokens)] if tokens is not None else []
+    )
     interceptors.append(HeldCallLimit(HELD_CALLS, stats))
     server = grpc.server(
         workers,
@@ -240,9 +251,16 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         slots=StreamSlots(settings.max_streams, settings.max_streams_per_client or max(1, settings.max_streams - 1)),
         stalls=StallWatch(settings.stall_timeout),
         cache=cache,
+        revisions=revisions,
+        publisher=Publisher(revisions, catalog, settings.publish_max_bytes, settings.stall_timeout),
+        changes=Changes(revisions),
+        watch_slots=StreamSlots(
+            settings.max_watches, max(1, settings.max_watches // 2), what="watch", flag="--max-watches"
+        ),
     )
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
+    revisions_servicer.add_to_server(revisions_servicer.RevisionsServicer(streams, publish_tokens), server)
     data_port = None
     if settings.data_port:
         tls = None
@@ -283,6 +301,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         cache=cache,
         data_port=data_port,
         tiers=tiers,
+        streams=streams,
     )
 
 

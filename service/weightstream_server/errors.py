@@ -126,6 +126,22 @@ class Unauthenticated(ServerError):
     pass
 
 
+class RevisionNotKept(ServerError):
+    """A named revision this server does not have (never, or no longer: evicted)."""
+
+
+class PublishRefused(ServerError):
+    """A publish this server does not take: publishing is off, or the caller's token is not a publisher's."""
+
+
+class PublishConflict(ServerError):
+    """Another revision of the model is being published, or this one's parts disagree."""
+
+
+class PublishTooLarge(ServerError):
+    """A publish that would hold more than the server's budget for published revisions."""
+
+
 class UpstreamError(ServerError):
     """A call to the upstream server failed; it ends the client's call with the upstream's own code."""
 
@@ -160,6 +176,10 @@ _CODES: dict[type[ServerError], grpc.StatusCode] = {
     StorageUnavailable: grpc.StatusCode.UNAVAILABLE,
     Draining: grpc.StatusCode.UNAVAILABLE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    RevisionNotKept: grpc.StatusCode.NOT_FOUND,
+    PublishRefused: grpc.StatusCode.PERMISSION_DENIED,
+    PublishConflict: grpc.StatusCode.ABORTED,
+    PublishTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -172,6 +172,29 @@ class ServerSettings(BaseSettings):
         default=0,
         description="RAM cache of served tensor bytes, shared by concurrent streams (single-flight reads); 0: off",
     )
+    keep_revisions: int = Field(
+        default=2, description="revisions of each model kept and servable by name (the current and the previous one)"
+    )
+    allow_publish: bool = Field(
+        default=False,
+        description="take publishes (PublishTensors) from anyone who reaches the port: for loopback, tests and "
+        "trusted networks",
+    )
+    publish_token_file: Path | None = Field(
+        default=None,
+        description="file of publisher tokens, one per line: publishes must present one (a role apart from the "
+        "read tokens of --token-file)",
+    )
+    publish_max_bytes: ByteCount = Field(
+        default=32 * 1024 * 1024 * 1024,
+        description="memory that published revisions may hold together (those kept and the one arriving)",
+    )
+    max_watches: int = Field(
+        default=32, description="WatchModel calls open at once (each holds a worker thread), half per client"
+    )
+    watch_interval: float = Field(
+        default=5.0, description="seconds between checks of a watched model's files for a new storage revision"
+    )
     preload: Names = Field(
         default=(), description="read MODEL into the cache at start-up; /readyz waits (repeatable; env comma-separated)"
     )
@@ -233,6 +256,12 @@ class ServerSettings(BaseSettings):
                 split_host_port(self.data_advertise)
             except ValueError as exc:
                 problems.append(f"data_advertise: {exc}")
+        if self.keep_revisions < 1:
+            problems.append(f"keep_revisions must be at least 1, not {self.keep_revisions}")
+        if self.max_watches < 1:
+            problems.append(f"max_watches must be at least 1, not {self.max_watches}")
+        if self.watch_interval <= 0:
+            problems.append(f"watch_interval must be above 0, not {self.watch_interval}")
         if self.max_streams < 1:
             problems.append(f"max_streams must be at least 1, not {self.max_streams}")
         if self.max_streams_per_client is not None and not 1 <= self.max_streams_per_client <= self.max_streams:

@@ -76,6 +76,9 @@ def test_reflection_describes_the_services(channel: grpc.Channel) -> None:
         "OpenSharedMemory",
         "StreamTensorsShared",
         "StreamTensorsBulk",
+        "PublishTensors",
+        "GetChanges",
+        "WatchModel",
     }
 
 

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 from weightstream.client.errors import (
+    AbortedError,
     FailedPreconditionError,
     IncompatibleModuleError,
     IntegrityError,
@@ -27,8 +28,11 @@ from weightstream.client.facade import LoadReport, WeightStreamClient
 from weightstream.client.fetch import FetchReport
 from weightstream.client.manifest import Manifest, ModelFile, ModelFileList, TensorInfo
 from weightstream.client.retry import RetryPolicy
+from weightstream.client.revisions import Changes, RevisionEvent
 
 __all__ = [
+    "AbortedError",
+    "Changes",
     "FailedPreconditionError",
     "FetchReport",
     "IncompatibleModuleError",
@@ -42,6 +46,7 @@ __all__ = [
     "PermissionDeniedError",
     "ResourceExhaustedError",
     "RetryPolicy",
+    "RevisionEvent",
     "TensorInfo",
     "UnauthenticatedError",
     "UnavailableError",

@@ -70,6 +70,10 @@ class UnavailableError(WeightStreamError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class AbortedError(WeightStreamError):
+    """Another call got there first: for example another revision of the model is being published."""
+
+
 class IntegrityError(WeightStreamError):
     code = grpc.StatusCode.DATA_LOSS
 
@@ -89,6 +93,7 @@ _BY_CODE: dict[grpc.StatusCode, type[WeightStreamError]] = {
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
     grpc.StatusCode.DATA_LOSS: IntegrityError,
+    grpc.StatusCode.ABORTED: AbortedError,
 }
 
 

@@ -6,6 +6,7 @@ reads in files.py and fetch.py; this module wires them together behind the publi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -16,7 +17,7 @@ from types import TracebackType
 import grpc
 import torch
 
-from weightstream.client import replicas
+from weightstream.client import replicas, revisions
 from weightstream.client.channels import Channels, channel_credentials, data_tls_context
 from weightstream.client.errors import NotFoundError, UnavailableError, WeightStreamError, translated
 from weightstream.client.fetch import FetchReport, fetch
@@ -61,6 +62,8 @@ class LoadReport:
     # tries), and bytes received again that had already landed.
     retries: int = 0
     resent_bytes: int = 0
+    # The revision loaded (an update's new one).
+    revision: str = ""
 
     @property
     def gbps(self) -> float:
@@ -172,8 +175,9 @@ class WeightStreamClient:
         """The main gRPC channel (made on first use), for calls this client does not wrap, such as health checks."""
         return self._channels.channel(0)
 
-    def manifest(self, model: str) -> Manifest:
-        """Every tensor of model: name, dtype, shape, size and file; retried on UNAVAILABLE per the RetryPolicy.
+    def manifest(self, model: str, *, revision: str = "") -> Manifest:
+        """Every tensor of model (of its current revision, or the kept one named): name, dtype, shape,
+        size and file; retried on UNAVAILABLE per the RetryPolicy.
 
         A failure that found no server (one still starting) is waited out within the outage's
         total_deadline and is not a try; see RetryPolicy.
@@ -184,7 +188,9 @@ class WeightStreamClient:
             try:
                 with translated(self.target):
                     response = self.stub.GetManifest(
-                        pb.GetManifestRequest(model=model), timeout=self._timeout, metadata=self._channels.metadata
+                        pb.GetManifestRequest(model=model, revision=revision),
+                        timeout=self._timeout,
+                        metadata=self._channels.metadata,
                     )
                 return manifest_from_proto(response)
             except UnavailableError as exc:
@@ -341,6 +347,131 @@ class WeightStreamClient:
             dests[name] = Destination(name, first, dtype=info.dtype, also=tuple(also))
         return self._receive_into(model, manifest, dests, started)
 
+    def publish(
+        self,
+        model: str,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        revision: str | None = None,
+        part: int = 0,
+        parts: int = 1,
+        new_layout: bool = False,
+    ) -> str:
+        """Publish named_tensors (full, unsharded, the checkpoint's names; CPU or CUDA) as model's next
+        revision, held in the server's memory; the revision's name once it is current.
+
+        Atomic: engines see the revision only once every tensor (of every part) arrived whole and
+        checked; a publish that fails leaves the current revision as it was. Several trainer ranks
+        may each publish a part (part of parts, disjoint tensors, the same revision name): each call
+        returns once the whole revision is current. Unless new_layout, the names, dtypes and shapes
+        must be the current revision's. Errors: PermissionDeniedError (the server takes no
+        publishes, or the token is not a publisher's), AbortedError (another revision of the model
+        is being published), InvalidArgumentError (a tensor that differs, named).
+        """
+        started = time.perf_counter()
+        tensors = revisions.named_list(named_tensors)
+        requests = revisions.publish_requests(
+            model,
+            tensors,
+            revision=revision or "",
+            part=part,
+            parts=parts,
+            new_layout=new_layout,
+            chunk_bytes=self._session_config.chunk_bytes,
+        )
+        with translated(self.target):
+            responses = self.stub.PublishTensors(requests, metadata=self._channels.metadata)
+            response = next(iter(responses))
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        seconds = time.perf_counter() - started
+        logger.info(
+            "published %s revision %s: %d tensors, %d bytes in %.3f s (%.2f GB/s)",
+            model,
+            response.revision,
+            len(tensors),
+            nbytes,
+            seconds,
+            nbytes / seconds / 1e9 if seconds else 0.0,
+        )
+        return str(response.revision)
+
+    def changes(self, model: str, *, since: str, revision: str = "") -> revisions.Changes:
+        """What changed in model from revision since to the current one (or the one named), per tensor."""
+        with translated(self.target):
+            response = self.stub.GetChanges(
+                pb.GetChangesRequest(model=model, since=since, revision=revision),
+                timeout=self._timeout,
+                metadata=self._channels.metadata,
+            )
+        return revisions.changes_from_proto(response)
+
+    def watch(self, model: str, *, after: str = "") -> Iterator[revisions.RevisionEvent]:
+        """model's current revision (once it is not after), then each new one as it becomes current.
+
+        Runs until the caller stops iterating (the call is then cancelled) or the server ends it.
+        """
+        with translated(self.target):
+            call = self.stub.WatchModel(
+                pb.WatchModelRequest(model=model, after=after), metadata=self._channels.metadata
+            )
+            try:
+                for response in call:
+                    yield revisions.event_from_proto(response)
+            finally:
+                call.cancel()
+
+    def update_into(
+        self,
+        module: torch.nn.Module,
+        model: str,
+        *,
+        since: str,
+        revision: str = "",
+        strict: bool = True,
+        shard: ShardSpec | None = None,
+    ) -> LoadReport:
+        """Write only what changed in model since revision `since` (which module holds) into its
+        parameters, in place; the report names the new revision, the tensors and bytes received.
+
+        The server says which byte ranges changed (per-block CRC32Cs of both revisions); a tensor
+        written straight into its parameter receives only those, one written through staging (another
+        dtype, a strided view, a slice not along dim 0) all of its slice. An error raised after
+        writing began has partially_written=True: the module then holds some tensors of each
+        revision, and calling update_into again with the same since completes it.
+        """
+        started = time.perf_counter()
+        changes = self.changes(model, since=since, revision=revision)
+        full = self.manifest(model, revision=changes.revision)
+        manifest = sliced_manifest(full, shard) if shard is not None else full
+        matched = match_targets(module, manifest, strict=strict)
+        dests: dict[str, Destination] = {}
+        landed: dict[str, list[tuple[int, int]]] = {}
+        changed_bytes = 0
+        for name, target in matched.targets.items():
+            if name not in changes.tensors:
+                continue
+            info = manifest[name]
+            dest = Destination(name, target)
+            unchanged = None if dest.staged else revisions.unchanged_ranges(info, full[name], changes.tensors[name])
+            if unchanged is not None and sum(e - s for s, e in unchanged) == info.nbytes:
+                continue  # this rank's slice did not change
+            if unchanged:
+                landed[name] = unchanged
+            changed_bytes += revisions.changed_bytes(info, unchanged)
+            dests[name] = dest
+        report = self._receive_into(model, manifest, dests, started, matched.missing, matched.unexpected, landed=landed)
+        report = dataclasses.replace(report, bytes=changed_bytes, revision=changes.revision)
+        logger.info(
+            "updated %s from %s to %s: %d tensors, %d bytes in %.3f s",
+            model,
+            since,
+            changes.revision,
+            report.tensors,
+            report.bytes,
+            report.seconds,
+        )
+        return report
+
     def _receive_into(
         self,
         model: str,
@@ -349,10 +480,12 @@ class WeightStreamClient:
         started: float,
         missing: list[str] | None = None,
         unexpected: list[str] | None = None,
+        landed: Mapping[str, list[tuple[int, int]]] | None = None,
     ) -> LoadReport:
-        """Receive dests' tensors of manifest into them; the report, or the error with the write state."""
+        """Receive dests' tensors of manifest into them (but the landed ranges); the report, or the error
+        with the write state."""
         infos = {name: manifest[name] for name in dests}
-        session = LoadSession(self._session_config, manifest, infos, dests.__getitem__)
+        session = LoadSession(self._session_config, manifest, infos, dests.__getitem__, landed)
         received = 0
         try:
             # Fresh host memory faulted in on a helper thread while the first bytes are on their way.
@@ -379,6 +512,7 @@ class WeightStreamClient:
             transport=self.transport,
             retries=session.retries,
             resent_bytes=session.resent_bytes,
+            revision=manifest.revision,
         )
 
     def _shows_progress(self) -> bool:

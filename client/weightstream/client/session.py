@@ -19,7 +19,7 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -87,11 +87,15 @@ class LoadSession:
         manifest: Manifest,
         infos: dict[str, TensorInfo],
         destination: Callable[[str], Destination],
+        landed: Mapping[str, list[tuple[int, int]]] | None = None,
     ) -> None:
         self.config = config
         self.manifest = manifest
         self.infos = infos
         self.destination = destination
+        # Byte ranges of some tensors that their destinations hold already (an update's unchanged
+        # ones): only the rest is asked for.
+        self.landed = landed or {}
         # Streams resumed after a failure that reached a server, and bytes received again that
         # had already landed.
         self.retries = 0
@@ -193,6 +197,12 @@ class _Stream:
         # Partly landed tensors, whose missing ranges a resume asks for; a complete one is the
         # caller's (iter_tensors must not hold every tensor it yielded).
         self.touched: dict[str, Destination] = {}
+        for name, ranges in session.landed.items():
+            if name in self.pending:
+                dest = session.destination(name)
+                for start, end in ranges:
+                    dest.landed.add(start, end)
+                self.touched[name] = dest
         retry = session.config.retry
         self.outage = Outage(retry) if retry is not None else None
         self.placers = Placers(session.config.chunk_bytes)

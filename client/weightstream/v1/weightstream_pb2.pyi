@@ -52,10 +52,12 @@ MODEL_FILE_KIND_WEIGHTS: ModelFileKind
 MODEL_FILE_KIND_COMPANION: ModelFileKind
 
 class GetManifestRequest(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "revision")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     model: str
-    def __init__(self, model: _Optional[str] = ...) -> None: ...
+    revision: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class GetManifestResponse(_message.Message):
     __slots__ = ("model", "revision", "total_bytes", "files", "tensors")
@@ -268,3 +270,111 @@ class StreamTensorsBulkResponse(_message.Message):
     data_port: int
     ticket: bytes
     def __init__(self, data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class PublishStart(_message.Message):
+    __slots__ = ("model", "revision", "tensors", "part", "parts", "new_layout")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    tensors: _containers.RepeatedCompositeFieldContainer[PublishedTensor]
+    part: int
+    parts: int
+    new_layout: bool
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[PublishedTensor, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., new_layout: _Optional[bool] = ...) -> None: ...
+
+class PublishedTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DataType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("start", "chunks", "commit")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    start: PublishStart
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    commit: bool
+    def __init__(self, start: _Optional[_Union[PublishStart, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., commit: _Optional[bool] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("model", "revision", "complete", "bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    complete: bool
+    bytes: int
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., complete: _Optional[bool] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class GetChangesRequest(_message.Message):
+    __slots__ = ("model", "since", "revision")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    since: str
+    revision: str
+    def __init__(self, model: _Optional[str] = ..., since: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
+
+class TensorChanges(_message.Message):
+    __slots__ = ("name", "ranges", "whole")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ranges: _containers.RepeatedCompositeFieldContainer[ByteRange]
+    whole: bool
+    def __init__(self, name: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ..., whole: _Optional[bool] = ...) -> None: ...
+
+class GetChangesResponse(_message.Message):
+    __slots__ = ("model", "since", "revision", "tensors", "changed_bytes", "block_bytes", "removed")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    since: str
+    revision: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorChanges]
+    changed_bytes: int
+    block_bytes: int
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., since: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorChanges, _Mapping]]] = ..., changed_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WatchModelRequest(_message.Message):
+    __slots__ = ("model", "after")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    after: str
+    def __init__(self, model: _Optional[str] = ..., after: _Optional[str] = ...) -> None: ...
+
+class WatchModelResponse(_message.Message):
+    __slots__ = ("model", "revision", "origin", "total_bytes", "kept")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    origin: str
+    total_bytes: int
+    kept: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., origin: _Optional[str] = ..., total_bytes: _Optional[int] = ..., kept: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -69,6 +69,21 @@ class WeightStreamServiceStub:
                 request_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkRequest.SerializeToString,
                 response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkResponse.FromString,
                 _registered_method=True)
+        self.PublishTensors = channel.stream_stream(
+                '/weightstream.v1.WeightStreamService/PublishTensors',
+                request_serializer=weightstream_dot_v1_dot_weightstream__pb2.PublishRequest.SerializeToString,
+                response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.PublishResponse.FromString,
+                _registered_method=True)
+        self.GetChanges = channel.unary_unary(
+                '/weightstream.v1.WeightStreamService/GetChanges',
+                request_serializer=weightstream_dot_v1_dot_weightstream__pb2.GetChangesRequest.SerializeToString,
+                response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.GetChangesResponse.FromString,
+                _registered_method=True)
+        self.WatchModel = channel.unary_stream(
+                '/weightstream.v1.WeightStreamService/WatchModel',
+                request_serializer=weightstream_dot_v1_dot_weightstream__pb2.WatchModelRequest.SerializeToString,
+                response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.WatchModelResponse.FromString,
+                _registered_method=True)
 
 
 class WeightStreamServiceServicer:
@@ -133,6 +148,34 @@ class WeightStreamServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishTensors(self, request_iterator, context):
+        """A trainer's new weights, held by the server as the model's next revision (in its memory). The
+        first message is a PublishStart; the rest carry chunks of the announced tensors; the last says
+        commit. The server answers once, when the part is taken: the revision, and whether it is
+        complete (the last part of a revision published in several parts). A revision becomes the
+        model's current one only once every tensor of every part has arrived whole and checked.
+        PERMISSION_DENIED unless the server takes publishes (--allow-publish, --publish-token-file).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetChanges(self, request, context):
+        """Which byte ranges of which tensors differ between two revisions of a model (since, and the
+        current one or the one named), found by comparing per-block CRC32Cs the server keeps per revision.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchModel(self, request, context):
+        """The model's current revision, then every new one as it becomes current (a publish, or files
+        changed in storage), until the client ends the call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightStreamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +213,21 @@ def add_WeightStreamServiceServicer_to_server(servicer, server):
                     servicer.StreamTensorsBulk,
                     request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkRequest.FromString,
                     response_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkResponse.SerializeToString,
+            ),
+            'PublishTensors': grpc.stream_stream_rpc_method_handler(
+                    servicer.PublishTensors,
+                    request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.PublishRequest.FromString,
+                    response_serializer=weightstream_dot_v1_dot_weightstream__pb2.PublishResponse.SerializeToString,
+            ),
+            'GetChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetChanges,
+                    request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.GetChangesRequest.FromString,
+                    response_serializer=weightstream_dot_v1_dot_weightstream__pb2.GetChangesResponse.SerializeToString,
+            ),
+            'WatchModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchModel,
+                    request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.WatchModelRequest.FromString,
+                    response_serializer=weightstream_dot_v1_dot_weightstream__pb2.WatchModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -361,6 +419,87 @@ class WeightStreamService:
             '/weightstream.v1.WeightStreamService/StreamTensorsBulk',
             weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkRequest.SerializeToString,
             weightstream_dot_v1_dot_weightstream__pb2.StreamTensorsBulkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishTensors(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/weightstream.v1.WeightStreamService/PublishTensors',
+            weightstream_dot_v1_dot_weightstream__pb2.PublishRequest.SerializeToString,
+            weightstream_dot_v1_dot_weightstream__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightstream.v1.WeightStreamService/GetChanges',
+            weightstream_dot_v1_dot_weightstream__pb2.GetChangesRequest.SerializeToString,
+            weightstream_dot_v1_dot_weightstream__pb2.GetChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightstream.v1.WeightStreamService/WatchModel',
+            weightstream_dot_v1_dot_weightstream__pb2.WatchModelRequest.SerializeToString,
+            weightstream_dot_v1_dot_weightstream__pb2.WatchModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 # RPCs every caller may make: Kubernetes' gRPC probes and load balancers send no token.
 OPEN_SERVICE_PREFIXES = ("/grpc.health.v1.Health/",)
+PUBLISH_METHOD = "/weightstream.v1.WeightStreamService/PublishTensors"
 
 
 class TokenFile:
@@ -112,9 +113,11 @@ def bearer_token(authorization: str | None) -> str | None:
 class AuthInterceptor(grpc.ServerInterceptor):
     """Refuses every RPC but health checks with UNAUTHENTICATED unless it carries a known token."""
 
-    def __init__(self, tokens: TokenFile, stats: ServerStats) -> None:
+    def __init__(self, tokens: TokenFile, stats: ServerStats, publish_tokens: TokenFile | None = None) -> None:
         self._tokens = tokens
         self._stats = stats
+        # A publisher's token admits PublishTensors (and only that) without a read token.
+        self._publish_tokens = publish_tokens
 
     def intercept_service(
         self,
@@ -127,6 +130,13 @@ class AuthInterceptor(grpc.ServerInterceptor):
         metadata = handler_call_details.invocation_metadata or ()
         authorization = next((value for key, value in metadata if key == "authorization"), None)
         if isinstance(authorization, str) and self._tokens.accepts_header(authorization):
+            return continuation(handler_call_details)
+        if (
+            self._publish_tokens is not None
+            and method == PUBLISH_METHOD
+            and isinstance(authorization, str)
+            and self._publish_tokens.accepts_header(authorization)
+        ):
             return continuation(handler_call_details)
         reason = "no bearer token" if authorization is None else "a bearer token this server does not accept"
         return self._refusal(continuation(handler_call_details), method, reason)

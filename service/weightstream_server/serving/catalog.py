@@ -16,15 +16,28 @@ import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from weightstream.protocol import dtypes
-from weightstream_server.errors import AccessDenied, CorruptCheckpoint, InvalidModelId, TensorNotFound
+from weightstream_server.errors import (
+    AccessDenied,
+    CorruptCheckpoint,
+    InvalidModelId,
+    ModelNotFound,
+    RevisionMismatch,
+    RevisionNotKept,
+    ServerError,
+    TensorNotFound,
+)
 from weightstream_server.storage.header import HeaderTensor, read_header
 from weightstream_server.storage.index import INDEX_FILE
 from weightstream_server.storage.model_ids import S3_SCHEME, parse_s3_model_id
 from weightstream_server.storage.open_files import OpenFiles
 from weightstream_server.storage.parse_once import ParseOnce
 from weightstream_server.storage.sources import ModelFiles, Source, SourceFile, revision
+
+if TYPE_CHECKING:
+    from weightstream_server.revisions.store import RevisionStore
 
 # Failed parses (and builds in flight) remembered, by file or model; each costs a message.
 MAX_REMEMBERED = 4096
@@ -67,8 +80,10 @@ class Manifest:
 class Catalog:
     """Manifests of the models of every configured source. Safe to use from many threads."""
 
-    def __init__(self, sources: Sequence[Source]) -> None:
+    def __init__(self, sources: Sequence[Source], revisions: RevisionStore | None = None) -> None:
         self.sources = tuple(sources)
+        # Each model's kept revisions (published ones included); None: storage's current one only.
+        self.revisions = revisions
         self._lock = threading.Lock()
         self._cache: dict[str, Manifest] = {}
         # Builds in flight (none kept: _cache keeps manifests), and headers that failed to parse.
@@ -86,7 +101,56 @@ class Catalog:
             raise InvalidModelId(f"model {model[:200]!r}: unsupported URL scheme")
         raise AccessDenied(f"model {model[:200]!r}: this server has no model root")
 
-    def manifest(self, model: str) -> Manifest:
+    def manifest(self, model: str, revision: str = "") -> Manifest:
+        """The manifest of model's current revision, or of the kept revision named.
+
+        The current revision is the newest of storage's (a change of files is a new one) and the
+        published ones. A named revision that storage no longer has (its files changed since, or one
+        this server never saw, of a model it has files of) is RevisionMismatch, FAILED_PRECONDITION,
+        as for a load whose checkpoint changed under it; a published revision no longer kept (or any
+        revision of a model that only publishes made) is RevisionNotKept, NOT_FOUND. Both messages
+        name the revisions kept.
+        """
+        store = self.revisions
+        if store is None:
+            only = self.storage_manifest(model)
+            if revision and revision != only.revision:
+                raise RevisionMismatch(
+                    f"model {model!r} changed: revision {only.revision}, the request expects {revision}"
+                )
+            return only
+        if revision:
+            kept = store.find(model, revision)
+            if kept is not None and kept.servable and kept.origin != "storage":
+                return kept.manifest
+        missing: ServerError | None = None
+        try:
+            stored: Manifest | None = self.storage_manifest(model)
+        except (ModelNotFound, AccessDenied) as exc:  # a model published here only has no files
+            stored, missing = None, exc
+        if stored is not None:
+            store.observe_storage(model, stored)
+        latest = store.current(model)
+        if revision:
+            if stored is not None and stored.revision == revision:
+                return stored
+            names = ", ".join(store.kept(model)) or "none"
+            if store.was_evicted(model, revision) or stored is None:
+                raise RevisionNotKept(f"model {model!r}: revision {revision[:200]!r} is not kept here (kept: {names})")
+            # A storage revision this server had, or one from before it started: the files changed.
+            raise RevisionMismatch(
+                f"model {model!r} changed: revision {latest.id if latest else stored.revision}, the request "
+                f"expects {revision[:200]} (kept: {names})"
+            )
+        if latest is not None and latest.servable and latest.origin != "storage":
+            return latest.manifest
+        if stored is None:
+            assert missing is not None
+            raise missing
+        return stored
+
+    def storage_manifest(self, model: str) -> Manifest:
+        """The manifest of model's files as storage has them now."""
         source = self.source_for(model)
         located = source.resolve(model)
         current = revision(located.files)

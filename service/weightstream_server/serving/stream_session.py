@@ -36,9 +36,12 @@ import grpc
 
 from weightstream.allocator import release_free_memory
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server.errors import ClientGone, Draining, RevisionMismatch, TooManyStreams, status_code
+from weightstream_server.errors import ClientGone, Draining, TooManyStreams, status_code
 from weightstream_server.ops.health import Readiness
 from weightstream_server.ops.stats import ServerStats
+from weightstream_server.revisions.changes import Changes
+from weightstream_server.revisions.published import PublishedSource, Publisher
+from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving import validation
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog, Manifest
@@ -59,9 +62,13 @@ class StreamSlots:
     per_client of them by one client (a bearer token, else a peer host), so that no client can take
     every slot and others keep being served. Thread-safe."""
 
-    def __init__(self, size: int, per_client: int | None = None) -> None:
+    def __init__(
+        self, size: int, per_client: int | None = None, *, what: str = "stream", flag: str = "--max-streams"
+    ) -> None:
         self.size = size
         self.per_client = per_client or size
+        self._what = what
+        self._flag = flag
         self._lock = threading.Lock()
         self._taken = 0
         self._by_client: dict[str, int] = {}
@@ -70,12 +77,12 @@ class StreamSlots:
         """Take a slot for client; TooManyStreams when none is free, or client holds its share (nothing waits)."""
         with self._lock:
             if self._taken >= self.size:
-                raise TooManyStreams(f"{self.size} streams are already running; try again later")
+                raise TooManyStreams(f"{self.size} {self._what}s are already running ({self._flag}); try again later")
             held = self._by_client.get(client, 0)
             if held >= self.per_client:
+                share = f"{self._flag}-per-client" if self._flag == "--max-streams" else f"half of {self._flag}"
                 raise TooManyStreams(
-                    f"this client already holds {held} of the {self.size} stream slots "
-                    "(--max-streams-per-client); try again later"
+                    f"this client already holds {held} of the {self.size} {self._what} slots ({share}); try again later"
                 )
             self._taken += 1
             self._by_client[client] = held + 1
@@ -113,6 +120,11 @@ class Streams:
     stalls: StallWatch
     # Shared by every stream; None when --cache-bytes is 0.
     cache: UnitCache | None = None
+    # Revisions kept, publishes taken, changes between revisions, and the watches' own slots.
+    revisions: RevisionStore | None = None
+    publisher: Publisher | None = None
+    changes: Changes | None = None
+    watch_slots: StreamSlots | None = None
 
     def session(self, context: grpc.ServicerContext, *, method: str, kind: str, model: str = "") -> StreamSession:
         """A session for one call of method; kind names it in the end-of-stream line ("stream", ...)."""
@@ -193,11 +205,8 @@ class StreamSession:
         self.model_id = request.model
         self._check_open()
         validation.check_stream_request(request)
-        manifest = self._streams.catalog.manifest(request.model)
-        if request.revision and request.revision != manifest.revision:
-            raise RevisionMismatch(
-                f"model {request.model!r} changed: revision {manifest.revision}, the request expects {request.revision}"
-            )
+        # A named revision is served as it is kept (a published one from memory), or refused.
+        manifest = self._streams.catalog.manifest(request.model, request.revision)
         self.model = manifest.model
         self._manifest = manifest
         self._request = request
@@ -219,9 +228,9 @@ class StreamSession:
     def chunks(self, streamer: PooledStreamer) -> Iterator[ServedChunk]:
         """The plan's chunks, through the cache if there is one; each is valid until the next is taken."""
         settings = self._streams.settings
-        return serve_chunks(
-            self.manifest, self.plan, streamer, settings.read_ahead_bytes, self._streams.cache, self.count_read
-        )
+        # A published revision is in memory already: the cache would hold its bytes twice.
+        cache = None if isinstance(self.manifest.source, PublishedSource) else self._streams.cache
+        return serve_chunks(self.manifest, self.plan, streamer, settings.read_ahead_bytes, cache, self.count_read)
 
     def read_file(self, request: pb.ReadModelFileRequest) -> Iterator[FilePiece]:
         """The checks a file read starts with, then the pieces of the file from request.offset.

@@ -31,7 +31,7 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
 
     def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
         try:
-            return manifest_to_proto(self._streams.catalog.manifest(request.model))
+            return manifest_to_proto(self._streams.catalog.manifest(request.model, request.revision))
         except Exception as exc:
             rpc.abort(context, self._streams.stats, "GetManifest", request.model, exc)
 

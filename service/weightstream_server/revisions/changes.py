@@ -1,0 +1,180 @@
+"""What changed between two revisions of a model: per-block CRC32Cs compared, tensor by tensor.
+
+Every revision's tensors get a CRC32C per BLOCK_BYTES (1 MiB) of their bytes, computed once and kept
+with the revision. A published revision computes them as its parts arrive. A storage revision is
+digested by reading its files: only files of a version (path, size, modification time, identity)
+not digested before are read, and each once (digests are kept per file version, the same for every
+revision that has that file), so an update from storage costs the server a read of the files that
+changed. Since a storage revision's files are gone once they are rewritten, the server digests the
+new storage revisions of the models clients follow (that asked for changes or watch) as soon as it
+sees them, in the background; a revision never digested is compared per file: tensors of a file
+whose version did not change are unchanged, the others changed whole.
+
+A tensor changed when it is new, has another dtype or shape, or a block's CRC32C differs: its
+changed ranges are the differing blocks, merged where adjacent. Concurrency: every method may be
+called from any thread; digests of one file version are computed once (single flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server.errors import RevisionNotKept
+from weightstream_server.revisions.published import BLOCK_BYTES, block_crcs
+from weightstream_server.revisions.store import STORAGE, Blocks, Revision, RevisionStore
+from weightstream_server.serving.catalog import Manifest, TensorEntry
+from weightstream_server.storage.open_files import OpenFiles
+
+logger = logging.getLogger(__name__)
+
+# File versions whose digests are kept.
+MAX_DIGESTED_FILES = 4096
+# Bytes read at a time while digesting.
+READ_BYTES = 16 * BLOCK_BYTES
+
+
+class Changes:
+    """Digests revisions and compares them."""
+
+    def __init__(self, store: RevisionStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._files: OrderedDict[tuple[str, str], dict[str, Blocks]] = OrderedDict()
+        self._flights: dict[tuple[str, str], threading.Lock] = {}
+        self._followed: set[str] = set()
+        self.bytes_digested = 0  # what the tests and the benchmark count
+        store.listeners.append(self._new_storage_revision)
+
+    def follow(self, model: str) -> None:
+        """Digest the model's storage revisions as they appear (and its current one, now, in the background)."""
+        with self._lock:
+            if model in self._followed:
+                return
+            self._followed.add(model)
+        current = self._store.current(model)
+        if current is not None and current.origin == STORAGE:
+            self._in_background(current)
+
+    def changes(self, model: str, since: str, revision: Revision) -> pb.GetChangesResponse:
+        """What changed from since to revision (both of model); RevisionNotKept for a since never seen or gone."""
+        self.follow(model)
+        old = self._store.find(model, since)
+        if old is None:
+            kept = ", ".join(self._store.kept(model)) or "none"
+            raise RevisionNotKept(
+                f"model {model!r}: revision {since[:200]!r} is not kept by this server (it keeps {kept}); "
+                "load the model whole instead"
+            )
+        response = pb.GetChangesResponse(model=model, since=since, revision=revision.id, block_bytes=BLOCK_BYTES)
+        if old.id == revision.id:
+            return response
+        new_blocks = self.blocks(revision)
+        old_blocks = self.blocks(old) if old.servable else old.blocks
+        for entry in revision.manifest.tensors:
+            was = old.manifest.by_name.get(entry.name)
+            ranges = _changed(entry, was, new_blocks, old_blocks, revision.manifest, old.manifest)
+            if ranges is None:
+                response.tensors.append(pb.TensorChanges(name=entry.name, whole=True))
+                response.changed_bytes += entry.nbytes
+            elif ranges:
+                response.tensors.append(
+                    pb.TensorChanges(name=entry.name, ranges=[pb.ByteRange(start=s, end=e) for s, e in ranges])
+                )
+                response.changed_bytes += sum(e - s for s, e in ranges)
+        response.removed.extend(t.name for t in old.manifest.tensors if t.name not in revision.manifest.by_name)
+        return response
+
+    def blocks(self, revision: Revision) -> dict[str, Blocks] | None:
+        """revision's block CRC32Cs, digesting its files (those not digested before) if they are not known yet."""
+        if revision.blocks is not None or not revision.servable:
+            return revision.blocks
+        manifest = revision.manifest
+        blocks: dict[str, Blocks] = {}
+        for file_index in range(len(manifest.files)):
+            tensors = [t for t in manifest.tensors if t.file_index == file_index]
+            blocks.update(self._file_blocks(manifest, file_index, tensors))
+        revision.blocks = blocks
+        return blocks
+
+    def _file_blocks(self, manifest: Manifest, file_index: int, tensors: Sequence[TensorEntry]) -> dict[str, Blocks]:
+        file = manifest.files[file_index]
+        key = (file.path, file.fingerprint)
+        with self._lock:
+            kept = self._files.get(key)
+            if kept is not None:
+                self._files.move_to_end(key)
+                return kept
+            flight = self._flights.setdefault(key, threading.Lock())
+        with flight:
+            with self._lock:
+                kept = self._files.get(key)
+            if kept is not None:
+                return kept
+            digested: dict[str, Blocks] = {}
+            with OpenFiles(manifest.source, manifest.model, {file_index: file}) as opened:
+                for tensor in tensors:
+                    crcs: list[int] = []
+                    for start in range(0, tensor.nbytes, READ_BYTES):
+                        length = min(READ_BYTES, tensor.nbytes - start)
+                        data = opened.read_range(file_index, tensor.file_offset + start, length)
+                        crcs.extend(block_crcs(np.frombuffer(data, dtype=np.uint8)))
+                        self.bytes_digested += len(data)
+                    digested[tensor.name] = tuple(crcs)
+                opened.check_unchanged(file_index)
+            with self._lock:
+                self._files[key] = digested
+                self._flights.pop(key, None)
+                while len(self._files) > MAX_DIGESTED_FILES:
+                    self._files.popitem(last=False)
+            return digested
+
+    def _new_storage_revision(self, revision: Revision) -> None:
+        with self._lock:
+            followed = revision.model in self._followed
+        if followed:
+            self._in_background(revision)
+
+    def _in_background(self, revision: Revision) -> None:
+        def digest() -> None:
+            try:
+                self.blocks(revision)
+            except Exception as exc:  # the next GetChanges tries again and reports it
+                logger.warning("model %r: revision %s could not be digested: %s", revision.model, revision.id, exc)
+
+        threading.Thread(target=digest, name="weightstream-digest", daemon=True).start()
+
+
+def _changed(
+    entry: TensorEntry,
+    was: TensorEntry | None,
+    new_blocks: dict[str, Blocks] | None,
+    old_blocks: dict[str, Blocks] | None,
+    new: Manifest,
+    old: Manifest,
+) -> list[tuple[int, int]] | None:
+    """The changed byte ranges of entry since was ([] none); None: the whole tensor."""
+    if was is None or was.dtype != entry.dtype or was.shape != entry.shape:
+        return None
+    after = new_blocks.get(entry.name) if new_blocks is not None else None
+    before = old_blocks.get(entry.name) if old_blocks is not None else None
+    if after is None or before is None:
+        # No block CRCs of one side: unchanged only if it is the same file version, same place.
+        new_file, old_file = new.files[entry.file_index], old.files[was.file_index]
+        same = new_file.path == old_file.path and new_file.fingerprint == old_file.fingerprint
+        return [] if same and entry.file_offset == was.file_offset else None
+    ranges: list[tuple[int, int]] = []
+    for index, (a, b) in enumerate(zip(after, before, strict=True)):
+        if a == b:
+            continue
+        start, end = index * BLOCK_BYTES, min(entry.nbytes, (index + 1) * BLOCK_BYTES)
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], end)
+        else:
+            ranges.append((start, end))
+    return ranges

@@ -1,0 +1,466 @@
+"""Publishing: a trainer's tensors received over PublishTensors, checked, and held in memory as a revision.
+
+One publish is one call per part: a PublishStart that announces the part's tensors (name, dtype,
+shape), then their chunks, each with its CRC32C and in order within its tensor, then commit. The
+server allocates the part's memory from the announcement (within --publish-max-bytes, counting the
+revisions it keeps and the publish in flight), checks every chunk as it lands (a known tensor, the
+next offset, within the announced size, its CRC32C), and takes the part only once every byte of every
+tensor arrived. A revision published in several parts (trainer ranks, each its own tensors) is
+complete when its last part is; each part's call answers then, so that every rank returns with the
+revision current. Until then the model's current revision is untouched: a publisher that dies or
+fails midway leaves nothing behind (its part, and the revision's other parts, are dropped).
+
+One revision of a model is published at a time: a second publisher of another revision while one
+is in flight is refused ABORTED, naming the one in flight. Unless the publisher says it is a new
+layout, the tensors must be those of the model's current revision, with the same dtypes and shapes:
+the first one that differs is named.
+
+The revision, once complete, is served like any other (every transport, pinned by its id) from a
+PublishedSource: the parts' buffers stand for its files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from weightstream.protocol import dtypes, wire
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server.errors import (
+    AccessDenied,
+    ClientGone,
+    CorruptCheckpoint,
+    InvalidRequest,
+    ModelNotFound,
+    PublishConflict,
+    PublishTooLarge,
+    RangeOutOfBounds,
+    RequestTimeout,
+    ServerError,
+)
+from weightstream_server.revisions.store import PUBLISHED, Blocks, Revision, RevisionStore
+from weightstream_server.serving.catalog import Catalog, Manifest, TensorEntry
+from weightstream_server.serving.read_plan import ReadPlan
+from weightstream_server.storage.model_ids import check_model_id
+from weightstream_server.storage.sources import ModelFiles, SourceFile
+
+logger = logging.getLogger(__name__)
+
+# Block CRC32Cs are kept per this many bytes of each tensor (what GetChanges compares).
+BLOCK_BYTES = 1024 * 1024
+# Tensors of a part start on this boundary in its buffer.
+ALIGN = 64
+# How long the parts of a revision published in several parts may take to all arrive.
+ASSEMBLY_TIMEOUT_S = 300.0
+PUBLISHED_SCHEME = "published://"
+MAX_PARTS = 1024
+
+
+def block_crcs(data: np.ndarray) -> Blocks:
+    """The CRC32C of each BLOCK_BYTES of data (flat uint8), the last block shorter."""
+    address = int(data.ctypes.data)
+    return tuple(
+        wire.crc32c_at(address + start, min(BLOCK_BYTES, data.size - start))
+        for start in range(0, data.size, BLOCK_BYTES)
+    )
+
+
+@dataclass(frozen=True)
+class _Announced:
+    name: str
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int  # in the part's buffer
+
+
+@dataclass
+class _Part:
+    index: int
+    tensors: dict[str, _Announced]
+    buffer: torch.Tensor
+    received: dict[str, int] = field(default_factory=dict)
+    blocks: dict[str, Blocks] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    """A revision whose parts are arriving."""
+
+    model: str
+    name: str
+    parts: int
+    new_layout: bool
+    peer: str
+    started: float = field(default_factory=time.monotonic)
+    taken: dict[int, _Part] = field(default_factory=dict)
+    # Parts whose calls are still receiving.
+    receiving: set[int] = field(default_factory=set)
+    reserved_bytes: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    revision: Revision | None = None
+    failure: str = ""
+
+
+class PublishedSource:
+    """The parts' buffers of one published revision, standing for its files: each part is one file."""
+
+    def __init__(self, model: str, buffers: Sequence[torch.Tensor]) -> None:
+        self.model = model
+        self._buffers = tuple(buffers)
+
+    def claims(self, model: str) -> bool:
+        return False  # reached through the revision store, never by model id
+
+    def describe(self) -> str:
+        return "published revisions"
+
+    def public_name(self) -> str:
+        return "published"
+
+    def reachable(self) -> bool:
+        return True
+
+    def resolve(self, model: str) -> ModelFiles:
+        raise ModelNotFound(f"model {model!r}: a published revision has no storage files")
+
+    def companion_files(self, model: str) -> tuple[SourceFile, ...]:
+        return ()
+
+    def read_range(self, file: SourceFile, start: int, length: int) -> bytes:
+        buffer = self._buffers[_part_of(file)]
+        return bytes(buffer[start : start + length].numpy())
+
+    def read_units(self, files: Sequence[SourceFile], plan: ReadPlan) -> Iterator[tuple[int, int, torch.Tensor]]:
+        for file_id, file_plan in enumerate(plan.files):
+            buffer = self._buffers[_part_of(files[file_plan.file_index])]
+            for index, (offset, size) in enumerate(zip(file_plan.offsets, file_plan.sizes, strict=True)):
+                yield file_id, index, buffer[offset : offset + size]
+
+
+def _part_of(file: SourceFile) -> int:
+    return int(file.path.rpartition("/")[2])
+
+
+class Publisher:
+    """Receives publishes into the revision store. Safe to use from many threads."""
+
+    def __init__(self, store: RevisionStore, catalog: Catalog, max_bytes: int, message_timeout: float) -> None:
+        self._store = store
+        self._catalog = catalog
+        self._max_bytes = max_bytes
+        self._message_timeout = message_timeout
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return sum(p.reserved_bytes for p in self._pending.values())
+
+    def publish(self, start: pb.PublishStart, messages: Iterator[pb.PublishRequest], peer: str) -> pb.PublishResponse:
+        """Take one part: announced by start, its chunks from messages; the answer once its revision is complete."""
+        check_model_id(start.model)
+        parts = start.parts or 1
+        if not 1 <= parts <= MAX_PARTS or start.part >= parts:
+            raise InvalidRequest(f"publish of model {start.model!r}: part {start.part} of {parts} is not a part")
+        if parts > 1 and not start.revision:
+            raise InvalidRequest(
+                f"publish of model {start.model!r} in {parts} parts: every part must name the revision"
+            )
+        if start.revision and (len(start.revision) > 128 or not start.revision.isprintable()):
+            raise InvalidRequest(f"publish of model {start.model!r}: a revision name is 1 to 128 printable characters")
+        announced = _announced(start)
+        total = sum(t.nbytes for t in announced.values())
+        total += -total % ALIGN
+        self._check_layout(start, announced)
+        pending = self._join(start, parts, total, peer)
+        index = start.part
+        try:
+            part = _Part(index, announced, torch.empty(max(total, 1), dtype=torch.uint8))
+            self._receive(start.model, part, messages)
+        except BaseException as exc:
+            self._fail(pending, index, f"part {index} failed: {exc}" if isinstance(exc, ServerError) else "")
+            raise
+        self._take(pending, part)
+        if not pending.done.wait(max(0.0, ASSEMBLY_TIMEOUT_S - (time.monotonic() - pending.started))):
+            self._fail(pending, index, f"its {parts} parts did not all arrive within {ASSEMBLY_TIMEOUT_S:.0f} s")
+        if pending.revision is None:
+            raise PublishConflict(
+                f"model {start.model!r}: revision {pending.name!r} was not published: {pending.failure}"
+            )
+        revision = pending.revision
+        return pb.PublishResponse(
+            model=revision.model, revision=revision.id, complete=True, bytes=sum(t.nbytes for t in announced.values())
+        )
+
+    def _check_layout(self, start: pb.PublishStart, announced: dict[str, _Announced]) -> None:
+        if start.new_layout:
+            return
+        current = self._current_manifest(start.model)
+        if current is None:
+            return  # a new model: any layout
+        for name, tensor in announced.items():
+            entry = current.by_name.get(name)
+            if entry is None:
+                raise InvalidRequest(
+                    f"publish of model {start.model!r}: tensor {name!r} is not in revision {current.revision}; "
+                    "publish with new_layout for another layout"
+                )
+            if entry.dtype != tensor.dtype or entry.shape != tensor.shape:
+                raise InvalidRequest(
+                    f"publish of model {start.model!r}: tensor {name!r} is {tensor.dtype.safetensors} "
+                    f"{list(tensor.shape)}, revision {current.revision} has {entry.dtype.safetensors} "
+                    f"{list(entry.shape)}; publish with new_layout for another layout"
+                )
+        if (start.parts or 1) == 1 and len(announced) != len(current.tensors):
+            missing = next(t.name for t in current.tensors if t.name not in announced)
+            raise InvalidRequest(
+                f"publish of model {start.model!r}: tensor {missing!r} of revision {current.revision} is missing; "
+                "publish every tensor, or with new_layout for another layout"
+            )
+
+    def _current_manifest(self, model: str) -> Manifest | None:
+        current = self._store.current(model)
+        if current is not None:
+            return current.manifest
+        try:
+            return self._catalog.manifest(model)
+        except (ModelNotFound, AccessDenied):
+            return None  # a model only published here
+
+    def _join(self, start: pb.PublishStart, parts: int, nbytes: int, peer: str) -> _Pending:
+        model = start.model
+        with self._lock:
+            pending = self._pending.get(model)
+            if pending is not None and (not start.revision or pending.name != start.revision or pending.parts != parts):
+                raise PublishConflict(
+                    f"model {model!r}: revision {pending.name or '(unnamed)'!r} is being published by {pending.peer}, "
+                    f"started {time.monotonic() - pending.started:.0f} s ago; one publish of a model at a time"
+                )
+            if pending is not None and (start.part in pending.taken or start.part in pending.receiving):
+                raise PublishConflict(f"model {model!r}: part {start.part} of revision {pending.name!r} is being sent")
+            if start.revision and self._store.find(model, start.revision) is not None:
+                raise PublishConflict(f"model {model!r} has a revision {start.revision!r} already; name another")
+            held = self._store.held_bytes() + sum(p.reserved_bytes for p in self._pending.values())
+            if held + nbytes > self._max_bytes:
+                raise PublishTooLarge(
+                    f"publish of model {model!r}: {nbytes} bytes would hold {held + nbytes} bytes of published "
+                    f"revisions, over --publish-max-bytes ({self._max_bytes})"
+                )
+            if pending is None:
+                pending = _Pending(model, start.revision, parts, start.new_layout, peer)
+                self._pending[model] = pending
+            pending.receiving.add(start.part)
+            pending.reserved_bytes += nbytes
+            return pending
+
+    def _receive(self, model: str, part: _Part, messages: Iterator[pb.PublishRequest]) -> None:
+        view = part.buffer.numpy()
+        for message in _bounded(messages, self._message_timeout, model):
+            if message.HasField("start"):
+                raise InvalidRequest(f"publish of model {model!r}: a second PublishStart")
+            for chunk in message.chunks:
+                tensor = part.tensors.get(chunk.tensor)
+                if tensor is None:
+                    raise InvalidRequest(
+                        f"publish of model {model!r}: chunk of tensor {chunk.tensor[:200]!r}, not announced"
+                    )
+                length = len(chunk.data)
+                expected = part.received.get(tensor.name, 0)
+                if chunk.offset != expected:
+                    raise InvalidRequest(
+                        f"publish of model {model!r}: tensor {tensor.name!r}: chunk at byte {chunk.offset}, expected "
+                        f"{expected} (a tensor's chunks come in order)"
+                    )
+                if chunk.offset + length > tensor.nbytes:
+                    raise RangeOutOfBounds(
+                        f"publish of model {model!r}: tensor {tensor.name!r}: chunk ends at byte "
+                        f"{chunk.offset + length}, the tensor has {tensor.nbytes} ({tensor.dtype.safetensors} "
+                        f"{list(tensor.shape)})"
+                    )
+                if wire.crc32c(chunk.data) != chunk.crc32c:
+                    raise CorruptCheckpoint(
+                        f"publish of model {model!r}: tensor {tensor.name!r}: the chunk at byte {chunk.offset} does "
+                        "not match its CRC32C"
+                    )
+                at = tensor.offset + chunk.offset
+                view[at : at + length] = np.frombuffer(chunk.data, dtype=np.uint8)
+                part.received[tensor.name] = expected + length
+            if message.commit:
+                break
+        else:
+            raise ClientGone()  # the stream ended without commit: the publisher went away
+        for tensor in part.tensors.values():
+            got = part.received.get(tensor.name, 0)
+            if got != tensor.nbytes:
+                raise InvalidRequest(
+                    f"publish of model {model!r}: tensor {tensor.name!r}: {got} of {tensor.nbytes} bytes arrived "
+                    "before commit"
+                )
+            part.blocks[tensor.name] = block_crcs(view[tensor.offset : tensor.offset + tensor.nbytes])
+
+    def _take(self, pending: _Pending, part: _Part) -> None:
+        with self._lock:
+            pending.receiving.discard(part.index)
+            if pending.done.is_set():
+                return
+            pending.taken[part.index] = part
+            if len(pending.taken) < pending.parts:
+                return
+            try:
+                revision = self._assemble(pending)
+            except ServerError as exc:
+                pending.failure = str(exc)
+                self._pending.pop(pending.model, None)
+                pending.done.set()
+                return
+            self._pending.pop(pending.model, None)
+            self._store.add_published(revision)
+            pending.revision = revision
+            pending.done.set()
+        logger.info(
+            "model %r: published revision %s is current: %d tensors, %d bytes in %d parts, %.3f s, from %s",
+            revision.model,
+            revision.id,
+            len(revision.manifest.tensors),
+            revision.manifest.total_bytes,
+            pending.parts,
+            time.monotonic() - pending.started,
+            pending.peer,
+        )
+
+    def _fail(self, pending: _Pending, index: int, reason: str) -> None:
+        with self._lock:
+            pending.receiving.discard(index)
+            if pending.done.is_set():
+                return
+            pending.failure = reason or f"part {index}'s publisher went away"
+            self._pending.pop(pending.model, None)
+            pending.taken.clear()
+            pending.done.set()
+        logger.warning("model %r: publish of revision %r dropped: %s", pending.model, pending.name, pending.failure)
+
+    def _assemble(self, pending: _Pending) -> Revision:
+        parts = [pending.taken[i] for i in range(pending.parts)]
+        by_name: dict[str, tuple[int, _Announced]] = {}
+        for part in parts:
+            for name, tensor in part.tensors.items():
+                if name in by_name:
+                    raise PublishConflict(f"tensor {name!r} is in parts {by_name[name][0]} and {part.index}")
+                by_name[name] = (part.index, tensor)
+        current = None if pending.new_layout else self._current_manifest(pending.model)
+        if current is not None and pending.parts > 1:
+            missing = [t.name for t in current.tensors if t.name not in by_name]
+            if missing:
+                raise InvalidRequest(f"tensor {missing[0]!r} of revision {current.revision} is in no part")
+        order = [t.name for t in current.tensors] if current is not None else list(by_name)
+        blocks = {name: parts[i].blocks[name] for name, (i, _) in by_name.items()}
+        name = pending.name or _content_name(order, by_name, blocks)
+        files = tuple(
+            SourceFile(
+                f"published-{name}-part-{p.index}",
+                f"{PUBLISHED_SCHEME}{pending.model}/{name}/{p.index}",
+                p.buffer.numel(),
+                name,
+            )
+            for p in parts
+        )
+        tensors = tuple(
+            TensorEntry(
+                n, by_name[n][1].dtype, by_name[n][1].shape, by_name[n][1].nbytes, by_name[n][0], by_name[n][1].offset
+            )
+            for n in order
+        )
+        source = PublishedSource(pending.model, [p.buffer for p in parts])
+        manifest = Manifest(pending.model, name, files, tensors, {t.name: t for t in tensors}, source)
+        return Revision(
+            pending.model, name, PUBLISHED, manifest, blocks=blocks, held_bytes=sum(p.buffer.numel() for p in parts)
+        )
+
+
+def _announced(start: pb.PublishStart) -> dict[str, _Announced]:
+    """The part's tensors laid out in its buffer; InvalidRequest for a bad name, dtype or shape."""
+    announced: dict[str, _Announced] = {}
+    offset = 0
+    if not start.tensors:
+        raise InvalidRequest(f"publish of model {start.model!r}: the part announces no tensor")
+    for tensor in start.tensors:
+        if not tensor.name or len(tensor.name) > 1024:
+            raise InvalidRequest(f"publish of model {start.model!r}: a tensor name is 1 to 1024 characters")
+        if tensor.name in announced:
+            raise InvalidRequest(f"publish of model {start.model!r}: tensor {tensor.name[:200]!r} announced twice")
+        dtype = dtypes.BY_WIRE.get(tensor.dtype)
+        if dtype is None:
+            raise InvalidRequest(
+                f"publish of model {start.model!r}: tensor {tensor.name!r}: unknown dtype {tensor.dtype}"
+            )
+        shape = tuple(int(d) for d in tensor.shape)
+        if len(shape) > 16 or any(d > 1 << 40 for d in shape):
+            raise InvalidRequest(f"publish of model {start.model!r}: tensor {tensor.name!r}: shape {list(shape)[:20]}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        announced[tensor.name] = _Announced(tensor.name, dtype, shape, nbytes, offset)
+        offset += nbytes + (-nbytes % ALIGN)
+    return announced
+
+
+def _content_name(order: list[str], by_name: dict[str, tuple[int, _Announced]], blocks: dict[str, Blocks]) -> str:
+    digest = hashlib.sha256()
+    for name in order:
+        tensor = by_name[name][1]
+        digest.update(f"{name}\0{tensor.dtype.safetensors}\0{tensor.shape}\0".encode())
+        digest.update(np.asarray(blocks[name], dtype=np.uint32).tobytes())
+    return "pub-" + digest.hexdigest()[:20]
+
+
+def _bounded(messages: Iterator[pb.PublishRequest], timeout: float, model: str) -> Iterator[pb.PublishRequest]:
+    """messages, each of which must come within timeout of the last (a publisher that stalls is ended).
+
+    They are read on a thread of their own, which stops once this generator is closed.
+    """
+    arrived: queue.Queue[tuple[pb.PublishRequest | None, BaseException | None]] = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def hand_over(item: tuple[pb.PublishRequest | None, BaseException | None]) -> bool:
+        while not stop.is_set():
+            try:
+                arrived.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for message in messages:
+                if not hand_over((message, None)):
+                    return
+            hand_over((None, None))
+        except BaseException as exc:  # handed to the caller
+            hand_over((None, exc))
+
+    threading.Thread(target=read, name="weightstream-publish-reader", daemon=True).start()
+    try:
+        while True:
+            try:
+                message, error = arrived.get(timeout=timeout)
+            except queue.Empty:
+                raise RequestTimeout(
+                    f"publish of model {model!r}: no message for {timeout:.0f} s (--stall-timeout); "
+                    "the publish is dropped"
+                ) from None
+            if error is not None:
+                raise error
+            if message is None:
+                return
+            yield message
+    finally:
+        stop.set()

@@ -1,0 +1,179 @@
+"""The revisions this server keeps of each model, which one is current, and who waits for the next.
+
+A model's revision identifies its content. Two origins make them: storage (the catalog builds a
+manifest of files whose names, sizes and versions give a new revision) and publishes (a trainer's
+tensors, held in this server's memory: revisions.published). Each model keeps a bounded history,
+newest last (--keep-revisions, default 2: the current and the previous one); the newest is the
+model's current revision. A storage revision superseded by another is kept as a record only (its
+files are gone or rewritten: it can no longer be served, but its block CRCs still say what changed
+since); a published one is served from memory until it leaves the history.
+
+Watchers wait on the store's condition for a model's current revision to change.
+
+Concurrency: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from weightstream_server.serving.catalog import Manifest
+
+logger = logging.getLogger(__name__)
+
+PUBLISHED, STORAGE = "published", "storage"
+# Names of evicted published revisions remembered per model.
+MAX_EVICTED = 64
+# Block CRC32Cs of one tensor: one per BLOCK_BYTES of its bytes, the last block shorter.
+Blocks = tuple[int, ...]
+
+
+@dataclass
+class Revision:
+    """One revision of a model: its manifest, where it came from, and its tensors' block CRC32Cs once known.
+
+    blocks is filled once (a publish computes it as its bytes arrive; a storage revision when its
+    files are first digested, revisions.changes) and never changed after.
+    """
+
+    model: str
+    id: str
+    origin: str
+    manifest: Manifest
+    created: float = field(default_factory=time.time)
+    blocks: dict[str, Blocks] | None = None
+    # Bytes this revision holds in memory (published tensors); 0 for storage.
+    held_bytes: int = 0
+    # False once a newer storage revision replaced this storage one: its files are gone.
+    servable: bool = True
+    # Called when the revision leaves the history (frees a published revision's memory).
+    on_evict: Callable[[], None] | None = field(default=None, repr=False)
+
+
+@dataclass
+class _History:
+    revisions: list[Revision] = field(default_factory=list)
+    # The storage revision last seen, current or not: a storage change is one that differs from it.
+    storage: str = ""
+    # Published revisions no longer kept, newest last (bounded): named, they are NOT_FOUND.
+    evicted: list[str] = field(default_factory=list)
+
+    @property
+    def current(self) -> Revision | None:
+        return self.revisions[-1] if self.revisions else None
+
+
+class RevisionStore:
+    """Each model's kept revisions, newest last, at most keep of them."""
+
+    def __init__(self, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep}")
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._models: dict[str, _History] = {}
+        self.publishes = 0
+        # Called (outside the lock) with each new storage revision.
+        self.listeners: list[Callable[[Revision], None]] = []
+
+    def observe_storage(self, model: str, manifest: Manifest) -> Revision:
+        """Record manifest, built from storage, as the model's storage revision; a new one becomes current."""
+        evicted: list[Revision] = []
+        with self._lock:
+            history = self._models.setdefault(model, _History())
+            if history.storage == manifest.revision:
+                # Storage has not changed: its revision stays where it is (current or not, kept or not).
+                for kept in reversed(history.revisions):
+                    if kept.id == manifest.revision:
+                        kept.manifest = manifest  # the same content, its files seen anew
+                        return kept
+                return Revision(model, manifest.revision, STORAGE, manifest)
+            for kept in history.revisions:
+                if kept.origin == STORAGE:
+                    kept.servable = False
+            history.storage = manifest.revision
+            revision = Revision(model, manifest.revision, STORAGE, manifest)
+            evicted = self._append(history, revision)
+        self._evicted(evicted)
+        logger.info("model %r: storage revision %s is current", model, revision.id)
+        for listener in self.listeners:
+            listener(revision)
+        return revision
+
+    def add_published(self, revision: Revision) -> None:
+        """Make a complete published revision the model's current one."""
+        with self._lock:
+            history = self._models.setdefault(revision.model, _History())
+            evicted = self._append(history, revision)
+            self.publishes += 1
+        self._evicted(evicted)
+
+    def current(self, model: str) -> Revision | None:
+        with self._lock:
+            history = self._models.get(model)
+            return history.current if history else None
+
+    def find(self, model: str, revision: str) -> Revision | None:
+        with self._lock:
+            history = self._models.get(model)
+            if history is None:
+                return None
+            return next((r for r in reversed(history.revisions) if r.id == revision), None)
+
+    def was_evicted(self, model: str, revision: str) -> bool:
+        """Whether revision was a published revision of model that is no longer kept."""
+        with self._lock:
+            history = self._models.get(model)
+            return history is not None and revision in history.evicted
+
+    def kept(self, model: str) -> list[str]:
+        """The revisions of model this server can serve, oldest first."""
+        with self._lock:
+            history = self._models.get(model)
+            return [r.id for r in history.revisions if r.servable] if history else []
+
+    def models(self) -> dict[str, Revision]:
+        """Each model's current revision."""
+        with self._lock:
+            return {m: h.revisions[-1] for m, h in self._models.items() if h.revisions}
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(r.held_bytes for h in self._models.values() for r in h.revisions)
+
+    def wait_for_change(self, model: str, after: str, timeout: float) -> Revision | None:
+        """The model's current revision once it is not after (at once if it is not now); None after timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                history = self._models.get(model)
+                current = history.current if history else None
+                if current is not None and current.id != after:
+                    return current
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+
+    def _append(self, history: _History, revision: Revision) -> list[Revision]:
+        # Under the lock. A revision published again (the same content) replaces the one kept.
+        replaced = [r for r in history.revisions if r.id == revision.id]
+        history.revisions = [r for r in history.revisions if r.id != revision.id]
+        history.revisions.append(revision)
+        evicted = replaced + history.revisions[: -self.keep]
+        history.revisions = history.revisions[-self.keep :]
+        gone = [r.id for r in evicted if r.origin == PUBLISHED and r.id != revision.id]
+        history.evicted = (history.evicted + gone)[-MAX_EVICTED:]
+        self._changed.notify_all()
+        return evicted
+
+    def _evicted(self, evicted: list[Revision]) -> None:
+        for revision in evicted:
+            logger.info("model %r: revision %s (%s) is no longer kept", revision.model, revision.id, revision.origin)
+            if revision.on_evict is not None:
+                revision.on_evict()

@@ -1,0 +1,130 @@
+"""The revision RPCs: PublishTensors, GetChanges and WatchModel, translated to the revisions package.
+
+Admission: a publish is a stream like the others (a stream slot, the per-client share, the stall
+rule on the publisher's messages); a watch holds a worker thread while it waits, so watches have
+slots of their own (--max-watches, half of them per client), and the worker pool counts them. Each
+watch message is sent under the stall rule, and a watch ends when its client goes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server.errors import ClientGone, InvalidRequest, PublishRefused
+from weightstream_server.ops.auth import TokenFile, bearer_token
+from weightstream_server.revisions.store import Revision
+from weightstream_server.serving.stream_session import Streams, client_of
+from weightstream_server.transports import rpc
+
+logger = logging.getLogger(__name__)
+
+# A first PublishStart must come within this long.
+FIRST_MESSAGE_S = 10.0
+
+
+class RevisionsServicer:
+    """PublishTensors, GetChanges and WatchModel. Safe to call from many threads."""
+
+    def __init__(self, streams: Streams, publish_tokens: TokenFile | None) -> None:
+        self._streams = streams
+        self._publish_tokens = publish_tokens
+
+    def PublishTensors(self, requests: Iterator[pb.PublishRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
+        streams = self._streams
+        with streams.session(context, method="PublishTensors", kind="publish") as session:
+            self._check_publisher(context)
+            first = rpc.first_message(requests, FIRST_MESSAGE_S, "PublishRequest")
+            if first is None:
+                raise ClientGone()
+            if not first.HasField("start"):
+                raise InvalidRequest("the first PublishRequest must carry a PublishStart")
+            session.model_id = first.start.model
+            assert streams.publisher is not None
+            response = streams.publisher.publish(first.start, requests, session.peer)
+            session.model = response.model
+            yield response.SerializeToString()
+
+    def GetChanges(self, request: pb.GetChangesRequest, context: grpc.ServicerContext) -> pb.GetChangesResponse:
+        streams = self._streams
+        try:
+            if not request.since:
+                raise InvalidRequest("GetChanges needs since: the revision the client holds")
+            manifest = streams.catalog.manifest(request.model, request.revision)
+            assert streams.revisions is not None and streams.changes is not None
+            revision = streams.revisions.find(manifest.model, manifest.revision)
+            if revision is None:
+                revision = streams.revisions.observe_storage(manifest.model, manifest)
+            return streams.changes.changes(manifest.model, request.since, revision)
+        except Exception as exc:
+            rpc.abort(context, streams.stats, "GetChanges", request.model, exc)
+
+    def WatchModel(
+        self, request: pb.WatchModelRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.WatchModelResponse]:
+        streams = self._streams
+        assert streams.watch_slots is not None and streams.revisions is not None and streams.changes is not None
+        peer = context.peer()
+        client = client_of(context, peer)
+        try:
+            streams.catalog.manifest(request.model)  # the model exists (and its storage revision is seen)
+            streams.watch_slots.take(client)
+        except Exception as exc:
+            rpc.abort(context, streams.stats, "WatchModel", request.model, exc)
+        logger.info("watch of model %r from %s", request.model, peer)
+        try:
+            streams.changes.follow(request.model)
+            after = request.after
+            while context.is_active() and not streams.readiness.draining:
+                current = streams.revisions.wait_for_change(request.model, after, streams.settings.watch_interval)
+                if current is None:
+                    # Nothing published meanwhile: look at storage (a stat of each file).
+                    streams.catalog.manifest(request.model)
+                    continue
+                with streams.stalls.waiting(context, lambda: f"watch of model {request.model!r} from {peer}"):
+                    yield _watch_message(current, streams.revisions.kept(request.model))
+                after = current.id
+        except Exception as exc:
+            if context.is_active():
+                rpc.abort(context, streams.stats, "WatchModel", request.model, exc)
+        finally:
+            streams.watch_slots.give_back(client)
+            logger.info("watch of model %r from %s ended", request.model, peer)
+
+    def _check_publisher(self, context: grpc.ServicerContext) -> None:
+        settings = self._streams.settings
+        if self._publish_tokens is not None:
+            authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+            token = bearer_token(authorization) if isinstance(authorization, str) else None
+            if not self._publish_tokens.accepts(token):
+                raise PublishRefused(
+                    "publishing needs a publisher's token (one of --publish-token-file); "
+                    + ("this call carries none" if token is None else "this call's token is not one")
+                )
+            return
+        if not settings.allow_publish:
+            raise PublishRefused(
+                "this server takes no publishes: start it with --allow-publish or --publish-token-file"
+            )
+
+
+def _watch_message(revision: Revision, kept: list[str]) -> pb.WatchModelResponse:
+    return pb.WatchModelResponse(
+        model=revision.model,
+        revision=revision.id,
+        origin=revision.origin,
+        total_bytes=revision.manifest.total_bytes,
+        kept=kept,
+    )
+
+
+def add_to_server(servicer: RevisionsServicer, server: grpc.Server) -> None:
+    rpc.register(
+        server,
+        rpc.handler(servicer.PublishTensors, serialized=True),
+        rpc.handler(servicer.GetChanges),
+        rpc.handler(servicer.WatchModel),
+    )

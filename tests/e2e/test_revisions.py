@@ -1,0 +1,329 @@
+"""Live weight updates against a real server: revisions published from a trainer, pinned, watched and
+pulled in place, only what changed; storage revisions (files rewritten under the root) too; and the
+hostile cases (no publish rights, another layout, oversized chunks, concurrent publishers, a
+publisher gone midway, an evicted revision)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.support.servers import loopback_settings, serving
+from weightstream.client import (
+    AbortedError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    WeightStreamClient,
+)
+from weightstream.protocol import wire
+from weightstream.samples import ParameterTree
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server import WeightStreamServer
+
+MODEL = "live"
+# 10 tensors of 1 MiB and 2 of 4 MiB (float32).
+SHAPES = {f"layers.{i}.weight": (256, 1024) for i in range(10)} | {
+    "embed.weight": (1024, 1024),
+    "head.weight": (1024, 1024),
+}
+
+
+def state_of(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+
+
+def changed(state: dict[str, torch.Tensor], names: list[str], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    new = {name: tensor.clone() for name, tensor in state.items()}
+    for name in names:
+        new[name] = torch.randn(new[name].shape, generator=generator)
+    return new
+
+
+def module_of(state: dict[str, torch.Tensor]) -> ParameterTree:
+    return ParameterTree({name: (tuple(t.shape), t.dtype) for name, t in state.items()})
+
+
+def assert_holds(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    got = dict(module.named_parameters())
+    for name, tensor in state.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def nbytes(state: dict[str, torch.Tensor], names: list[str]) -> int:
+    return sum(state[n].numel() * state[n].element_size() for n in names)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / MODEL).mkdir()
+    save_file(state_of(0), str(tmp_path / MODEL / "model.safetensors"))
+    return tmp_path
+
+
+@pytest.fixture
+def server(root: Path) -> Iterator[WeightStreamServer]:
+    with serving(loopback_settings(model_root=root, allow_publish=True, watch_interval=0.2)) as s:
+        yield s
+
+
+def client_of(server: WeightStreamServer, **options: object) -> WeightStreamClient:
+    return WeightStreamClient(f"127.0.0.1:{server.port}", progress=False, transport="grpc", **options)  # type: ignore[arg-type]
+
+
+def served(server: WeightStreamServer) -> int:
+    return server.stats.snapshot().bytes_served_total
+
+
+def test_a_published_revision_is_pulled_in_place_and_only_what_changed_travels(server: WeightStreamServer) -> None:
+    a = state_of(0)
+    names = ["layers.3.weight", "embed.weight"]
+    b = changed(a, names, seed=1)
+    module = module_of(a)
+    with client_of(server) as client:
+        first = client.load_into(module, MODEL)
+        assert_holds(module, a)
+        revision_b = client.publish(MODEL, b)
+        assert revision_b.startswith("pub-") and revision_b != first.revision
+        assert client.manifest(MODEL).revision == revision_b
+        before = served(server)
+        report = client.update_into(module, MODEL, since=first.revision)
+        sent = served(server) - before
+    assert_holds(module, b)
+    assert report.revision == revision_b
+    assert report.tensors == len(names)
+    assert report.bytes == nbytes(b, names)
+    assert nbytes(b, names) <= sent <= 1.1 * nbytes(b, names), sent
+
+
+def test_only_the_changed_blocks_of_a_tensor_travel(server: WeightStreamServer) -> None:
+    a = state_of(0)
+    b = {name: t.clone() for name, t in a.items()}
+    b["embed.weight"][300:310] += 1.0  # 40 KB inside one 1 MiB block of a 4 MiB tensor
+    module = module_of(a)
+    with client_of(server) as client:
+        since = client.load_into(module, MODEL).revision
+        client.publish(MODEL, b)
+        changes = client.changes(MODEL, since=since)
+        assert list(changes.tensors) == ["embed.weight"]
+        assert changes.tensors["embed.weight"] == [(1024 * 1024, 2 * 1024 * 1024)]
+        before = served(server)
+        report = client.update_into(module, MODEL, since=since)
+        sent = served(server) - before
+    assert_holds(module, b)
+    assert report.bytes == sent == 1024 * 1024
+
+
+def test_revisions_are_pinned_watched_and_evicted(server: WeightStreamServer) -> None:
+    a = state_of(0)
+    with client_of(server) as client:
+        revision_a = client.manifest(MODEL).revision
+        events = client.watch(MODEL)
+        assert next(events).revision == revision_a
+        seen: list[str] = []
+        watcher = threading.Thread(target=lambda: seen.extend(next(events).revision for _ in range(2)))
+        watcher.start()
+        b = changed(a, ["head.weight"], seed=2)
+        revision_b = client.publish(MODEL, b, revision="step-1")
+        c = changed(b, ["head.weight"], seed=3)
+        revision_c = client.publish(MODEL, c, revision="step-2")
+        watcher.join(timeout=10)
+        assert seen == ["step-1", "step-2"]
+        assert (revision_b, revision_c) == ("step-1", "step-2")
+        # Kept: the current and the previous one; each is served as it was (and storage's, whose files are there).
+        assert client.manifest(MODEL, revision="step-1").revision == "step-1"
+        assert client.manifest(MODEL, revision=revision_a).revision == revision_a
+        held = module_of(b)
+        with torch.no_grad():
+            for name, parameter in held.named_parameters():
+                parameter.copy_(b[name])
+        report = client.update_into(held, MODEL, since="step-1", revision="step-2")
+        assert_holds(held, c)
+        assert report.revision == "step-2"
+        client.publish(MODEL, b, revision="step-3")
+        with pytest.raises(NotFoundError, match=r"'step-1' is not kept here \(kept: step-2, step-3\)"):
+            client.manifest(MODEL, revision="step-1")
+        events.close()
+
+
+def test_a_storage_revision_is_seen_by_a_watch_and_pulled_by_its_changed_blocks(
+    root: Path, server: WeightStreamServer
+) -> None:
+    a = state_of(0)
+    module = module_of(a)
+    with client_of(server) as client:
+        since = client.load_into(module, MODEL).revision
+        events = client.watch(MODEL)
+        assert next(events).revision == since  # the server follows the model: it digests each revision
+        deadline = time.monotonic() + 10
+        while server_digested(server) < sum(t.numel() * 4 for t in a.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        b = changed(a, ["layers.5.weight"], seed=4)
+        staged = root / MODEL / "model.safetensors.tmp"
+        save_file(b, str(staged))
+        staged.replace(root / MODEL / "model.safetensors")
+        event = next(events)
+        assert event.origin == "storage" and event.revision != since
+        events.close()
+        before = served(server)
+        report = client.update_into(module, MODEL, since=since)
+        sent = served(server) - before
+    assert_holds(module, b)
+    assert report.revision == event.revision
+    assert sent == nbytes(b, ["layers.5.weight"])
+
+
+def server_digested(server: WeightStreamServer) -> int:
+    assert server.streams is not None
+    changes = server.streams.changes
+    assert changes is not None
+    return changes.bytes_digested
+
+
+def test_publishing_needs_the_servers_consent(root: Path, tmp_path: Path) -> None:
+    b = changed(state_of(0), ["head.weight"], seed=5)
+    with serving(loopback_settings(model_root=root)) as plain, client_of(plain) as client:
+        with pytest.raises(PermissionDeniedError, match="--allow-publish or --publish-token-file"):
+            client.publish(MODEL, b)
+        assert client.manifest(MODEL).revision != "refused"
+    readers, publishers = tmp_path / "readers", tmp_path / "publishers"
+    readers.write_text("read-token\n")
+    publishers.write_text("publish-token\n")
+    settings = loopback_settings(model_root=root, token_file=readers, publish_token_file=publishers)
+    with serving(settings) as guarded:
+        with client_of(guarded, token="read-token") as reader:
+            revision_a = reader.manifest(MODEL).revision
+            with pytest.raises(PermissionDeniedError, match="--publish-token-file"):
+                reader.publish(MODEL, b)
+            assert reader.manifest(MODEL).revision == revision_a
+        with client_of(guarded, token="publish-token") as publisher:
+            revision_b = publisher.publish(MODEL, b)
+        with client_of(guarded, token="read-token") as reader:
+            assert reader.manifest(MODEL).revision == revision_b
+
+
+def test_a_publish_of_another_layout_is_refused_naming_the_tensor(server: WeightStreamServer) -> None:
+    a = state_of(0)
+    with client_of(server) as client:
+        current = client.manifest(MODEL).revision
+        wrong_shape = dict(a) | {"layers.7.weight": torch.zeros(256, 1000)}
+        with pytest.raises(InvalidArgumentError, match=r"layers\.7\.weight"):
+            client.publish(MODEL, wrong_shape)
+        fewer = {n: t for n, t in a.items() if n != "head.weight"}
+        with pytest.raises(InvalidArgumentError, match=r"head\.weight"):
+            client.publish(MODEL, fewer)
+        assert client.manifest(MODEL).revision == current
+        renamed = client.publish(MODEL, fewer, new_layout=True)
+        assert "head.weight" not in client.manifest(MODEL, revision=renamed)
+
+
+def raw_stub(server: WeightStreamServer) -> tuple[grpc.Channel, pb_grpc.WeightStreamServiceStub]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    return channel, pb_grpc.WeightStreamServiceStub(channel)
+
+
+def start_of(state: dict[str, torch.Tensor], revision: str = "") -> pb.PublishRequest:
+    start = pb.PublishStart(model=MODEL, revision=revision)
+    for name, tensor in state.items():
+        start.tensors.append(pb.PublishedTensor(name=name, dtype=pb.DATA_TYPE_FLOAT32, shape=list(tensor.shape)))
+    return pb.PublishRequest(start=start)
+
+
+def chunk_of(name: str, offset: int, data: bytes) -> pb.PublishRequest:
+    chunk = pb.TensorChunk(tensor=name, offset=offset, length=len(data), crc32c=wire.crc32c(data), data=data)
+    return pb.PublishRequest(chunks=[chunk])
+
+
+def test_a_chunk_beyond_its_tensor_or_with_a_bad_crc_ends_the_publish(server: WeightStreamServer) -> None:
+    a = state_of(0)
+    channel, stub = raw_stub(server)
+    with channel, client_of(server) as client:
+        current = client.manifest(MODEL).revision
+        over = [start_of(a), chunk_of("head.weight", 0, b"\0" * (4 * 1024 * 1024 + 16))]
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stub.PublishTensors(iter(over), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "head.weight" in (refused.value.details() or "")
+        bad = chunk_of("head.weight", 0, b"\1" * 64)
+        bad.chunks[0].crc32c ^= 1
+        with pytest.raises(grpc.RpcError) as corrupt:
+            next(stub.PublishTensors(iter([start_of(a), bad]), timeout=30))
+        assert corrupt.value.code() == grpc.StatusCode.DATA_LOSS
+        short = [start_of(a), chunk_of("head.weight", 0, b"\0" * 64), pb.PublishRequest(commit=True)]
+        with pytest.raises(grpc.RpcError) as incomplete:
+            next(stub.PublishTensors(iter(short), timeout=30))
+        assert incomplete.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.manifest(MODEL).revision == current
+        client.publish(MODEL, changed(a, ["head.weight"], seed=6))  # and the next publish works
+
+
+def test_concurrent_publishers_one_wins_and_a_publisher_gone_midway_leaves_nothing(server: WeightStreamServer) -> None:
+    a = state_of(0)
+    release = threading.Event()
+
+    def slow() -> Iterator[pb.PublishRequest]:
+        yield start_of(a, revision="slow")
+        yield chunk_of("head.weight", 0, b"\0" * 1024)
+        release.wait(30)  # the publisher stops here, then goes away
+
+    channel, stub = raw_stub(server)
+    with channel, client_of(server) as client:
+        current = client.manifest(MODEL).revision
+        call = stub.PublishTensors(slow(), timeout=60)
+        deadline = time.monotonic() + 10
+        while server.streams.publisher.pending_bytes() == 0 and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.02)
+        with pytest.raises(AbortedError, match="'slow' is being published"):
+            client.publish(MODEL, changed(a, ["head.weight"], seed=7))
+        call.cancel()  # the slow publisher goes away midway
+        release.set()
+        deadline = time.monotonic() + 10
+        while server.streams.publisher.pending_bytes() and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.02)
+        assert client.manifest(MODEL).revision == current
+        with pytest.raises(FailedPreconditionError, match="changed"):  # never published: not a revision here
+            client.manifest(MODEL, revision="slow")
+        b = changed(a, ["head.weight"], seed=8)
+        revision_b = client.publish(MODEL, b)
+        module = module_of(a)
+        client.load_into(module, MODEL)
+        assert_holds(module, b)
+        assert client.manifest(MODEL).revision == revision_b
+
+
+def test_a_revision_published_in_parts_is_current_only_once_every_part_arrived(server: WeightStreamServer) -> None:
+    a = state_of(0)
+    b = changed(a, list(SHAPES), seed=9)
+    names = list(SHAPES)
+    parts = [dict((n, b[n]) for n in names[i::3]) for i in range(3)]
+    results: dict[int, str] = {}
+    with client_of(server) as client:
+        current = client.manifest(MODEL).revision
+
+        def publish(index: int) -> None:
+            with client_of(server) as rank:
+                results[index] = rank.publish(MODEL, parts[index], revision="sharded", part=index, parts=3)
+
+        first_two = [threading.Thread(target=publish, args=(i,)) for i in range(2)]
+        for thread in first_two:
+            thread.start()
+        time.sleep(0.5)
+        assert client.manifest(MODEL).revision == current  # two of three parts: not yet
+        publish(2)
+        for thread in first_two:
+            thread.join(timeout=30)
+        assert results == {0: "sharded", 1: "sharded", 2: "sharded"}
+        module = module_of(a)
+        client.load_into(module, MODEL)
+    assert_holds(module, b)
