@@ -1,4 +1,4 @@
-"""The `weightstream` command: serve, demo, manifest, load, fetch."""
+"""The `weightstream` command: serve, demo, manifest, load, fetch, publish, watch."""
 
 from __future__ import annotations
 
@@ -74,6 +74,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fetch.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
     _add_connection_options(fetch)
+
+    publish = commands.add_parser(
+        "publish",
+        help="publish safetensors files as a model's next revision (held in the server's memory)",
+        description="Send the tensors of FILE (a .safetensors file) or DIR (its *.safetensors files) to the server "
+        "as MODEL's next revision. The revision is current only once every tensor arrived whole and "
+        "CRC32C-checked; a publish that fails leaves the current one. The server must take publishes "
+        "(--allow-publish, or --publish-token-file with a publisher's token in WEIGHTSTREAM_TOKEN). The files "
+        "are read into memory first.",
+    )
+    publish.add_argument("path", metavar="FILE|DIR", type=Path, help="a .safetensors file, or a folder of them")
+    publish.add_argument("model", help="model id the revision is published under")
+    publish.add_argument("--target", required=True, help="server address, HOST:PORT")
+    publish.add_argument("--revision", default=None, help="the revision's name (default: named by its content)")
+    publish.add_argument(
+        "--new-layout", action="store_true", help="the tensors differ from the current revision's on purpose"
+    )
+    _add_connection_options(publish)
+
+    watch = commands.add_parser(
+        "watch",
+        help="print a model's current revision, then each new one (a publish, or files changed in storage)",
+        description="Print one JSON line per revision of MODEL as it becomes current: its name, origin "
+        "(published or storage), size and the revisions the server keeps. Stops after --count lines, or on Ctrl-C.",
+    )
+    watch.add_argument("model", help="model id, for example tiny-llama")
+    watch.add_argument("--target", required=True, help="server address, HOST:PORT")
+    watch.add_argument("--after", default="", help="a revision already held: start with the next one")
+    watch.add_argument("--count", type=int, default=0, help="stop after this many revisions (default: never)")
+    _add_connection_options(watch)
     return parser
 
 
@@ -142,7 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _manifest(client, args)
             if args.command == "fetch":
                 return _fetch(client, args)
+            if args.command == "publish":
+                return _publish(client, args)
+            if args.command == "watch":
+                return _watch(client, args)
             return _load(client, args)
+    except KeyboardInterrupt:
+        return 130
     except (WeightStreamError, OSError, ValueError) as exc:
         print(f"weightstream {args.command}: {exc}", file=sys.stderr)
         return 1
@@ -226,4 +262,40 @@ def _fetch(client: WeightStreamClient, args: argparse.Namespace) -> int:
         f"({len(report.downloaded)} downloaded, {len(report.resumed)} resumed, {len(report.skipped)} already "
         f"complete), {report.bytes:,d} bytes received in {report.seconds:.3f} s (every file size- and CRC32C-checked)"
     )
+    return 0
+
+
+def _publish(client: WeightStreamClient, args: argparse.Namespace) -> int:
+    import torch
+    from safetensors.torch import load_file
+
+    path: Path = args.path
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            if name in tensors:
+                raise ValueError(f"{file}: tensor {name!r} is in another file too")
+            tensors[name] = tensor
+    started = time.perf_counter()
+    revision = client.publish(args.model, tensors, revision=args.revision, new_layout=args.new_layout)
+    seconds = time.perf_counter() - started
+    print(f"published {args.model} revision {revision} to {args.target}: {len(tensors)} tensors in {seconds:.3f} s")
+    return 0
+
+
+def _watch(client: WeightStreamClient, args: argparse.Namespace) -> int:
+    for count, event in enumerate(client.watch(args.model, after=args.after), start=1):
+        line = {
+            "model": event.model,
+            "revision": event.revision,
+            "origin": event.origin,
+            "total_bytes": event.total_bytes,
+            "kept": list(event.kept),
+        }
+        print(json.dumps(line), flush=True)
+        if args.count and count >= args.count:
+            break
     return 0

@@ -5,6 +5,7 @@ publisher gone midway, an evicted revision)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -325,5 +326,27 @@ def test_a_revision_published_in_parts_is_current_only_once_every_part_arrived(s
             thread.join(timeout=30)
         assert results == {0: "sharded", 1: "sharded", 2: "sharded"}
         module = module_of(a)
+        client.load_into(module, MODEL)
+    assert_holds(module, b)
+
+
+def test_the_cli_publishes_a_folder_and_watches_it_arrive(
+    server: WeightStreamServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from weightstream.cli import main
+
+    target = f"127.0.0.1:{server.port}"
+    b = changed(state_of(0), ["layers.1.weight"], seed=10)
+    folder = tmp_path / "step-7"
+    folder.mkdir()
+    save_file(b, str(folder / "model.safetensors"))
+    assert main(["publish", str(folder), MODEL, "--target", target, "--revision", "step-7"]) == 0
+    assert "revision step-7" in capsys.readouterr().out
+    assert main(["watch", MODEL, "--target", target, "--count", "1"]) == 0
+    line = json.loads(capsys.readouterr().out.strip())
+    assert line["revision"] == "step-7" and line["origin"] == "published"
+    assert main(["publish", str(folder / "missing.safetensors"), MODEL, "--target", target]) == 1
+    module = module_of(b)
+    with client_of(server) as client:
         client.load_into(module, MODEL)
     assert_holds(module, b)
