@@ -350,3 +350,24 @@ def test_the_cli_publishes_a_folder_and_watches_it_arrive(
     with client_of(server) as client:
         client.load_into(module, MODEL)
     assert_holds(module, b)
+
+
+def test_status_and_metrics_show_revisions_publishes_and_updates(root: Path) -> None:
+    from tests.support.servers import running
+
+    a = state_of(0)
+    with running(root, allow_publish=True) as r, client_of(r.server) as client:
+        since = client.manifest(MODEL).revision
+        b = changed(a, ["head.weight"], seed=11)
+        revision = client.publish(MODEL, b, revision="step-9")
+        client.update_into(module_of(a), MODEL, since=since)
+        status = r.get("/status").json()["revisions"]
+        assert status["models"][MODEL]["current"] == revision
+        assert status["models"][MODEL]["origin"] == "published"
+        assert status["models"][MODEL]["kept"] == [since, revision]
+        assert status["publishes_total"] == 1 and status["changes_total"] == 1
+        assert status["changed_bytes_total"] == nbytes(b, ["head.weight"])
+        assert status["published_bytes_held"] >= nbytes(b, list(b))
+        metrics = r.get("/metrics").text
+        assert f'weightstream_model_revision{{model="{MODEL}",origin="published",revision="step-9"}} 1.0' in metrics
+        assert "weightstream_publishes_total 1.0" in metrics

@@ -79,6 +79,23 @@ class DiskCacheStatus(BaseModel):
     bypassed: int = Field(description="files served from above uncached because they did not fit")
 
 
+class RevisionStatus(BaseModel):
+    current: str = Field(description="the model's current revision")
+    origin: str = Field(description="where it came from: published or storage")
+    total_bytes: int = Field(description="tensor bytes of the current revision")
+    kept: list[str] = Field(description="the revisions served by name, oldest first (--keep-revisions)")
+    last_publish_s: float | None = Field(description="seconds the model's last publish took; null if none")
+
+
+class RevisionsStatus(BaseModel):
+    models: dict[str, RevisionStatus] = Field(description="each model's revisions, by model id")
+    publishes_total: int = Field(description="publishes completed since the server started")
+    published_bytes_total: int = Field(description="tensor bytes of the completed publishes")
+    published_bytes_held: int = Field(description="memory the kept published revisions hold (--publish-max-bytes)")
+    changes_total: int = Field(description="GetChanges answered: what updates asked")
+    changed_bytes_total: int = Field(description="changed bytes those answers named (what the updates then fetch)")
+
+
 class ServerStatus(BaseModel):
     version: str
     uptime_s: float
@@ -103,6 +120,7 @@ class ServerStatus(BaseModel):
     upstream_bytes_read_total: int = Field(
         description="file bytes read from the tier above: the --upstream server, or S3 behind the disk cache"
     )
+    revisions: RevisionsStatus | None = Field(default=None, description="revisions, publishes and updates")
 
 
 _UNAUTHORIZED: dict[int | str, dict[str, Any]] = {
@@ -121,7 +139,9 @@ def create_app(server: WeightStreamServer) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    registry = metrics.create_registry(server.stats, server.settings.max_streams, server.cache, server.tiers)
+    registry = metrics.create_registry(
+        server.stats, server.settings.max_streams, server.cache, server.tiers, server.streams
+    )
     tokens = server.tokens
 
     def require_token(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
@@ -180,6 +200,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
             cache=CacheStatus(**dataclasses.asdict(server.cache.snapshot())) if server.cache is not None else None,
             disk_cache=DiskCacheStatus(**dataclasses.asdict(disk.snapshot())) if disk is not None else None,
             upstream_bytes_read_total=server.tiers.source_bytes_read,
+            revisions=_revisions(server),
         )
 
     @app.get(
@@ -199,6 +220,30 @@ def create_app(server: WeightStreamServer) -> FastAPI:
         return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
 
     return app
+
+
+def _revisions(server: WeightStreamServer) -> RevisionsStatus | None:
+    streams = server.streams
+    if streams is None or streams.revisions is None or streams.changes is None:
+        return None
+    store, changes = streams.revisions, streams.changes
+    return RevisionsStatus(
+        models={
+            model: RevisionStatus(
+                current=current.id,
+                origin=current.origin,
+                total_bytes=current.manifest.total_bytes,
+                kept=kept,
+                last_publish_s=store.publish_seconds.get(model),
+            )
+            for model, (current, kept) in store.snapshot().items()
+        },
+        publishes_total=store.publishes,
+        published_bytes_total=store.published_bytes,
+        published_bytes_held=store.held_bytes(),
+        changes_total=changes.asked,
+        changed_bytes_total=changes.changed_bytes,
+    )
 
 
 def _source(state: SourceState) -> SourceStatus:

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from weightstream import __version__
 from weightstream_server.ops.stats import DURATION_BUCKETS_S, ServerStats
 from weightstream_server.serving.cache import CacheSnapshot, UnitCache
+from weightstream_server.serving.stream_session import Streams
 from weightstream_server.storage.disk_cache import DiskCacheSnapshot
 from weightstream_server.storage.tiers import Tiers
 
@@ -128,12 +129,51 @@ def _disk_cache_metrics(d: DiskCacheSnapshot) -> Iterator[Metric]:
 
 
 def create_registry(
-    stats: ServerStats, max_streams: int, cache: UnitCache | None = None, tiers: Tiers | None = None
+    stats: ServerStats,
+    max_streams: int,
+    cache: UnitCache | None = None,
+    tiers: Tiers | None = None,
+    streams: Streams | None = None,
 ) -> CollectorRegistry:
     """A registry holding only this server's metrics."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats, max_streams, cache, tiers if tiers is not None else Tiers()))
+    if streams is not None:
+        registry.register(RevisionsCollector(streams))
     return registry
+
+
+class RevisionsCollector(Collector):
+    """The revision metrics: each model's current revision, publishes, updates asked and their bytes."""
+
+    def __init__(self, streams: Streams) -> None:
+        self._streams = streams
+
+    def collect(self) -> Iterator[Metric]:
+        store, changes = self._streams.revisions, self._streams.changes
+        if store is None or changes is None:
+            return
+        current = GaugeMetricFamily(
+            PREFIX + "model_revision",
+            "Each model's current revision; always 1.",
+            labels=["model", "revision", "origin"],
+        )
+        for model, (revision, _) in store.snapshot().items():
+            current.add_metric([model, revision.id, revision.origin], 1)
+        yield current
+        yield CounterMetricFamily(PREFIX + "publishes", "Publishes completed.", value=store.publishes)
+        yield CounterMetricFamily(
+            PREFIX + "published_bytes", "Tensor bytes of the completed publishes.", value=store.published_bytes
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "published_bytes_held", "Memory the kept published revisions hold.", value=store.held_bytes()
+        )
+        yield CounterMetricFamily(PREFIX + "changes", "GetChanges answered (updates asked).", value=changes.asked)
+        yield CounterMetricFamily(
+            PREFIX + "changed_bytes",
+            "Changed bytes named by GetChanges (what updates fetch).",
+            value=changes.changed_bytes,
+        )
 
 
 def render(registry: CollectorRegistry) -> bytes:

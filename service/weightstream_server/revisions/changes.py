@@ -49,6 +49,9 @@ class Changes:
         self._flights: dict[tuple[str, str], threading.Lock] = {}
         self._followed: set[str] = set()
         self.bytes_digested = 0  # what the tests and the benchmark count
+        # GetChanges answered, and the changed bytes they named (what updates then fetch).
+        self.asked = 0
+        self.changed_bytes = 0
         store.listeners.append(self._new_storage_revision)
 
     def follow(self, model: str) -> None:
@@ -88,6 +91,17 @@ class Changes:
                 )
                 response.changed_bytes += sum(e - s for s, e in ranges)
         response.removed.extend(t.name for t in old.manifest.tensors if t.name not in revision.manifest.by_name)
+        with self._lock:
+            self.asked += 1
+            self.changed_bytes += response.changed_bytes
+        logger.info(
+            "model %r: changes from %s to %s: %d tensors, %d bytes",
+            model,
+            since,
+            revision.id,
+            len(response.tensors),
+            response.changed_bytes,
+        )
         return response
 
     def blocks(self, revision: Revision) -> dict[str, Blocks] | None:

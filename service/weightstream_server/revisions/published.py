@@ -324,7 +324,7 @@ class Publisher:
                 pending.done.set()
                 return
             self._pending.pop(pending.model, None)
-            self._store.add_published(revision)
+            self._store.add_published(revision, time.monotonic() - pending.started)
             pending.revision = revision
             pending.done.set()
         logger.info(

@@ -78,6 +78,9 @@ class RevisionStore:
         self._changed = threading.Condition(self._lock)
         self._models: dict[str, _History] = {}
         self.publishes = 0
+        self.published_bytes = 0
+        # Seconds the last publish of each model took, from its first part's start to complete.
+        self.publish_seconds: dict[str, float] = {}
         # Called (outside the lock) with each new storage revision.
         self.listeners: list[Callable[[Revision], None]] = []
 
@@ -105,12 +108,14 @@ class RevisionStore:
             listener(revision)
         return revision
 
-    def add_published(self, revision: Revision) -> None:
-        """Make a complete published revision the model's current one."""
+    def add_published(self, revision: Revision, seconds: float = 0.0) -> None:
+        """Make a complete published revision the model's current one (seconds: what its publish took)."""
         with self._lock:
             history = self._models.setdefault(revision.model, _History())
             evicted = self._append(history, revision)
             self.publishes += 1
+            self.published_bytes += revision.manifest.total_bytes
+            self.publish_seconds[revision.model] = seconds
         self._evicted(evicted)
 
     def current(self, model: str) -> Revision | None:
@@ -141,6 +146,15 @@ class RevisionStore:
         """Each model's current revision."""
         with self._lock:
             return {m: h.revisions[-1] for m, h in self._models.items() if h.revisions}
+
+    def snapshot(self) -> dict[str, tuple[Revision, list[str]]]:
+        """Each model's current revision and the revisions it keeps (servable), oldest first."""
+        with self._lock:
+            return {
+                m: (h.revisions[-1], [r.id for r in h.revisions if r.servable])
+                for m, h in sorted(self._models.items())
+                if h.revisions
+            }
 
     def held_bytes(self) -> int:
         with self._lock:
