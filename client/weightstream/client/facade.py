@@ -247,8 +247,10 @@ class WeightStreamClient:
         names: Iterable[str] | None = None,
         device: str | torch.device = "cpu",
         slices: Mapping[str, TensorSlice] | ShardSpec | None = None,
+        revision: str = "",
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, tensor) for the tensors of model (all, or names), each as soon as it is complete.
+        """Yield (name, tensor) for the tensors of model (all, or names; of its current revision, or
+        the kept one named), each as soon as it is complete.
 
         Tensors are yielded in the order they complete, which is not the checkpoint's order. Each
         tensor is allocated on device when its first chunk arrives and is the caller's once yielded;
@@ -258,7 +260,7 @@ class WeightStreamClient:
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda[:N], not {device}")
-        manifest = self.manifest(model)
+        manifest = self.manifest(model, revision=revision)
         if slices is not None:
             manifest = sliced_manifest(manifest, slices)
         infos = _select(manifest, names)

@@ -33,8 +33,10 @@ the log says which. Afterwards every parameter must have been reported loaded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,12 +54,30 @@ from weightstream.client.loader_plan import plan_loads
 from weightstream.client.options import MODEL_ENV, TARGET_ENV, ClientOptions
 from weightstream.protocol import names
 from weightstream.protocol.names import TransportChoice
+from weightstream.protocol.wire import TensorSlice
 
 # A child of vLLM's logger, so that these lines reach vLLM's handler and format (vLLM configures
 # only the "vllm" logger; a weightstream.* logger would be dropped at the root's WARNING level).
 logger = logging.getLogger("vllm.weightstream")
 
 LOAD_FORMAT = "weightstream"
+# WeightTransferConfig(backend=...) of the weight-transfer engine (vllm_transfer).
+TRANSFER_BACKEND = "weightstream"
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a vLLM model last received from weightstream: the model id, its revision, and the slice of
+    each checkpoint tensor that this rank's loaders read (None: all of it), as this loader planned them."""
+
+    model: str
+    revision: str
+    slices: Mapping[str, TensorSlice | None]
+
+
+# Each vLLM model's Loaded (this loader's load, then each update of vllm_transfer), so that an update
+# asks only for what changed since, and only this rank's slices of it.
+LOADED: weakref.WeakKeyDictionary[nn.Module, Loaded] = weakref.WeakKeyDictionary()
 _KEYS = frozenset({"target", "model", "token", "tls", "ca_file", "shm_dir", "transport"})
 # Parameters built from a quantization config, never read from a checkpoint (as in vLLM's own check).
 _CONFIG_BUILT_PARAMS = ("input_scale_ub",)
@@ -172,6 +192,7 @@ class WeightStreamModelLoader(BaseModelLoader):
                 )
                 reported = reported and names is not None
                 loaded |= set(names or ())
+        LOADED[model] = Loaded(settings.model, manifest.revision, {n: t.slice for n, t in plan.targets.items()})
         seconds = time.perf_counter() - started
         logger.info(
             "weightstream: loaded %s from %s: %d bytes in %.3f s (%.2f GB/s); %d tensors written in place, "
@@ -226,8 +247,15 @@ def weights_not_loaded(model: nn.Module, loaded: set[str], *, quantized: bool) -
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: makes load_format="weightstream" known to this process."""
+    """The `vllm.general_plugins` entry point: makes load_format="weightstream" and the weight-transfer
+    backend "weightstream" known to this process."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+    with contextlib.suppress(ValueError):  # registered already in this process
+        WeightTransferEngineFactory.register_engine(
+            TRANSFER_BACKEND, "weightstream.client.vllm_transfer", "WeightStreamWeightTransferEngine"
+        )
 
     # vLLM loads plugins once per process, but a user may also call this; a second registration
     # would only log vLLM's "already registered" warning.

@@ -7,8 +7,10 @@ not digested before are read, and each once (digests are kept per file version, 
 revision that has that file), so an update from storage costs the server a read of the files that
 changed. Since a storage revision's files are gone once they are rewritten, the server digests the
 new storage revisions of the models clients follow (that asked for changes or watch) as soon as it
-sees them, in the background; a revision never digested is compared per file: tensors of a file
-whose version did not change are unchanged, the others changed whole.
+sees them, in the background, and a GetChanges whose since is the current revision digests it at
+once (an updater saying which revision it holds: the baseline of its next update). A revision
+never digested is compared per file: tensors of a file whose version did not change are
+unchanged, the others changed whole.
 
 A tensor changed when it is new, has another dtype or shape, or a block's CRC32C differs: its
 changed ranges are the differing blocks, merged where adjacent. Concurrency: every method may be
@@ -76,6 +78,9 @@ class Changes:
             )
         response = pb.GetChangesResponse(model=model, since=since, revision=revision.id, block_bytes=BLOCK_BYTES)
         if old.id == revision.id:
+            # Nothing changed; the caller holds this revision and will update from it: its block
+            # CRC32Cs are the baseline, taken now (once), before its files can be rewritten.
+            self.blocks(revision)
             return response
         new_blocks = self.blocks(revision)
         old_blocks = self.blocks(old) if old.servable else old.blocks

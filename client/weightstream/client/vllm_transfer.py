@@ -1,0 +1,268 @@
+"""A vLLM weight-transfer engine, `WeightTransferConfig(backend="weightstream")`: running engines pull
+each new revision of their weights from a weightstream server, only what changed.
+
+Registered (lazily: this module is imported when an engine is made) by the `vllm.general_plugins`
+entry point, vllm_loader.register, in every vLLM process.
+An RL loop needs three calls per step once the engine is set up::
+
+    llm = LLM(model="/configs/m", load_format="weightstream", model_loader_extra_config={"target": T},
+              weight_transfer_config=WeightTransferConfig(backend="weightstream"))
+    llm.init_weight_transfer_engine({"init_info": {"target": T}})      # once
+    revision = client.publish("m", trainer.named_parameters())          # 1. the trainer publishes
+    sync_weights(llm, revision)                                          # 2. start, update, finish
+
+or the same through vLLM's HTTP routes (/init_weight_transfer_engine, /start_weight_update,
+/update_weights with {"update_info": {"revision": R}}, /finish_weight_update).
+
+init_info takes the loader's keys (target, model, token, tls, ca_file, shm_dir, transport; the
+same environment fallbacks). update_info is {"revision": R} or {"revision": "latest"}: each rank
+asks the server what changed since the revision it holds (the one load_format="weightstream"
+loaded, or the last update's; none known: everything), and streams only those tensors, plus the
+tensors vLLM fuses with them into one parameter (q/k/v, gate/up: the model's
+packed_modules_mapping), because a fused parameter is rebuilt from all of its parts.
+
+The weights go in through vLLM's layerwise reload (model_loader/reload), as vLLM's own engines do:
+start_weight_update restores the checkpoint-format parameters of every layer, update_weights hands
+the changed tensors to the model's load_weights, and finish_weight_update processes exactly the
+layers that received weights (each layer's post-load step, e.g. the CPU backend's prepacked GEMM
+weights, runs again for those) and puts back the kernel tensors of the others untouched. Quantized
+models are processed by the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from weightstream.client.errors import FailedPreconditionError, NotFoundError
+from weightstream.client.facade import WeightStreamClient
+from weightstream.client.vllm_loader import LOADED, Loaded, LoaderSettings
+from weightstream.protocol.wire import TensorSlice
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("vllm.weightstream")
+
+LATEST = "latest"
+
+
+@dataclass
+class WeightStreamInitInfo(WeightTransferInitInfo):
+    """Where the engine pulls from: the loader's model_loader_extra_config keys."""
+
+    target: str | None = None
+    model: str | None = None
+    token: str | None = None
+    tls: bool | None = None
+    ca_file: str | None = None
+    shm_dir: str | None = None
+    transport: str | None = None
+
+
+@dataclass
+class WeightStreamUpdateInfo(WeightTransferUpdateInfo):
+    """The revision to pull: a name, or "latest" for the server's current one."""
+
+    revision: str = LATEST
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.revision, str) or not self.revision.strip():
+            raise ValueError(f'update_info["revision"] must be a revision name or "latest", not {self.revision!r}')
+
+
+class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo, WeightStreamUpdateInfo]):
+    """Pulls the tensors that changed between revisions from a weightstream server into the running model."""
+
+    init_info_cls = WeightStreamInitInfo
+    update_info_cls = WeightStreamUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(
+        self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._client: WeightStreamClient | None = None
+        self._model_id = ""
+        self._target = ""
+        self._updating = False
+        # The revision received by the update in progress, recorded once it is finished.
+        self._pending: str | None = None
+        self._started = 0.0
+        self._tensors = 0
+        self._bytes = 0
+        self._since = ""
+
+    def init_transfer_engine(self, init_info: WeightStreamInitInfo) -> None:
+        extra = {key: value for key, value in asdict(init_info).items() if value is not None}
+        settings = LoaderSettings.resolve(extra, self.model_config.model)
+        if self._client is not None:
+            self._client.close()
+        self._client = WeightStreamClient(
+            settings.target,
+            token=settings.token,
+            tls=settings.tls,
+            ca_file=settings.ca_file,
+            progress=False,
+            transport=settings.transport,
+            shm_dir=settings.shm_dir,
+        )
+        self._model_id = settings.model
+        self._target = settings.target
+        loaded = self._loaded()
+        if loaded is not None:
+            # Tell the server which revision this engine holds: it keeps that revision's block
+            # CRC32Cs from now on, so that the next update finds what changed even in rewritten files.
+            self._client.changes(settings.model, since=loaded.revision, revision=loaded.revision)
+        logger.info(
+            "weightstream: weight transfer from %s, model %s, holding revision %s",
+            settings.target,
+            settings.model,
+            loaded.revision if loaded is not None else "unknown (the first update pulls every tensor)",
+        )
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._check_ready()
+        initialize_layerwise_reload(self.model)
+        self._updating = True
+        self._pending = None
+        self._started = time.perf_counter()
+        self._tensors = self._bytes = 0
+
+    def receive_weights(self, update_info: WeightStreamUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        client = self._check_ready()
+        if not self._updating:
+            raise RuntimeError("weightstream: update_weights needs start_weight_update first")
+        wanted = "" if update_info.revision == LATEST else update_info.revision
+        loaded = self._loaded()
+        since = self._pending or (loaded.revision if loaded is not None else "")
+        names: list[str] | None = None
+        revision = ""
+        if since:
+            try:
+                changes = client.changes(self._model_id, since=since, revision=wanted)
+            except (NotFoundError, FailedPreconditionError) as exc:
+                logger.warning("weightstream: no changes known since %s (%s): every tensor is pulled", since, exc)
+            else:
+                revision = changes.revision
+                names = list(changes.tensors)
+        manifest = client.manifest(self._model_id, revision=revision or wanted)
+        if names is None:
+            names = [t.name for t in manifest.tensors]
+        else:
+            names = fused_with(names, [t.name for t in manifest.tensors], packed_modules(self.model))
+        # This rank's slices only, as the loader planned them; each lands in a tensor of the full
+        # shape, in the place the model's loaders read it from (the rest of it is never read).
+        planned = loaded.slices if loaded is not None else {}
+        slices = {n: s for n in names if (s := planned.get(n)) is not None}
+        nbytes = sum(manifest[name].nbytes for name in names if name not in slices)
+        nbytes += sum(_slice_bytes(manifest[name].shape, manifest[name].nbytes, s) for name, s in slices.items())
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            if not names:
+                return
+            for name, tensor in client.iter_tensors(
+                self._model_id, names=names, device=self.device, slices=slices, revision=manifest.revision
+            ):
+                piece = slices.get(name)
+                if piece is None:
+                    yield name, tensor
+                    continue
+                full = torch.empty(manifest[name].shape, dtype=tensor.dtype, device=tensor.device)
+                full.narrow(piece.dim, piece.start, piece.stop - piece.start).copy_(tensor)
+                yield name, full
+
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights())
+        self._pending = manifest.revision
+        self._since = since
+        self._tensors += len(names)
+        self._bytes += nbytes
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if not self._updating:
+            raise RuntimeError("weightstream: finish_weight_update without start_weight_update")
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._updating = False
+        if self._pending is None:
+            return
+        previous = self._loaded()
+        LOADED[self.model] = Loaded(self._model_id, self._pending, previous.slices if previous is not None else {})
+        seconds = time.perf_counter() - self._started
+        logger.info(
+            "weightstream: updated %s from %s to %s: %d tensors, %d bytes in %.3f s (%.2f GB/s) from %s",
+            self._model_id,
+            self._since or "(unknown)",
+            self._pending,
+            self._tensors,
+            self._bytes,
+            seconds,
+            self._bytes / seconds / 1e9 if seconds > 0 else 0.0,
+            self._target,
+        )
+        self._pending = None
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _loaded(self) -> Loaded | None:
+        loaded = LOADED.get(self.model)
+        return loaded if loaded is not None and loaded.model == self._model_id else None
+
+    def _check_ready(self) -> WeightStreamClient:
+        if self._client is None:
+            raise RuntimeError("weightstream: init_weight_transfer_engine comes first")
+        return self._client
+
+
+def _slice_bytes(shape: tuple[int, ...], nbytes: int, piece: TensorSlice) -> int:
+    return nbytes // shape[piece.dim] * (piece.stop - piece.start) if shape and shape[piece.dim] else 0
+
+
+def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The model's fused parameters and their checkpoint parts ({"qkv_proj": ["q_proj", "k_proj", "v_proj"]})."""
+    mapping = getattr(model, "packed_modules_mapping", None)
+    return {k: list(v) for k, v in mapping.items()} if isinstance(mapping, dict) else {}
+
+
+def fused_with(changed: list[str], all_names: list[str], packed: dict[str, list[str]]) -> list[str]:
+    """changed, plus every checkpoint tensor fused with one of them into one parameter, in all_names' order."""
+    siblings: dict[str, list[str]] = {}
+    for parts in packed.values():
+        for part in parts:
+            siblings[part] = parts
+    wanted = set(changed)
+    for name in changed:
+        pieces = name.split(".")
+        for i, piece in enumerate(pieces):
+            for other in siblings.get(piece, ()):
+                wanted.add(".".join([*pieces[:i], other, *pieces[i + 1 :]]))
+    present = set(all_names)
+    return [n for n in all_names if n in wanted and n in present]
+
+
+def sync_weights(llm: Any, revision: str = LATEST) -> None:
+    """Pull revision into every worker of an offline vLLM LLM: start, update and finish, with the
+    revision as vLLM's weight version."""
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"revision": revision}})
+    llm.finish_weight_update(weight_version=None if revision == LATEST else revision)

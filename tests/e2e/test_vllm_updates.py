@@ -1,0 +1,133 @@
+"""A running vLLM engine updated in place through its weight-transfer API with the `weightstream` backend.
+
+A real vLLM (the CPU build in .venv-vllm) loads revision A of a tiny Llama with
+load_format="weightstream", generates, then B becomes the model's next revision (published by a
+trainer, or written over the files in the model root) and the engine pulls it (start, update,
+finish) and generates again. Its tokens must be those of a fresh engine loaded from B's files with
+load_format="safetensors" at the same tensor-parallel size, and the server must have sent only the
+changed tensors (per rank: that rank's slices of them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support.servers import Running, running
+from tests.support.vllm_runs import (
+    ENGINE_TIMEOUT_S,
+    SCRIPTS,
+    VLLM_PYTHON,
+    ensure_vllm_venv,
+    run_engine,
+    vllm_llama_config,
+    write_config_folder,
+    write_vllm_llama,
+)
+from weightstream.client import WeightStreamClient
+from weightstream.samples import save_sharded
+
+pytestmark = pytest.mark.slow
+
+MODEL = "updated-llama"
+# An RL step's worth of change: two of the 21 tensors, neither fused with another in vLLM.
+CHANGED = ["model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
+
+
+@pytest.fixture
+def folders(tmp_path: Path) -> tuple[Path, Path]:
+    """(the server's root holding revision A, a folder holding B with its config), and A's bytes."""
+    ensure_vllm_venv()
+    root = tmp_path / "root"
+    config = vllm_llama_config()
+    write_vllm_llama(root / MODEL, config)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted((root / MODEL).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    generator = torch.Generator().manual_seed(7)
+    for name in CHANGED:
+        state[name] = torch.randn(state[name].shape, generator=generator) * 0.2
+    new = tmp_path / "B" / MODEL
+    save_sharded(state, new, shards=2)
+    write_config_folder(new, config)
+    return root, new
+
+
+@pytest.fixture
+def server(folders: tuple[Path, Path]) -> Iterator[Running]:
+    with running(folders[0], allow_publish=True) as r:
+        yield r
+
+
+def changed_bytes(folder: Path) -> int:
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    return sum(state[n].numel() * state[n].element_size() for n in CHANGED)
+
+
+def run_update(
+    server: Running, config_dir: Path, new: Path, mode: str, tp: int, model_dir: Path
+) -> tuple[dict[str, object], str]:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    args = [
+        str(VLLM_PYTHON),
+        str(SCRIPTS / "update.py"),
+        str(config_dir),
+        server.target,
+        MODEL,
+        str(new),
+        mode,
+        str(tp),
+    ]
+    if mode == "storage":
+        args.append(str(server.server.settings.model_root / MODEL))  # type: ignore[operator]
+    result = subprocess.run(
+        args, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env, cwd=config_dir.parent, check=False
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode != 0 or not lines:
+        raise AssertionError(
+            f"the vLLM update run failed (exit {result.returncode})\n--- stdout\n{result.stdout[-6000:]}\n"
+            f"--- stderr\n{result.stderr[-8000:]}"
+        )
+    return json.loads(lines[-1].removeprefix("RESULT ")), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("mode", "tp"), [("publish", 1), ("storage", 2)])
+def test_a_running_vllm_pulls_only_what_changed_and_generates_what_a_fresh_engine_on_the_new_files_does(
+    mode: str, tp: int, folders: tuple[Path, Path], server: Running, tmp_path: Path
+) -> None:
+    root, new = folders
+    config_dir = tmp_path / "config" / MODEL
+    with WeightStreamClient(server.target, progress=False) as client:
+        client.fetch(MODEL, config_dir, metadata_only=True)
+        total = client.manifest(MODEL).total_bytes
+    before = int(server.get("/status").json()["bytes_served_total"])  # the config and tokenizer files
+    result, logs = run_update(server, config_dir, new, mode, tp, root / MODEL)
+    served = int(server.get("/status").json()["bytes_served_total"]) - before
+    fresh = run_engine(new, "safetensors", tp=tp)
+
+    assert result["after"] == fresh.token_ids, "the updated engine must generate what one loaded from B does"
+    assert result["before"] != result["after"], "B changes the tokens: the update did something"
+    updates = [line for line in logs.splitlines() if "weightstream: updated" in line]
+    assert len(updates) == tp, updates
+    assert all(f"{len(CHANGED)} tensors" in line for line in updates), updates
+    # The initial load sent the whole model once (each rank its slices); the update, the changed
+    # tensors once (each rank its own slices of them): within 10%.
+    changed = changed_bytes(new)
+    update_sent = served - total
+    assert changed <= update_sent <= 1.1 * changed, (update_sent, changed)
+    print(
+        f"\nvLLM update ({mode}, TP={tp}): {update_sent} bytes sent for {changed} changed, "
+        f"{result['update_seconds']:.3f} s in the engine; a fresh engine on B: {fresh.init_seconds:.1f} s"
+    )
