@@ -87,8 +87,10 @@ class WeightStreamServer:
     data_port: DataPort | None = None
     # The disk cache and the sources read from a tier above (--upstream, S3 behind --disk-cache).
     tiers: Tiers = field(default_factory=Tiers)
-    # What the servicers serve from (revisions, publishes and changes included); None for a bare server.
-    streams: Streams | None = None
+    # Each model's kept revisions, the publishes they came from and the changes between them.
+    revisions: RevisionStore | None = None
+    publisher: Publisher | None = None
+    changes: Changes | None = None
 
     @property
     def tls(self) -> bool:
@@ -251,16 +253,14 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         slots=StreamSlots(settings.max_streams, settings.max_streams_per_client or max(1, settings.max_streams - 1)),
         stalls=StallWatch(settings.stall_timeout),
         cache=cache,
-        revisions=revisions,
-        publisher=Publisher(revisions, catalog, settings.publish_max_bytes, settings.stall_timeout),
-        changes=Changes(revisions),
-        watch_slots=StreamSlots(
-            settings.max_watches, max(1, settings.max_watches // 2), what="watch", flag="--max-watches"
-        ),
     )
+    publisher = Publisher(revisions, catalog, settings.publish_max_bytes, settings.stall_timeout)
+    changes = Changes(revisions)
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
-    revisions_servicer.add_to_server(revisions_servicer.RevisionsServicer(streams, publish_tokens), server)
+    revisions_servicer.add_to_server(
+        revisions_servicer.RevisionsServicer(streams, revisions, publisher, changes, publish_tokens), server
+    )
     data_port = None
     if settings.data_port:
         tls = None
@@ -301,7 +301,9 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         cache=cache,
         data_port=data_port,
         tiers=tiers,
-        streams=streams,
+        revisions=revisions,
+        publisher=publisher,
+        changes=changes,
     )
 
 

@@ -98,9 +98,10 @@ def test_a_published_revision_is_pulled_in_place_and_only_what_changed_travels(s
         revision_b = client.publish(MODEL, b)
         assert revision_b.startswith("pub-") and revision_b != first.revision
         assert client.manifest(MODEL).revision == revision_b
-        before = served(server)
+        before, read = served(server), server.stats.snapshot().storage_bytes_read_total
         report = client.update_into(module, MODEL, since=first.revision)
         sent = served(server) - before
+        assert server.stats.snapshot().storage_bytes_read_total == read, "a published revision is served from memory"
     assert_holds(module, b)
     assert report.revision == revision_b
     assert report.tensors == len(names)
@@ -186,8 +187,7 @@ def test_a_storage_revision_is_seen_by_a_watch_and_pulled_by_its_changed_blocks(
 
 
 def server_digested(server: WeightStreamServer) -> int:
-    assert server.streams is not None
-    changes = server.streams.changes
+    changes = server.changes
     assert changes is not None
     return changes.bytes_digested
 
@@ -283,14 +283,14 @@ def test_concurrent_publishers_one_wins_and_a_publisher_gone_midway_leaves_nothi
         current = client.manifest(MODEL).revision
         call = stub.PublishTensors(slow(), timeout=60)
         deadline = time.monotonic() + 10
-        while server.streams.publisher.pending_bytes() == 0 and time.monotonic() < deadline:  # type: ignore[union-attr]
+        while server.publisher.pending_bytes() == 0 and time.monotonic() < deadline:  # type: ignore[union-attr]
             time.sleep(0.02)
         with pytest.raises(AbortedError, match="'slow' is being published"):
             client.publish(MODEL, changed(a, ["head.weight"], seed=7))
         call.cancel()  # the slow publisher goes away midway
         release.set()
         deadline = time.monotonic() + 10
-        while server.streams.publisher.pending_bytes() and time.monotonic() < deadline:  # type: ignore[union-attr]
+        while server.publisher.pending_bytes() and time.monotonic() < deadline:  # type: ignore[union-attr]
             time.sleep(0.02)
         assert client.manifest(MODEL).revision == current
         with pytest.raises(FailedPreconditionError, match="changed"):  # never published: not a revision here
@@ -371,3 +371,31 @@ def test_status_and_metrics_show_revisions_publishes_and_updates(root: Path) -> 
         metrics = r.get("/metrics").text
         assert f'weightstream_model_revision{{model="{MODEL}",origin="published",revision="step-9"}} 1.0' in metrics
         assert "weightstream_publishes_total 1.0" in metrics
+
+
+def test_watches_opened_and_abandoned_in_a_loop_give_their_slots_back(root: Path) -> None:
+    """--max-watches 4: one client (one host) may hold 2; each round opens 2, is refused a third, and
+    abandons them; every round gets its 2 again, within about --watch-interval."""
+    from weightstream.client import ResourceExhaustedError
+
+    settings = loopback_settings(model_root=root, allow_publish=True, max_watches=4, watch_interval=0.1)
+    with serving(settings) as s, client_of(s) as client:
+        for _ in range(10):
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    watches = [client.watch(MODEL) for _ in range(2)]
+                    for watch in watches:
+                        next(watch)
+                    break
+                except ResourceExhaustedError:
+                    for watch in watches:
+                        watch.close()
+                    assert time.monotonic() < deadline, "abandoned watches kept their slots"
+                    time.sleep(0.05)
+            third = client.watch(MODEL)
+            with pytest.raises(ResourceExhaustedError, match="--max-watches"):
+                next(third)
+            for watch in watches:
+                watch.close()
+        assert client.manifest(MODEL).revision  # and the server serves as before

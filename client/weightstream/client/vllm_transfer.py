@@ -19,7 +19,9 @@ same environment fallbacks). update_info is {"revision": R} or {"revision": "lat
 asks the server what changed since the revision it holds (the one load_format="weightstream"
 loaded, or the last update's; none known: everything), and streams only those tensors, plus the
 tensors vLLM fuses with them into one parameter (q/k/v, gate/up: the model's
-packed_modules_mapping), because a fused parameter is rebuilt from all of its parts.
+packed_modules_mapping), because a fused parameter is rebuilt from all of its parts; and of each
+only the slice this rank's loaders read, as the loader planned them at the first load (placed in a
+tensor of the full shape at the place those loaders narrow to).
 
 The weights go in through vLLM's layerwise reload (model_loader/reload), as vLLM's own engines do:
 start_weight_update restores the checkpoint-format parameters of every layer, update_weights hands

@@ -94,6 +94,7 @@ class RevisionsStatus(BaseModel):
     published_bytes_held: int = Field(description="memory the kept published revisions hold (--publish-max-bytes)")
     changes_total: int = Field(description="GetChanges answered: what updates asked")
     changed_bytes_total: int = Field(description="changed bytes those answers named (what the updates then fetch)")
+    digested_bytes_total: int = Field(description="bytes of storage files read to learn their block CRC32Cs")
 
 
 class ServerStatus(BaseModel):
@@ -140,7 +141,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
         redoc_url=None,
     )
     registry = metrics.create_registry(
-        server.stats, server.settings.max_streams, server.cache, server.tiers, server.streams
+        server.stats, server.settings.max_streams, server.cache, server.tiers, server.revisions, server.changes
     )
     tokens = server.tokens
 
@@ -223,10 +224,9 @@ def create_app(server: WeightStreamServer) -> FastAPI:
 
 
 def _revisions(server: WeightStreamServer) -> RevisionsStatus | None:
-    streams = server.streams
-    if streams is None or streams.revisions is None or streams.changes is None:
+    store, changes = server.revisions, server.changes
+    if store is None or changes is None:
         return None
-    store, changes = streams.revisions, streams.changes
     return RevisionsStatus(
         models={
             model: RevisionStatus(
@@ -243,6 +243,7 @@ def _revisions(server: WeightStreamServer) -> RevisionsStatus | None:
         published_bytes_held=store.held_bytes(),
         changes_total=changes.asked,
         changed_bytes_total=changes.changed_bytes,
+        digested_bytes_total=changes.bytes_digested,
     )
 
 

@@ -15,8 +15,9 @@ from prometheus_client.registry import Collector
 
 from weightstream import __version__
 from weightstream_server.ops.stats import DURATION_BUCKETS_S, ServerStats
+from weightstream_server.revisions.changes import Changes
+from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving.cache import CacheSnapshot, UnitCache
-from weightstream_server.serving.stream_session import Streams
 from weightstream_server.storage.disk_cache import DiskCacheSnapshot
 from weightstream_server.storage.tiers import Tiers
 
@@ -133,26 +134,26 @@ def create_registry(
     max_streams: int,
     cache: UnitCache | None = None,
     tiers: Tiers | None = None,
-    streams: Streams | None = None,
+    revisions: RevisionStore | None = None,
+    changes: Changes | None = None,
 ) -> CollectorRegistry:
     """A registry holding only this server's metrics."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats, max_streams, cache, tiers if tiers is not None else Tiers()))
-    if streams is not None:
-        registry.register(RevisionsCollector(streams))
+    if revisions is not None and changes is not None:
+        registry.register(RevisionsCollector(revisions, changes))
     return registry
 
 
 class RevisionsCollector(Collector):
     """The revision metrics: each model's current revision, publishes, updates asked and their bytes."""
 
-    def __init__(self, streams: Streams) -> None:
-        self._streams = streams
+    def __init__(self, revisions: RevisionStore, changes: Changes) -> None:
+        self._revisions = revisions
+        self._changes = changes
 
     def collect(self) -> Iterator[Metric]:
-        store, changes = self._streams.revisions, self._streams.changes
-        if store is None or changes is None:
-            return
+        store, changes = self._revisions, self._changes
         current = GaugeMetricFamily(
             PREFIX + "model_revision",
             "Each model's current revision; always 1.",

@@ -114,6 +114,9 @@ class _Pending:
 class PublishedSource:
     """The parts' buffers of one published revision, standing for its files: each part is one file."""
 
+    # Its bytes are in memory: streams read them from there, not through the cache.
+    in_memory = True
+
     def __init__(self, model: str, buffers: Sequence[torch.Tensor]) -> None:
         self.model = model
         self._buffers = tuple(buffers)

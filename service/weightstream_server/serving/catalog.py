@@ -16,7 +16,7 @@ import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from weightstream.protocol import dtypes
 from weightstream_server.errors import (
@@ -35,9 +35,6 @@ from weightstream_server.storage.model_ids import S3_SCHEME, parse_s3_model_id
 from weightstream_server.storage.open_files import OpenFiles
 from weightstream_server.storage.parse_once import ParseOnce
 from weightstream_server.storage.sources import ModelFiles, Source, SourceFile, revision
-
-if TYPE_CHECKING:
-    from weightstream_server.revisions.store import RevisionStore
 
 # Failed parses (and builds in flight) remembered, by file or model; each costs a message.
 MAX_REMEMBERED = 4096
@@ -77,10 +74,31 @@ class Manifest:
         return entry
 
 
+class KeptRevision(Protocol):
+    id: str
+    origin: str
+    manifest: Manifest
+    servable: bool
+
+
+class RevisionLookup(Protocol):
+    """What the catalog asks of the revisions kept (revisions.store.RevisionStore)."""
+
+    def find(self, model: str, revision: str) -> KeptRevision | None: ...
+
+    def current(self, model: str) -> KeptRevision | None: ...
+
+    def observe_storage(self, model: str, manifest: Manifest) -> KeptRevision: ...
+
+    def kept(self, model: str) -> list[str]: ...
+
+    def was_evicted(self, model: str, revision: str) -> bool: ...
+
+
 class Catalog:
     """Manifests of the models of every configured source. Safe to use from many threads."""
 
-    def __init__(self, sources: Sequence[Source], revisions: RevisionStore | None = None) -> None:
+    def __init__(self, sources: Sequence[Source], revisions: RevisionLookup | None = None) -> None:
         self.sources = tuple(sources)
         # Each model's kept revisions (published ones included); None: storage's current one only.
         self.revisions = revisions

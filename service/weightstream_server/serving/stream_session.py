@@ -39,9 +39,6 @@ from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ClientGone, Draining, TooManyStreams, status_code
 from weightstream_server.ops.health import Readiness
 from weightstream_server.ops.stats import ServerStats
-from weightstream_server.revisions.changes import Changes
-from weightstream_server.revisions.published import PublishedSource, Publisher
-from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving import validation
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog, Manifest
@@ -120,11 +117,6 @@ class Streams:
     stalls: StallWatch
     # Shared by every stream; None when --cache-bytes is 0.
     cache: UnitCache | None = None
-    # Revisions kept, publishes taken, changes between revisions, and the watches' own slots.
-    revisions: RevisionStore | None = None
-    publisher: Publisher | None = None
-    changes: Changes | None = None
-    watch_slots: StreamSlots | None = None
 
     def session(self, context: grpc.ServicerContext, *, method: str, kind: str, model: str = "") -> StreamSession:
         """A session for one call of method; kind names it in the end-of-stream line ("stream", ...)."""
@@ -228,9 +220,13 @@ class StreamSession:
     def chunks(self, streamer: PooledStreamer) -> Iterator[ServedChunk]:
         """The plan's chunks, through the cache if there is one; each is valid until the next is taken."""
         settings = self._streams.settings
-        # A published revision is in memory already: the cache would hold its bytes twice.
-        cache = None if isinstance(self.manifest.source, PublishedSource) else self._streams.cache
-        return serve_chunks(self.manifest, self.plan, streamer, settings.read_ahead_bytes, cache, self.count_read)
+        # A published revision is in memory already (revisions.published): the cache would hold its
+        # bytes twice, and they are not read from storage.
+        if getattr(self.manifest.source, "in_memory", False):
+            return serve_chunks(self.manifest, self.plan, streamer, settings.read_ahead_bytes, None, lambda _: None)
+        return serve_chunks(
+            self.manifest, self.plan, streamer, settings.read_ahead_bytes, self._streams.cache, self.count_read
+        )
 
     def read_file(self, request: pb.ReadModelFileRequest) -> Iterator[FilePiece]:
         """The checks a file read starts with, then the pieces of the file from request.offset.

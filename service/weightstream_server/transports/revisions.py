@@ -16,8 +16,10 @@ import grpc
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ClientGone, InvalidRequest, PublishRefused
 from weightstream_server.ops.auth import TokenFile, bearer_token
-from weightstream_server.revisions.store import Revision
-from weightstream_server.serving.stream_session import Streams, client_of
+from weightstream_server.revisions.changes import Changes
+from weightstream_server.revisions.published import Publisher
+from weightstream_server.revisions.store import Revision, RevisionStore
+from weightstream_server.serving.stream_session import Streams, StreamSlots, client_of
 from weightstream_server.transports import rpc
 
 logger = logging.getLogger(__name__)
@@ -29,9 +31,24 @@ FIRST_MESSAGE_S = 10.0
 class RevisionsServicer:
     """PublishTensors, GetChanges and WatchModel. Safe to call from many threads."""
 
-    def __init__(self, streams: Streams, publish_tokens: TokenFile | None) -> None:
+    def __init__(
+        self,
+        streams: Streams,
+        revisions: RevisionStore,
+        publisher: Publisher,
+        changes: Changes,
+        publish_tokens: TokenFile | None,
+    ) -> None:
         self._streams = streams
+        self._revisions = revisions
+        self._publisher = publisher
+        self._changes = changes
         self._publish_tokens = publish_tokens
+        # Watches hold a worker thread each while they wait: slots of their own, half per client.
+        settings = streams.settings
+        self._watch_slots = StreamSlots(
+            settings.max_watches, max(1, settings.max_watches // 2), what="watch", flag="--max-watches"
+        )
 
     def PublishTensors(self, requests: Iterator[pb.PublishRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
         streams = self._streams
@@ -43,8 +60,7 @@ class RevisionsServicer:
             if not first.HasField("start"):
                 raise InvalidRequest("the first PublishRequest must carry a PublishStart")
             session.model_id = first.start.model
-            assert streams.publisher is not None
-            response = streams.publisher.publish(first.start, requests, session.peer)
+            response = self._publisher.publish(first.start, requests, session.peer)
             session.model = response.model
             yield response.SerializeToString()
 
@@ -54,11 +70,10 @@ class RevisionsServicer:
             if not request.since:
                 raise InvalidRequest("GetChanges needs since: the revision the client holds")
             manifest = streams.catalog.manifest(request.model, request.revision)
-            assert streams.revisions is not None and streams.changes is not None
-            revision = streams.revisions.find(manifest.model, manifest.revision)
+            revision = self._revisions.find(manifest.model, manifest.revision)
             if revision is None:
-                revision = streams.revisions.observe_storage(manifest.model, manifest)
-            return streams.changes.changes(manifest.model, request.since, revision)
+                revision = self._revisions.observe_storage(manifest.model, manifest)
+            return self._changes.changes(manifest.model, request.since, revision)
         except Exception as exc:
             rpc.abort(context, streams.stats, "GetChanges", request.model, exc)
 
@@ -66,32 +81,32 @@ class RevisionsServicer:
         self, request: pb.WatchModelRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.WatchModelResponse]:
         streams = self._streams
-        assert streams.watch_slots is not None and streams.revisions is not None and streams.changes is not None
+        slots = self._watch_slots
         peer = context.peer()
         client = client_of(context, peer)
         try:
             streams.catalog.manifest(request.model)  # the model exists (and its storage revision is seen)
-            streams.watch_slots.take(client)
+            slots.take(client)
         except Exception as exc:
             rpc.abort(context, streams.stats, "WatchModel", request.model, exc)
         logger.info("watch of model %r from %s", request.model, peer)
         try:
-            streams.changes.follow(request.model)
+            self._changes.follow(request.model)
             after = request.after
             while context.is_active() and not streams.readiness.draining:
-                current = streams.revisions.wait_for_change(request.model, after, streams.settings.watch_interval)
+                current = self._revisions.wait_for_change(request.model, after, streams.settings.watch_interval)
                 if current is None:
                     # Nothing published meanwhile: look at storage (a stat of each file).
                     streams.catalog.manifest(request.model)
                     continue
                 with streams.stalls.waiting(context, lambda: f"watch of model {request.model!r} from {peer}"):
-                    yield _watch_message(current, streams.revisions.kept(request.model))
+                    yield _watch_message(current, self._revisions.kept(request.model))
                 after = current.id
         except Exception as exc:
             if context.is_active():
                 rpc.abort(context, streams.stats, "WatchModel", request.model, exc)
         finally:
-            streams.watch_slots.give_back(client)
+            slots.give_back(client)
             logger.info("watch of model %r from %s ended", request.model, peer)
 
     def _check_publisher(self, context: grpc.ServicerContext) -> None:
