@@ -373,6 +373,7 @@ def test_status_and_metrics_show_revisions_publishes_and_updates(root: Path) -> 
         assert "weightstream_publishes_total 1.0" in metrics
 
 
+@pytest.mark.slow
 def test_watches_opened_and_abandoned_in_a_loop_give_their_slots_back(root: Path) -> None:
     """--max-watches 4: one client (one host) may hold 2; each round opens 2, is refused a third, and
     abandons them; every round gets its 2 again, within about --watch-interval."""
@@ -399,3 +400,34 @@ def test_watches_opened_and_abandoned_in_a_loop_give_their_slots_back(root: Path
             for watch in watches:
                 watch.close()
         assert client.manifest(MODEL).revision  # and the server serves as before
+
+
+def test_an_update_cut_midway_says_the_module_was_partly_written_and_a_retry_completes_it(
+    server: WeightStreamServer,
+) -> None:
+    from tests.support.faults import CuttingProxy
+    from weightstream.client import WeightStreamError
+
+    a = state_of(0)
+    names = ["embed.weight", "head.weight", "layers.2.weight"]
+    b = changed(a, names, seed=12)
+    module = module_of(a)
+    with client_of(server) as client:
+        since = client.load_into(module, MODEL).revision
+        client.publish(MODEL, b)
+    # The first connection through the proxy is reset after 6 MiB of the 9 MiB the update needs
+    # (after its first 4 MiB message has landed).
+    with CuttingProxy(server.port, [(6 << 20, "reset")]) as proxy:
+        with (
+            WeightStreamClient(proxy.target, progress=False, transport="grpc", retry=None) as cut,
+            pytest.raises(WeightStreamError) as failed,
+        ):
+            cut.update_into(module, MODEL, since=since)
+        assert proxy.cuts == 1
+    assert failed.value.partially_written, failed.value
+    assert "partly written" in str(failed.value)
+    assert not all(torch.equal(dict(module.named_parameters())[n], b[n]) for n in names)
+    with client_of(server) as client:
+        report = client.update_into(module, MODEL, since=since)
+    assert_holds(module, b)
+    assert report.tensors == len(names)
