@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import resource
@@ -194,6 +195,12 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     configure_process(settings)
     sources, tiered = build_sources(settings)
     revisions = RevisionStore(settings.keep_revisions)
+    if settings.allow_publish and settings.publish_token_file is None and not _loopback(settings.host):
+        logger.warning(
+            "--allow-publish on %s: anyone who reaches this port may publish a model's next revision; "
+            "use --publish-token-file beyond loopback and trusted networks",
+            settings.host,
+        )
     catalog = Catalog(sources, revisions)
     tiers = Tiers(next((s.cache for s in tiered if s.cache is not None), None), tuple(tiered))
     s3_credentials = None
@@ -305,6 +312,13 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         publisher=publisher,
         changes=changes,
     )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
