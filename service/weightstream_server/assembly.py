@@ -261,7 +261,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         stalls=StallWatch(settings.stall_timeout),
         cache=cache,
     )
-    publisher = Publisher(revisions, catalog, settings.publish_max_bytes, settings.stall_timeout)
+    publisher = Publisher(revisions, catalog, settings.publish_max_bytes, settings.stall_timeout, settings.publish_dir)
     changes = Changes(revisions)
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)

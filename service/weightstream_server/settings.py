@@ -185,6 +185,11 @@ class ServerSettings(BaseSettings):
         description="file of publisher tokens, one per line: publishes must present one (a role apart from the "
         "read tokens of --token-file)",
     )
+    publish_dir: Path | None = Field(
+        default=None,
+        description="folder each complete published revision is written to, as safetensors under MODEL/REVISION/ "
+        "(atomically); none: published revisions live in memory only",
+    )
     publish_max_bytes: ByteCount = Field(
         default=32 * 1024 * 1024 * 1024,
         description="memory that published revisions may hold together (those kept and the one arriving)",

@@ -431,3 +431,27 @@ def test_an_update_cut_midway_says_the_module_was_partly_written_and_a_retry_com
         report = client.update_into(module, MODEL, since=since)
     assert_holds(module, b)
     assert report.tensors == len(names)
+
+
+def test_a_complete_revision_is_written_to_the_publish_dir_and_served_from_there(root: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    published = tmp_path / "published"
+    b = changed(state_of(0), ["layers.4.weight"], seed=13)
+    with serving(loopback_settings(model_root=root, allow_publish=True, publish_dir=published)) as s, client_of(s) as c:
+        with pytest.raises(InvalidArgumentError, match="revision name"):
+            c.publish(MODEL, b, revision="../escape")
+        revision = c.publish(MODEL, b, revision="step-5")
+        folder = published / MODEL / revision
+        deadline = time.monotonic() + 30
+        while not folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    files = sorted(folder.glob("*.safetensors"))
+    assert [f.name for f in files] == ["model-00001-of-00001.safetensors"]
+    assert not [p for p in (published / MODEL).iterdir() if p.name.startswith(".")], "no partial folder left"
+    on_disk = load_file(str(files[0]))
+    assert set(on_disk) == set(b) and all(torch.equal(on_disk[n], b[n]) for n in b)
+    with serving(loopback_settings(model_root=published)) as s, client_of(s) as c:
+        module = module_of(b)
+        c.load_into(module, f"{MODEL}/{revision}")
+    assert_holds(module, b)

@@ -25,10 +25,12 @@ import hashlib
 import logging
 import math
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,6 +49,7 @@ from weightstream_server.errors import (
     RequestTimeout,
     ServerError,
 )
+from weightstream_server.revisions.persist import write_in_background
 from weightstream_server.revisions.store import PUBLISHED, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest, TensorEntry
 from weightstream_server.serving.read_plan import ReadPlan
@@ -63,6 +66,8 @@ ALIGN = 64
 ASSEMBLY_TIMEOUT_S = 300.0
 PUBLISHED_SCHEME = "published://"
 MAX_PARTS = 1024
+# What a revision may be named: it is a folder name under --publish-dir, a label in the metrics.
+_REVISION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def block_crcs(data: np.ndarray) -> Blocks:
@@ -139,6 +144,10 @@ class PublishedSource:
     def companion_files(self, model: str) -> tuple[SourceFile, ...]:
         return ()
 
+    def part_buffer(self, part: int) -> torch.Tensor:
+        """The buffer of part (uint8): what --publish-dir writes from."""
+        return self._buffers[part]
+
     def read_range(self, file: SourceFile, start: int, length: int) -> bytes:
         buffer = self._buffers[_part_of(file)]
         return bytes(buffer[start : start + length].numpy())
@@ -157,8 +166,17 @@ def _part_of(file: SourceFile) -> int:
 class Publisher:
     """Receives publishes into the revision store. Safe to use from many threads."""
 
-    def __init__(self, store: RevisionStore, catalog: Catalog, max_bytes: int, message_timeout: float) -> None:
+    def __init__(
+        self,
+        store: RevisionStore,
+        catalog: Catalog,
+        max_bytes: int,
+        message_timeout: float,
+        publish_dir: Path | None = None,
+    ) -> None:
         self._store = store
+        # Where complete revisions are written (revisions.persist); None: they live in memory only.
+        self._publish_dir = publish_dir
         self._catalog = catalog
         self._max_bytes = max_bytes
         self._message_timeout = message_timeout
@@ -179,8 +197,11 @@ class Publisher:
             raise InvalidRequest(
                 f"publish of model {start.model!r} in {parts} parts: every part must name the revision"
             )
-        if start.revision and (len(start.revision) > 128 or not start.revision.isprintable()):
-            raise InvalidRequest(f"publish of model {start.model!r}: a revision name is 1 to 128 printable characters")
+        if start.revision and not _REVISION_NAME.fullmatch(start.revision):
+            raise InvalidRequest(
+                f"publish of model {start.model!r}: revision name {start.revision[:200]!r} is not 1 to 128 letters, "
+                "digits, '.', '_' and '-', starting with a letter or digit"
+            )
         announced = _announced(start)
         total = sum(t.nbytes for t in announced.values())
         total += -total % ALIGN
@@ -330,6 +351,8 @@ class Publisher:
             self._store.add_published(revision, time.monotonic() - pending.started)
             pending.revision = revision
             pending.done.set()
+        if self._publish_dir is not None:
+            write_in_background(self._publish_dir, revision)
         logger.info(
             "model %r: published revision %s is current: %d tensors, %d bytes in %d parts, %.3f s, from %s",
             revision.model,
