@@ -455,3 +455,63 @@ def test_a_complete_revision_is_written_to_the_publish_dir_and_served_from_there
         module = module_of(b)
         c.load_into(module, f"{MODEL}/{revision}")
     assert_holds(module, b)
+
+
+PUBLISHER_KILLED_MIDWAY = """
+import sys, time
+import grpc
+from weightstream.protocol import wire
+from weightstream.v1 import weightstream_pb2 as pb, weightstream_pb2_grpc as pb_grpc
+
+def requests():
+    start = pb.PublishStart(model=sys.argv[2], revision="doomed", new_layout=True)
+    for name, rows in (("embed.weight", 1024), ("head.weight", 1024)):
+        start.tensors.append(pb.PublishedTensor(name=name, dtype=pb.DATA_TYPE_FLOAT32, shape=[rows, 1024]))
+    yield pb.PublishRequest(start=start)
+    data = bytes(1 << 20)
+    chunk = pb.TensorChunk(tensor="embed.weight", offset=0, length=len(data), crc32c=wire.crc32c(data), data=data)
+    yield pb.PublishRequest(chunks=[chunk])
+    print("sent", flush=True)
+    time.sleep(120)
+
+with grpc.insecure_channel(sys.argv[1]) as channel:
+    next(pb_grpc.WeightStreamServiceStub(channel).PublishTensors(requests(), timeout=300))
+"""
+
+
+def test_a_publisher_killed_midway_leaves_the_current_revision_and_the_next_publish_works(
+    server: WeightStreamServer,
+) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    assert server.publisher is not None
+    with client_of(server) as client:
+        current = client.manifest(MODEL).revision
+        publisher = subprocess.Popen(
+            [sys.executable, "-c", PUBLISHER_KILLED_MIDWAY, f"127.0.0.1:{server.port}", MODEL],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert publisher.stdout is not None and publisher.stdout.readline().strip() == "sent"
+            deadline = time.monotonic() + 10
+            while server.publisher.pending_bytes() == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert server.publisher.pending_bytes() > 0, "the publish is in flight"
+            publisher.send_signal(signal.SIGKILL)
+            publisher.wait(timeout=10)
+        finally:
+            publisher.kill()
+        deadline = time.monotonic() + 30
+        while server.publisher.pending_bytes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.publisher.pending_bytes() == 0, "the dead publisher's revision was dropped"
+        assert client.manifest(MODEL).revision == current
+        b = changed(state_of(0), ["head.weight"], seed=14)
+        revision = client.publish(MODEL, b)
+        module = module_of(b)
+        client.load_into(module, MODEL)
+        assert_holds(module, b)
+        assert client.manifest(MODEL).revision == revision
