@@ -88,9 +88,8 @@ def run_update(
         str(new),
         mode,
         str(tp),
+        str(model_dir),
     ]
-    if mode == "storage":
-        args.append(str(server.server.settings.model_root / MODEL))  # type: ignore[operator]
     result = subprocess.run(
         args, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env, cwd=config_dir.parent, check=False
     )

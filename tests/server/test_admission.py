@@ -285,9 +285,9 @@ def test_healthz_is_503_while_every_grpc_worker_is_busy(
     with running(root, max_streams=1) as r, _channel(r.target) as channel:
         real_manifest = r.server.catalog.manifest
 
-        def hanging_manifest(model: str) -> Any:
+        def hanging_manifest(model: str, revision: str = "") -> Any:
             release.wait(HOSTILE_TIMEOUT_S)
-            return real_manifest(model)
+            return real_manifest(model, revision)
 
         monkeypatch.setattr(r.server.catalog, "manifest", hanging_manifest)
         stub = pb_grpc.WeightStreamServiceStub(channel)
