@@ -289,6 +289,7 @@ class Publisher:
 
     def _receive(self, model: str, part: _Part, messages: Iterator[pb.PublishRequest]) -> None:
         view = part.buffer.numpy()
+        base = int(view.ctypes.data)
         for message in _bounded(messages, self._message_timeout, model):
             if message.HasField("start"):
                 raise InvalidRequest(f"publish of model {model!r}: a second PublishStart")
@@ -298,7 +299,8 @@ class Publisher:
                     raise InvalidRequest(
                         f"publish of model {model!r}: chunk of tensor {chunk.tensor[:200]!r}, not announced"
                     )
-                length = len(chunk.data)
+                data = chunk.data  # each read of the field is a copy of its bytes: read once
+                length = len(data)
                 expected = part.received.get(tensor.name, 0)
                 if chunk.offset != expected:
                     raise InvalidRequest(
@@ -311,13 +313,18 @@ class Publisher:
                         f"{chunk.offset + length}, the tensor has {tensor.nbytes} ({tensor.dtype.safetensors} "
                         f"{list(tensor.shape)})"
                     )
-                if wire.crc32c(chunk.data) != chunk.crc32c:
+                # One pass: copied into the part and checksummed where it landed. A mismatch drops
+                # the whole part (and revision), so bytes written before the check never count.
+                source = int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if length else 0
+                if length and wire.copy_crc32c(base + tensor.offset + chunk.offset, source, length) != chunk.crc32c:
                     raise CorruptCheckpoint(
                         f"publish of model {model!r}: tensor {tensor.name!r}: the chunk at byte {chunk.offset} does "
                         "not match its CRC32C"
                     )
-                at = tensor.offset + chunk.offset
-                view[at : at + length] = np.frombuffer(chunk.data, dtype=np.uint8)
+                if not length and chunk.crc32c != 0:
+                    raise CorruptCheckpoint(
+                        f"publish of model {model!r}: tensor {tensor.name!r}: an empty chunk with a CRC32C"
+                    )
                 part.received[tensor.name] = expected + length
             if message.commit:
                 break
