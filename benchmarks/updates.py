@@ -290,7 +290,6 @@ def _vllm() -> str:
             config_dir = Path(tmp) / "config" / MODEL
             client.fetch(MODEL, config_dir, metadata_only=True)
             target = f"127.0.0.1:{port}"
-            started = time.perf_counter()
             result = subprocess.run(
                 [
                     str(VLLM_PYTHON),
@@ -309,7 +308,6 @@ def _vllm() -> str:
                 check=True,
                 cwd=tmp,
             )
-            del started
             line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
             update_s = json.loads(line.removeprefix("RESULT "))["update_seconds"]
         fresh = run_engine(new, "safetensors")

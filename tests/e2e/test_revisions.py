@@ -515,3 +515,47 @@ def test_a_publisher_killed_midway_leaves_the_current_revision_and_the_next_publ
         client.load_into(module, MODEL)
         assert_holds(module, b)
         assert client.manifest(MODEL).revision == revision
+
+
+def test_hostile_publishes_over_budget_or_gone_silent_hold_nothing(root: Path) -> None:
+    """A publish that would hold more than --publish-max-bytes is refused before any byte is taken;
+    a publisher that stops sending is ended after --stall-timeout and its part is dropped."""
+    from weightstream.client import ResourceExhaustedError
+
+    a = state_of(0)
+    total = nbytes(a, list(a))
+    settings = loopback_settings(model_root=root, allow_publish=True, publish_max_bytes=total // 2, stall_timeout=1.0)
+    with serving(settings) as s, client_of(s) as client:
+        assert s.publisher is not None
+        current = client.manifest(MODEL).revision
+        with pytest.raises(ResourceExhaustedError, match="--publish-max-bytes"):
+            client.publish(MODEL, changed(a, ["head.weight"], seed=15))
+        assert s.publisher.pending_bytes() == 0
+        release = threading.Event()
+
+        def silent() -> Iterator[pb.PublishRequest]:
+            start = start_of({"head.weight": a["head.weight"]}, revision="silent")
+            start.start.new_layout = True
+            yield start
+            release.wait(30)
+
+        channel, stub = raw_stub(s)
+        with channel:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as ended:
+                next(stub.PublishTensors(silent(), timeout=30))
+            release.set()
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ended.value
+        assert "--stall-timeout" in (ended.value.details() or "")
+        assert time.monotonic() - started < 10
+        assert s.publisher.pending_bytes() == 0
+        assert client.manifest(MODEL).revision == current
+
+
+def test_changes_read_each_file_version_once_however_often_they_are_asked(server: WeightStreamServer) -> None:
+    assert server.changes is not None
+    with client_of(server) as client:
+        revision = client.manifest(MODEL).revision
+        for _ in range(5):
+            assert client.changes(MODEL, since=revision).tensors == {}
+    assert server.changes.bytes_digested == nbytes(state_of(0), list(SHAPES))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightstream.client.manifest import Manifest, TensorInfo
+from weightstream.client.manifest import TensorInfo
 from weightstream.protocol import dtypes, wire
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -144,7 +144,3 @@ def unchanged_ranges(
 
 def changed_bytes(info: TensorInfo, unchanged: list[tuple[int, int]] | None) -> int:
     return info.nbytes - sum(e - s for s, e in unchanged or [])
-
-
-def full_infos(manifest: Manifest) -> dict[str, TensorInfo]:
-    return dict(manifest.by_name)
