@@ -29,6 +29,7 @@ from weightstream_server.ops.preload import start_preload
 from weightstream_server.ops.stats import ServerStats
 from weightstream_server.revisions.changes import Changes
 from weightstream_server.revisions.published import Publisher
+from weightstream_server.revisions.relay import Relay
 from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog
@@ -92,6 +93,8 @@ class WeightStreamServer:
     revisions: RevisionStore | None = None
     publisher: Publisher | None = None
     changes: Changes | None = None
+    # Follows the upstream's revisions of the models asked for (--upstream); None without one.
+    relay: Relay | None = None
 
     @property
     def tls(self) -> bool:
@@ -141,6 +144,8 @@ class WeightStreamServer:
         self.health.refresh()
         self.liveness.mark_stopped()
         self.grpc_server.stop(grace).wait()
+        if self.relay is not None:
+            self.relay.close()
         if self.data_port is not None:
             self.data_port.close()
         self.pool.close()
@@ -263,6 +268,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     )
     publisher = Publisher(revisions, catalog, settings.publish_max_bytes, settings.stall_timeout, settings.publish_dir)
     changes = Changes(revisions)
+    relay = Relay(settings, revisions, catalog, publisher) if settings.upstream is not None else None
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
     revisions_servicer.add_to_server(
@@ -311,6 +317,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         revisions=revisions,
         publisher=publisher,
         changes=changes,
+        relay=relay,
     )
 
 

@@ -284,6 +284,7 @@ def tier_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _shared_args(store: S3Process, grpc_port: int, http_port: int) -> list[str]:
     return [
         *("--s3-bucket", S3_BUCKET, "--s3-endpoint", store.endpoint, "--s3-region", REGION, "--s3-path-style"),
+        *("--watch-interval", "0.5"),
         *("--cache-bytes", "512MiB", "--host", LOOPBACK, "--grpc-port", str(grpc_port)),
         *("--http-port", str(http_port), "--log-level", "INFO"),
     ]
@@ -348,10 +349,19 @@ def test_three_tiers_from_cold_read_s3_once_and_each_sidecar_once(
             assert metrics[("weightstream_upstream_bytes_read_total", ())] == size
             assert metrics[("weightstream_disk_cache_files", ())] == 3
 
-            # Re-uploaded with new contents of the same sizes: never served from the old copies.
+            # Re-uploaded with new contents of the same sizes: never served from the old copies. The
+            # sidecar follows the shared tier's watch, which looks at S3 each --watch-interval.
             changed = tmp_path / "changed"
             new_reference = write_shards(changed, files=3, tensors=6, numel=500_000, seed=6)
             upload_folder(s3_store.client(), changed, S3_BUCKET, prefix)
+            with (
+                WeightStreamClient(f"{LOOPBACK}:{sidecars[0][1]}", progress=False) as near,
+                WeightStreamClient(f"{LOOPBACK}:{shared_grpc}", progress=False) as far,
+            ):
+                uploaded = far.manifest(model).revision
+                deadline = time.monotonic() + 30
+                while near.manifest(model).revision != uploaded and time.monotonic() < deadline:
+                    time.sleep(0.1)
             load(f"{LOOPBACK}:{sidecars[0][1]}", model, new_reference)
             assert status(http, sidecars[0][2])["upstream_bytes_read_total"] == 2 * size
 

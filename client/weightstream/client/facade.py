@@ -288,9 +288,16 @@ class WeightStreamClient:
         return {info.name: tensors[info.name] for info in self.manifest(model).tensors if info.name in tensors}
 
     def load_into(
-        self, module: torch.nn.Module, model: str, *, strict: bool = True, shard: ShardSpec | None = None
+        self,
+        module: torch.nn.Module | Mapping[str, torch.Tensor],
+        model: str,
+        *,
+        strict: bool = True,
+        shard: ShardSpec | None = None,
+        revision: str = "",
     ) -> LoadReport:
-        """Write model's tensors into module's existing parameters and buffers, in place.
+        """Write model's tensors (of its current revision, or the kept one named) into module's existing
+        parameters and buffers (or a mapping's tensors, by name), in place.
 
         Names, shapes and dtypes are checked against the module before any byte is written; with
         strict (the default) every module tensor must be in the checkpoint and every checkpoint
@@ -299,7 +306,7 @@ class WeightStreamClient:
         its split tensors have the shapes of that rank's slices, and only those bytes are sent.
         """
         started = time.perf_counter()
-        manifest = self.manifest(model)
+        manifest = self.manifest(model, revision=revision)
         if shard is not None:
             manifest = sliced_manifest(manifest, shard)
         matched = match_targets(module, manifest, strict=strict)
@@ -308,7 +315,7 @@ class WeightStreamClient:
         logger.info(
             "loaded %s into %s: %d tensors, %d bytes in %.3f s (%.2f GB/s), %d retries, %d bytes re-sent",
             model,
-            type(module).__name__,
+            type(module).__name__ if isinstance(module, torch.nn.Module) else "tensors",
             report.tensors,
             report.bytes,
             report.seconds,
@@ -424,7 +431,7 @@ class WeightStreamClient:
 
     def update_into(
         self,
-        module: torch.nn.Module,
+        module: torch.nn.Module | Mapping[str, torch.Tensor],
         model: str,
         *,
         since: str,
@@ -433,7 +440,8 @@ class WeightStreamClient:
         shard: ShardSpec | None = None,
     ) -> LoadReport:
         """Write only what changed in model since revision `since` (which module holds) into its
-        parameters, in place; the report names the new revision, the tensors and bytes received.
+        parameters (or a mapping's tensors, by name), in place; the report names the new revision, the
+        tensors and bytes received.
 
         The server says which byte ranges changed (per-block CRC32Cs of both revisions); a tensor
         written straight into its parameter receives only those, one written through staging (another

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,13 +22,16 @@ class TargetMatch:
     unexpected: list[str]
 
 
-def match_targets(module: torch.nn.Module, manifest: Manifest, *, strict: bool) -> TargetMatch:
+def match_targets(
+    module: torch.nn.Module | Mapping[str, torch.Tensor], manifest: Manifest, *, strict: bool
+) -> TargetMatch:
     """Check names, shapes and dtypes of module against manifest; raise before anything is written.
 
-    The module's tensors are its state_dict entries (parameters and persistent buffers). Names that
-    share storage (tied weights) count as loaded when any of them is in the checkpoint.
+    The module's tensors are its state_dict entries (parameters and persistent buffers), or the
+    tensors of a mapping by name. Names that share storage (tied weights) count as loaded when any
+    of them is in the checkpoint.
     """
-    state = module.state_dict(keep_vars=True)
+    state = module.state_dict(keep_vars=True) if isinstance(module, torch.nn.Module) else dict(module)
     loadable = {name: tensor for name, tensor in state.items() if name in manifest}
     unexpected = sorted(name for name in manifest.by_name if name not in state)
 

@@ -87,6 +87,14 @@ class RevisionStatus(BaseModel):
     last_publish_s: float | None = Field(description="seconds the model's last publish took; null if none")
 
 
+class RelayStatus(BaseModel):
+    followed: list[str] = Field(description="models whose upstream revisions this tier follows")
+    revisions_total: int = Field(description="published revisions of the upstream taken here")
+    pulled_bytes_total: int = Field(description="bytes of those asked of the upstream (what changed)")
+    copied_bytes_total: int = Field(description="bytes of those copied from revisions held here (unchanged)")
+    seconds_total: float = Field(description="seconds spent taking them")
+
+
 class RevisionsStatus(BaseModel):
     models: dict[str, RevisionStatus] = Field(description="each model's revisions, by model id")
     publishes_total: int = Field(description="publishes completed since the server started")
@@ -95,6 +103,7 @@ class RevisionsStatus(BaseModel):
     changes_total: int = Field(description="GetChanges answered: what updates asked")
     changed_bytes_total: int = Field(description="changed bytes those answers named (what the updates then fetch)")
     digested_bytes_total: int = Field(description="bytes of storage files read to learn their block CRC32Cs")
+    relay: RelayStatus | None = Field(default=None, description="the upstream's revisions followed (--upstream)")
 
 
 class ServerStatus(BaseModel):
@@ -244,6 +253,21 @@ def _revisions(server: WeightStreamServer) -> RevisionsStatus | None:
         changes_total=changes.asked,
         changed_bytes_total=changes.changed_bytes,
         digested_bytes_total=changes.bytes_digested,
+        relay=_relay(server),
+    )
+
+
+def _relay(server: WeightStreamServer) -> RelayStatus | None:
+    relay = server.relay
+    if relay is None:
+        return None
+    counts = relay.counts
+    return RelayStatus(
+        followed=relay.followed(),
+        revisions_total=counts.revisions,
+        pulled_bytes_total=counts.pulled_bytes,
+        copied_bytes_total=counts.copied_bytes,
+        seconds_total=round(counts.seconds, 3),
     )
 
 

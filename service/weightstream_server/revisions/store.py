@@ -83,6 +83,13 @@ class RevisionStore:
         self.publish_seconds: dict[str, float] = {}
         # Called (outside the lock) with each new storage revision.
         self.listeners: list[Callable[[Revision], None]] = []
+        # Called with each model a request asks for, before its revision is looked up (revisions.relay).
+        self.on_asked: list[Callable[[str], None]] = []
+
+    def asked(self, model: str) -> None:
+        """A request asks for model: what follows revisions elsewhere may bring them first."""
+        for call in self.on_asked:
+            call(model)
 
     def observe_storage(self, model: str, manifest: Manifest) -> Revision:
         """Record manifest, built from storage, as the model's storage revision; a new one becomes current."""

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import grpc
+
 from weightstream.protocol import dtypes
 from weightstream_server.errors import (
     AccessDenied,
@@ -28,6 +30,7 @@ from weightstream_server.errors import (
     RevisionNotKept,
     ServerError,
     TensorNotFound,
+    UpstreamError,
 )
 from weightstream_server.storage.header import HeaderTensor, read_header
 from weightstream_server.storage.index import INDEX_FILE
@@ -94,6 +97,8 @@ class RevisionLookup(Protocol):
 
     def was_evicted(self, model: str, revision: str) -> bool: ...
 
+    def asked(self, model: str) -> None: ...
+
 
 class Catalog:
     """Manifests of the models of every configured source. Safe to use from many threads."""
@@ -137,6 +142,7 @@ class Catalog:
                     f"model {model!r} changed: revision {only.revision}, the request expects {revision}"
                 )
             return only
+        store.asked(model)
         if revision:
             kept = store.find(model, revision)
             if kept is not None and kept.servable and kept.origin != "storage":
@@ -144,7 +150,9 @@ class Catalog:
         missing: ServerError | None = None
         try:
             stored: Manifest | None = self.storage_manifest(model)
-        except (ModelNotFound, AccessDenied) as exc:  # a model published here only has no files
+        except (ModelNotFound, AccessDenied, UpstreamError) as exc:  # a model published only has no files
+            if isinstance(exc, UpstreamError) and exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
             stored, missing = None, exc
         if stored is not None:
             store.observe_storage(model, stored)

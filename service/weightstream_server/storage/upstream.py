@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from weightstream.client import WeightStreamClient
 from weightstream.client.errors import WeightStreamError
 from weightstream.client.manifest import ModelFileList
-from weightstream.protocol.names import FileKind
+from weightstream.protocol.names import FileKind, TransportChoice
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ModelNotFound, UpstreamError
 from weightstream_server.settings import ServerSettings
@@ -56,22 +56,15 @@ class UpstreamSource:
         self.target = settings.upstream
         token = _read_token(settings.upstream_token_file) if settings.upstream_token_file is not None else None
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self._client = WeightStreamClient(
-            self.target,
-            # "" and not None: the server's own WEIGHTSTREAM_TOKEN must never be sent upstream.
-            token=token or "",
-            tls=settings.upstream_tls,
-            ca_file=settings.upstream_ca_file,
-            client_cert=settings.upstream_client_cert,
-            client_key=settings.upstream_client_key,
-            timeout=CALL_TIMEOUT_S,
-            progress=False,
-            transport="grpc",
-        )
+        self._client = upstream_client(settings, "grpc")
         self._lock = threading.Lock()
         # The revision of each model's latest listing, passed on its reads: a model that changed
         # upstream since is refused there, never read mixed.
         self._revisions: dict[str, tuple[tuple[SourceFile, ...], str]] = {}
+        # Listings kept while the upstream's watch of their model is held (revisions.relay): until it
+        # reports another revision, a manifest costs no call to the upstream.
+        self._held: dict[str, list[tuple[SourceFile, FileKind]]] = {}
+        self._holding: set[str] = set()
 
     def claims(self, model: str) -> bool:
         return True
@@ -115,27 +108,77 @@ class UpstreamSource:
         file's CRC32C on the last piece; each piece checked against its own CRC32C."""
         model = model_of(file)
         revision = self._revision(model, file)
-        with translated(self.describe()):
-            yield from self._client.read_file(model, file.name, offset=start, revision=revision, length=length)
+        try:
+            with translated(self.describe()):
+                yield from self._client.read_file(model, file.name, offset=start, revision=revision, length=length)
+        except UpstreamError as exc:
+            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                self.forget_listing(model)  # changed upstream before its watch said so: list it anew
+            raise
+
+    def hold_listings(self, model: str, hold: bool) -> None:
+        """Keep model's listing until forget_listing (while a watch of the upstream stands for it), or not."""
+        with self._lock:
+            if hold:
+                self._holding.add(model)
+            else:
+                self._holding.discard(model)
+            self._held.pop(model, None)
+
+    def forget_listing(self, model: str) -> None:
+        """Drop model's kept listing: the next manifest lists its files anew."""
+        with self._lock:
+            self._held.pop(model, None)
 
     def close(self) -> None:
         self._client.close()
 
     def _listing(self, model: str) -> list[tuple[SourceFile, FileKind]]:
-        with translated(self.describe()):
-            listing: ModelFileList = self._client.list_files(model)
+        with self._lock:
+            held = self._held.get(model)
+        if held is not None:
+            return held
+        try:
+            with translated(self.describe()):
+                listing: ModelFileList = self._client.list_files(model)
+        except UpstreamError as exc:
+            if exc.code == grpc.StatusCode.NOT_FOUND:
+                with self._lock:
+                    if model in self._holding:
+                        self._held[model] = []  # no files (a model only published there) until its watch says
+            raise
         files = [
             (SourceFile(f.name, f"{UPSTREAM_SCHEME}{model}/{f.name}", f.size, f.version or listing.revision), f.kind)
             for f in listing.files
         ]
         with self._lock:
             self._revisions[model] = (tuple(f for f, _ in files), listing.revision)
+            if model in self._holding:
+                self._held[model] = files
         return files
 
     def _revision(self, model: str, file: SourceFile) -> str:
         with self._lock:
             listed = self._revisions.get(model)
         return listed[1] if listed is not None and file in listed[0] else ""
+
+
+def upstream_client(settings: ServerSettings, transport: TransportChoice) -> WeightStreamClient:
+    """A client of --upstream with its token and TLS settings (never this server's own token)."""
+    assert settings.upstream is not None
+    token = _read_token(settings.upstream_token_file) if settings.upstream_token_file is not None else None
+    return WeightStreamClient(
+        settings.upstream,
+        # "" and not None: the server's own WEIGHTSTREAM_TOKEN must never be sent upstream.
+        token=token or "",
+        tls=settings.upstream_tls,
+        ca_file=settings.upstream_ca_file,
+        client_cert=settings.upstream_client_cert,
+        client_key=settings.upstream_client_key,
+        timeout=CALL_TIMEOUT_S,
+        progress=False,
+        transport=transport,
+    )
 
 
 def model_of(file: SourceFile) -> str:

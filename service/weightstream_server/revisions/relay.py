@@ -1,0 +1,319 @@
+"""A tier's revisions are its upstream's (--upstream): the models it reads from there are followed.
+
+Each model that clients ask this server for and that it reads from its upstream gets a follower: a
+thread holding the upstream's WatchModel. Every revision the watch reports becomes this server's
+too, under the same name, so a client pinned to a revision may ask either tier:
+
+- a storage revision: the model's files are listed anew. While the watch is held the listing is
+  kept (storage.upstream.UpstreamSource.hold_listings), so a manifest costs no call to the
+  upstream: one ListModelFiles per revision, not one per request.
+- a published revision: taken into this server's memory as a published revision
+  (Publisher.relay, within --publish-max-bytes). What did not change since the revision this
+  server holds is copied here from that one (a published revision's memory, or files in the disk
+  cache); only the changed byte ranges (GetChanges: the upstream's block CRC32Cs) are asked of the
+  upstream, over its data port where it has one. Anything this server cannot copy (no held bytes,
+  another layout, a since the upstream no longer keeps) is pulled whole.
+
+The first request for a model waits, up to FIRST_REVISION_S, for its follower to take the
+upstream's current revision, so that it is answered with that one. A watch that ends (the
+upstream restarted, the network cut) is held again after RETRY_S; meanwhile listings are not kept
+(each manifest asks the upstream, as without a follower). A watch refused for good (no such model,
+no watch slot left there) ends the follower: the model is served as without one, and a request
+after REST_S tries again (at once for a model the upstream did not have: it may be published). At most MAX_FOLLOWED models are followed at once (an upstream gives each
+client half its --max-watches).
+
+Concurrency: one thread per followed model; every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from weightstream.client.errors import WeightStreamError
+from weightstream.client.revisions import RevisionEvent
+from weightstream.protocol import dtypes
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server.errors import ServerError
+from weightstream_server.revisions.published import PublishedSource, Publisher
+from weightstream_server.revisions.store import PUBLISHED, RevisionStore
+from weightstream_server.serving.catalog import Catalog, Manifest
+from weightstream_server.settings import ServerSettings
+from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.tiers import TieredSource
+from weightstream_server.storage.upstream import UpstreamSource, upstream_client
+
+logger = logging.getLogger(__name__)
+
+# How long the first request for a model waits for its follower to take the upstream's revision.
+FIRST_REVISION_S = 120.0
+# How long a follower whose watch ended waits before it holds the watch again: RETRY_S, doubling
+# while it keeps failing, up to MAX_RETRY_S.
+RETRY_S = 1.0
+MAX_RETRY_S = 30.0
+# How long a model whose watch was refused for good is served without a follower, and how many such
+# models are remembered.
+REST_S = 60.0
+MAX_RESTING = 1024
+# Models followed at once.
+MAX_FOLLOWED = 16
+# Watch failures that will not pass by themselves: the follower ends.
+_FINAL = {
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+@dataclass
+class _Follower:
+    model: str
+    source: UpstreamSource
+    # Set once the first revision was taken (or the watch failed): the first request may go on.
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class RelayCounts:
+    """What the relay did, for /status and the tests."""
+
+    revisions: int = 0
+    # Bytes of relayed revisions asked of the upstream, and copied from revisions held here.
+    pulled_bytes: int = 0
+    copied_bytes: int = 0
+    seconds: float = 0.0
+
+
+class Relay:
+    """Followers of the upstream's revisions, one per model asked for."""
+
+    def __init__(self, settings: ServerSettings, store: RevisionStore, catalog: Catalog, publisher: Publisher) -> None:
+        self._store = store
+        self._catalog = catalog
+        self._publisher = publisher
+        self._client = upstream_client(settings, "auto")
+        self._lock = threading.Lock()
+        self._followers: dict[str, _Follower] = {}
+        self._stop = threading.Event()
+        # Models whose watch was refused for good, and when: not followed again before REST_S.
+        self._resting: dict[str, float] = {}
+        self._warned_full = False
+        self.counts = RelayCounts()
+        store.on_asked.append(self.follow)
+
+    @property
+    def transport(self) -> str:
+        """How revisions come from the upstream: tcp (its data port), shm or grpc."""
+        return self._client.transport
+
+    def followed(self) -> list[str]:
+        with self._lock:
+            return sorted(self._followers)
+
+    def follow(self, model: str) -> None:
+        """Follow model if it is read from the upstream; the first time, wait for its current revision."""
+        with self._lock:
+            follower = self._followers.get(model)
+        if follower is None:
+            follower = self._start(model)
+            if follower is None:
+                return
+        if not follower.ready.is_set() and not follower.ready.wait(FIRST_REVISION_S):
+            logger.warning(
+                "model %r: the upstream's revision did not arrive within %.0f s; answering with the one held here",
+                model,
+                FIRST_REVISION_S,
+            )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._client.close()  # ends every watch in flight
+
+    def _start(self, model: str) -> _Follower | None:
+        source = self._upstream_of(model)
+        if source is None or self._stop.is_set():
+            return None
+        with self._lock:
+            follower = self._followers.get(model)
+            if follower is not None:
+                return follower
+            refused = self._resting.get(model)
+            if refused is not None and time.monotonic() - refused < REST_S:
+                return None
+            if len(self._followers) >= MAX_FOLLOWED:
+                if not self._warned_full:
+                    logger.warning(
+                        "following %d models of the upstream already; model %r is listed at each request",
+                        MAX_FOLLOWED,
+                        model,
+                    )
+                    self._warned_full = True
+                return None
+            follower = _Follower(model, source)
+            self._followers[model] = follower
+        threading.Thread(
+            target=self._run, args=(follower,), name=f"weightstream-follow-{model[:40]}", daemon=True
+        ).start()
+        return follower
+
+    def _upstream_of(self, model: str) -> UpstreamSource | None:
+        try:
+            source = self._catalog.source_for(model)
+        except ServerError:
+            return None
+        if isinstance(source, TieredSource) and isinstance(source.inner, UpstreamSource):
+            return source.inner
+        return None
+
+    def _run(self, follower: _Follower) -> None:
+        model = follower.model
+        delay = RETRY_S
+        try:
+            while not self._stop.is_set():
+                follower.source.hold_listings(model, True)
+                try:
+                    for event in self._client.watch(model):
+                        self._take(follower, event)
+                        follower.ready.set()
+                        delay = RETRY_S
+                except WeightStreamError as exc:
+                    if self._stop.is_set():
+                        return
+                    if exc.code in _FINAL:
+                        logger.info("model %r: not following the upstream's revisions: %s", model, exc.message)
+                        if exc.code != grpc.StatusCode.NOT_FOUND:  # a model not there yet may be published soon
+                            self._rest(model)
+                        return
+                    log = logger.warning if delay == RETRY_S else logger.debug
+                    log("model %r: the upstream's watch ended (%s); held again in %.0f s", model, exc.message, delay)
+                finally:
+                    follower.source.hold_listings(model, False)
+                    follower.ready.set()
+                self._stop.wait(delay)
+                delay = min(2 * delay, MAX_RETRY_S)
+        finally:
+            with self._lock:
+                self._followers.pop(model, None)
+
+    def _rest(self, model: str) -> None:
+        with self._lock:
+            self._resting[model] = time.monotonic()
+            while len(self._resting) > MAX_RESTING:
+                self._resting.pop(next(iter(self._resting)))
+
+    def _take(self, follower: _Follower, event: RevisionEvent) -> None:
+        """Make the upstream's revision event.revision this server's current one."""
+        model = event.model
+        if event.origin != PUBLISHED:
+            follower.source.forget_listing(model)
+            try:
+                self._store.observe_storage(model, self._catalog.storage_manifest(model))
+            except ServerError as exc:
+                logger.warning("model %r: storage revision %s of the upstream: %s", model, event.revision, exc)
+            return
+        if self._store.find(model, event.revision) is not None:
+            return
+        try:
+            self._pull(model, event.revision)
+        except (ServerError, WeightStreamError) as exc:
+            logger.warning("model %r: published revision %s of the upstream not taken: %s", model, event.revision, exc)
+
+    def _pull(self, model: str, revision: str) -> None:
+        started = time.perf_counter()
+        upstream = self._client.manifest(model, revision=revision)
+        start = pb.PublishStart(model=model, revision=revision, new_layout=True)
+        for info in upstream.tensors:
+            start.tensors.append(
+                pb.PublishedTensor(name=info.name, dtype=dtypes.BY_TORCH[info.dtype].wire, shape=list(info.shape))
+            )
+        held = self._store.current(model)
+        pulled = copied = 0
+
+        def fill(views: dict[str, torch.Tensor]) -> None:
+            nonlocal pulled, copied
+            copies: set[str] = set()
+            if held is not None and held.servable:
+                try:
+                    copies = _copy_held(held.manifest, views)
+                except (OSError, ServerError) as exc:  # its files went: all of it from the upstream
+                    logger.warning("model %r: revision %s held here could not be copied: %s", model, held.id, exc)
+            rest = {name: view for name, view in views.items() if name not in copies}
+            if copies:
+                assert held is not None
+                try:
+                    report = self._client.update_into(
+                        {name: views[name] for name in copies}, model, since=held.id, revision=revision, strict=False
+                    )
+                    pulled += report.bytes
+                    copied += sum(views[n].numel() * views[n].element_size() for n in copies) - report.bytes
+                except WeightStreamError as exc:
+                    if exc.code != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    rest = views  # the upstream no longer keeps the revision held here: all of it
+            if rest:
+                pulled += self._client.load_into(rest, model, revision=revision, strict=False).bytes
+
+        self._publisher.relay(start, fill, f"upstream {self._client.target}")
+        seconds = time.perf_counter() - started
+        with self._lock:
+            self.counts.revisions += 1
+            self.counts.pulled_bytes += pulled
+            self.counts.copied_bytes += copied
+            self.counts.seconds += seconds
+        logger.info(
+            "model %r: revision %s relayed from the upstream: %d bytes pulled, %d copied from %s, %.3f s",
+            model,
+            revision,
+            pulled,
+            copied,
+            held.id if held is not None else "nothing",
+            seconds,
+        )
+
+
+def _copy_held(held: Manifest, views: dict[str, torch.Tensor]) -> set[str]:
+    """Copy the tensors of views that held has (same dtype and shape) in memory or local files into
+    them; the names copied."""
+    copied: set[str] = set()
+    source = held.source
+    local = {i for i, f in enumerate(held.files) if f.local is not None}
+    opened = OpenFiles(source, held.model, {i: held.files[i] for i in local}) if local else None
+    try:
+        for name, view in views.items():
+            entry = held.by_name.get(name)
+            if entry is None or entry.dtype.torch != view.dtype or entry.shape != tuple(view.shape):
+                continue
+            flat = view.view(-1).view(torch.uint8)
+            if isinstance(source, PublishedSource):
+                part = source.part_buffer(entry.file_index)
+                flat.copy_(part[entry.file_offset : entry.file_offset + entry.nbytes])
+            elif opened is not None and entry.file_index in local:
+                _pread_into(opened.fd(entry.file_index), flat, entry.file_offset)
+            else:
+                continue
+            copied.add(name)
+        if opened is not None:
+            opened.check_all_unchanged()
+    finally:
+        if opened is not None:
+            opened.close()
+    return copied
+
+
+def _pread_into(fd: int, flat: torch.Tensor, offset: int) -> None:
+    memory = flat.numpy().data
+    done = 0
+    while done < len(memory):
+        got = os.preadv(fd, [memory[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"a file ended {len(memory) - done} bytes early")
+        done += got

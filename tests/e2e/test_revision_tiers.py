@@ -1,0 +1,176 @@
+"""Revisions through a tier: a sidecar (--upstream, --disk-cache) follows its upstream's revisions.
+
+Both tiers are real servers on 127.0.0.1 in this process, reading real files: a revision published
+to the upstream reaches the sidecar's clients with only its changed bytes travelling between the
+tiers (over the upstream's data port), a storage revision (files replaced under the upstream's root)
+too, and while the sidecar follows a model its manifests cost the upstream no listing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.e2e.test_revisions import MODEL, assert_holds, changed, module_of, nbytes, served, state_of
+from tests.support.ports import LOOPBACK, free_ports
+from tests.support.servers import eventually, loopback_settings, serving
+from weightstream.client import NotFoundError, WeightStreamClient
+from weightstream_server import WeightStreamServer
+from weightstream_server.ops.http import create_app, start_http
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "root" / MODEL).mkdir(parents=True)
+    save_file(state_of(0), str(tmp_path / "root" / MODEL / "model.safetensors"))
+    return tmp_path / "root"
+
+
+@pytest.fixture
+def upstream(root: Path) -> Iterator[WeightStreamServer]:
+    (data_port,) = free_ports(1)
+    settings = loopback_settings(model_root=root, allow_publish=True, watch_interval=0.2, data_port=data_port)
+    with serving(settings) as server:
+        yield server
+
+
+@pytest.fixture
+def sidecar(upstream: WeightStreamServer, tmp_path: Path) -> Iterator[WeightStreamServer]:
+    settings = loopback_settings(
+        upstream=f"{LOOPBACK}:{upstream.port}", disk_cache=tmp_path / "cache", watch_interval=0.2
+    )
+    with serving(settings) as server:
+        yield server
+
+
+def client_of(server: WeightStreamServer) -> WeightStreamClient:
+    return WeightStreamClient(f"{LOOPBACK}:{server.port}", progress=False, transport="grpc")
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, server: WeightStreamServer) -> Callable[[], int]:
+    """How many times the server's model root has been listed since (a ListModelFiles, a manifest)."""
+    source = server.catalog.sources[0]
+    calls = [0]
+    resolve = source.resolve
+
+    def counting(model: str) -> Any:
+        calls[0] += 1
+        return resolve(model)
+
+    monkeypatch.setattr(source, "resolve", counting)
+    return lambda: calls[0]
+
+
+def test_a_revision_published_upstream_reaches_a_sidecars_clients_with_only_what_changed_between_tiers(
+    upstream: WeightStreamServer, sidecar: WeightStreamServer
+) -> None:
+    a = state_of(0)
+    names = ["layers.3.weight", "embed.weight"]
+    b = changed(a, names, seed=1)
+    module = module_of(a)
+    with client_of(sidecar) as near, client_of(upstream) as far:
+        since = near.load_into(module, MODEL).revision
+        assert since == far.manifest(MODEL).revision  # a tier's revisions are its upstream's
+        events = near.watch(MODEL)
+        assert next(events).revision == since
+        before = served(upstream)
+        revision = far.publish(MODEL, b)
+        event = next(events)
+        events.close()
+        between_tiers = served(upstream) - before
+        assert (event.revision, event.origin) == (revision, "published")
+        assert near.manifest(MODEL).revision == revision
+        report = near.update_into(module, MODEL, since=since)
+    assert_holds(module, b)
+    assert report.revision == revision and report.bytes == nbytes(b, names)
+    # What changed went between the tiers once; the rest was copied from the sidecar's disk cache.
+    assert nbytes(b, names) <= between_tiers <= 1.1 * nbytes(b, names), between_tiers
+    relay = sidecar.relay
+    assert relay is not None and relay.counts.revisions == 1
+    assert relay.counts.pulled_bytes == nbytes(b, names)
+    assert relay.counts.copied_bytes == nbytes(a, list(a)) - nbytes(b, names)
+    assert relay.transport == "tcp"  # the upstream's data port
+
+
+def test_a_model_only_published_upstream_is_served_by_the_sidecar_and_a_second_revision_moves_only_its_changes(
+    upstream: WeightStreamServer, sidecar: WeightStreamServer
+) -> None:
+    a = state_of(5)
+    b = changed(a, ["head.weight"], seed=6)
+    with client_of(sidecar) as near, client_of(upstream) as far:
+        with pytest.raises(NotFoundError):
+            near.manifest("trained")
+        first = far.publish("trained", a)
+        module = module_of(a)
+        assert near.load_into(module, "trained").revision == first
+        assert_holds(module, a)
+        before = served(upstream)
+        second = far.publish("trained", b)
+        eventually(lambda: near.manifest("trained").revision == second, "the sidecar took the second revision")
+        between_tiers = served(upstream) - before
+        report = near.update_into(module, "trained", since=first)
+    assert_holds(module, b)
+    assert report.revision == second
+    # From the revision the sidecar held in memory: only the changed tensor came from above.
+    assert between_tiers == nbytes(b, ["head.weight"])
+
+
+def test_a_storage_revision_upstream_reaches_the_sidecar_whose_manifests_cost_the_upstream_no_listing(
+    upstream: WeightStreamServer, sidecar: WeightStreamServer, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = state_of(0)
+    module = module_of(a)
+    listings = counted(monkeypatch, upstream)
+    with client_of(sidecar) as near:
+        since = near.load_into(module, MODEL).revision
+        events = near.watch(MODEL)
+        assert next(events).revision == since
+        # The upstream's own watch of the model lists its files each --watch-interval (0.2 s); the
+        # sidecar's 30 manifests in about a second add nothing to that.
+        listed, started = listings(), time.monotonic()
+        for _ in range(30):
+            assert near.manifest(MODEL).revision == since
+        polls = (time.monotonic() - started) / 0.2
+        assert listings() - listed <= polls + 2, (listings() - listed, polls)
+        b = changed(a, ["layers.5.weight"], seed=4)
+        staged = root / MODEL / "model.safetensors.tmp"
+        save_file(b, str(staged))
+        staged.replace(root / MODEL / "model.safetensors")
+        event = next(events)
+        events.close()
+        assert event.origin == "storage" and event.revision != since
+        report = near.update_into(module, MODEL, since=since)
+    assert_holds(module, b)
+    assert report.revision == event.revision
+    assert report.bytes == nbytes(b, ["layers.5.weight"])
+
+
+def test_the_sidecars_status_shows_what_it_follows_and_relayed(
+    upstream: WeightStreamServer, sidecar: WeightStreamServer
+) -> None:
+    a = state_of(0)
+    with client_of(sidecar) as near, client_of(upstream) as far:
+        near.manifest(MODEL)
+        far.publish(MODEL, changed(a, ["head.weight"], seed=9))
+        relay = sidecar.relay
+        assert relay is not None
+        eventually(lambda: relay.counts.revisions == 1, "the sidecar took the published revision")
+    rest = start_http(create_app(sidecar), LOOPBACK, 0)
+    try:
+        with httpx.Client(trust_env=False) as http:
+            body = http.get(f"http://{LOOPBACK}:{rest.port}/status", timeout=10.0).json()
+    finally:
+        rest.stop(5.0)
+    shown = body["revisions"]["relay"]
+    assert shown["followed"] == [MODEL]
+    assert shown["revisions_total"] == 1
+    # The sidecar held no bytes of the model (a manifest only): all of it came from above.
+    assert (shown["pulled_bytes_total"], shown["copied_bytes_total"]) == (nbytes(a, list(a)), 0)
+    assert body["revisions"]["models"][MODEL]["origin"] == "published"
