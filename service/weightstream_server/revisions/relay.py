@@ -16,11 +16,12 @@ too, under the same name, so a client pinned to a revision may ask either tier:
 
 The first request for a model waits, up to FIRST_REVISION_S, for its follower to take the
 upstream's current revision, so that it is answered with that one. A watch that ends (the
-upstream restarted, the network cut) is held again after RETRY_S; meanwhile listings are not kept
-(each manifest asks the upstream, as without a follower). A watch refused for good (no such model,
-no watch slot left there) ends the follower: the model is served as without one, and a request
-after REST_S tries again (at once for a model the upstream did not have: it may be published). At most MAX_FOLLOWED models are followed at once (an upstream gives each
-client half its --max-watches).
+upstream restarted, the network cut) is held again after RETRY_S, doubling up to MAX_RETRY_S while
+it fails; meanwhile listings are not kept (each manifest asks the upstream, as without a follower).
+A watch refused for good (no watch slot left there, no permission) ends the follower: the model is
+served as without one, and a request after REST_S tries again; for a model the upstream does not
+have, the next request does (it may be published meanwhile). At most MAX_FOLLOWED models are
+followed at once (an upstream gives each client half its --max-watches).
 
 Concurrency: one thread per followed model; every method may be called from any thread.
 """
