@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from tests.e2e.test_revisions import MODEL, assert_holds, changed, module_of, nbytes, served, state_of

@@ -3,13 +3,15 @@
 A real vLLM (the CPU build in .venv-vllm) loads revision A of a tiny Llama with
 load_format="weightstream", generates, then B becomes the model's next revision (published by a
 trainer, or written over the files in the model root) and the engine pulls it (start, update,
-finish) and generates again. Its tokens must be those of a fresh engine loaded from B's files with
-load_format="safetensors" at the same tensor-parallel size, and the server must have sent only the
-changed tensors (per rank: that rank's slices of them).
+finish) and generates again, from the server itself or through a sidecar tier in front of it. Its
+tokens must be those of a fresh engine loaded from B's files with load_format="safetensors" at the
+same tensor-parallel size, and the server it pulls from must have sent only the changed tensors (per
+rank: that rank's slices of them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -62,8 +64,18 @@ def folders(tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.fixture
 def server(folders: tuple[Path, Path]) -> Iterator[Running]:
-    with running(folders[0], allow_publish=True) as r:
+    with running(folders[0], allow_publish=True, watch_interval=0.5) as r:
         yield r
+
+
+@contextlib.contextmanager
+def tier(server: Running, name: str, cache: Path) -> Iterator[Running]:
+    """The server itself ("direct"), or a sidecar in front of it with a disk cache ("sidecar")."""
+    if name == "direct":
+        yield server
+        return
+    with running(None, upstream=server.target, disk_cache=cache, watch_interval=0.5) as sidecar:
+        yield sidecar
 
 
 def changed_bytes(folder: Path) -> int:
@@ -102,18 +114,19 @@ def run_update(
     return json.loads(lines[-1].removeprefix("RESULT ")), result.stdout + result.stderr
 
 
-@pytest.mark.parametrize(("mode", "tp"), [("publish", 1), ("storage", 2)])
+@pytest.mark.parametrize(("mode", "tp", "through"), [("publish", 1, "direct"), ("storage", 2, "sidecar")])
 def test_a_running_vllm_pulls_only_what_changed_and_generates_what_a_fresh_engine_on_the_new_files_does(
-    mode: str, tp: int, folders: tuple[Path, Path], server: Running, tmp_path: Path
+    mode: str, tp: int, through: str, folders: tuple[Path, Path], server: Running, tmp_path: Path
 ) -> None:
     root, new = folders
     config_dir = tmp_path / "config" / MODEL
-    with WeightStreamClient(server.target, progress=False) as client:
-        client.fetch(MODEL, config_dir, metadata_only=True)
-        total = client.manifest(MODEL).total_bytes
-    before = int(server.get("/status").json()["bytes_served_total"])  # the config and tokenizer files
-    result, logs = run_update(server, config_dir, new, mode, tp, root / MODEL)
-    served = int(server.get("/status").json()["bytes_served_total"]) - before
+    with tier(server, through, tmp_path / "cache") as target:
+        with WeightStreamClient(target.target, progress=False) as client:
+            client.fetch(MODEL, config_dir, metadata_only=True)
+            total = client.manifest(MODEL).total_bytes
+        before = int(target.get("/status").json()["bytes_served_total"])  # the config and tokenizer files
+        result, logs = run_update(target, config_dir, new, mode, tp, root / MODEL)
+        served = int(target.get("/status").json()["bytes_served_total"]) - before
     fresh = run_engine(new, "safetensors", tp=tp)
 
     assert result["after"] == fresh.token_ids, "the updated engine must generate what one loaded from B does"
@@ -127,6 +140,6 @@ def test_a_running_vllm_pulls_only_what_changed_and_generates_what_a_fresh_engin
     update_sent = served - total
     assert changed <= update_sent <= 1.1 * changed, (update_sent, changed)
     print(
-        f"\nvLLM update ({mode}, TP={tp}): {update_sent} bytes sent for {changed} changed, "
+        f"\nvLLM update ({mode}, TP={tp}, {through}): {update_sent} bytes sent for {changed} changed, "
         f"{result['update_seconds']:.3f} s in the engine; a fresh engine on B: {fresh.init_seconds:.1f} s"
     )

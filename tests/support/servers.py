@@ -63,9 +63,11 @@ class Running:
 
 
 @contextlib.contextmanager
-def running(model_root: Path, **settings: object) -> Iterator[Running]:
-    """serving() on model_root plus start_http on port 0, both stopped on the way out."""
-    with serving(loopback_settings(model_root=model_root, **settings)) as server:
+def running(model_root: Path | None, **settings: object) -> Iterator[Running]:
+    """serving() on model_root (None: the settings say what it serves) plus start_http on port 0, both
+    stopped on the way out."""
+    rooted = {"model_root": model_root} if model_root is not None else {}
+    with serving(loopback_settings(**rooted, **settings)) as server:
         rest = start_http(create_app(server), LOOPBACK, 0)
         # trust_env=False: never send loopback requests through a proxy from the environment.
         http = httpx.Client(trust_env=False)

@@ -5,7 +5,8 @@ Usage: python tests/support/vllm_scripts/update.py CONFIG_DIR TARGET MODEL_ID NE
 Builds an LLM on CONFIG_DIR with load_format="weightstream" and the weightstream weight-transfer
 backend, generates greedily, then makes NEW_DIR's safetensors the model's next revision: MODE
 "publish" publishes them from this process (a trainer would), MODE "storage" moves them over the
-files in STORAGE_DIR (the server's model folder), and pulls it into the running engine through
+files in STORAGE_DIR (the model folder of TARGET or of its upstream) and takes the revision that
+TARGET's watch then reports, and pulls it into the running engine through
 vLLM's weight-transfer API (start, update, finish), and generates again. Prints one line
 `RESULT {"before": [[...]], "after": [[...]], "update_seconds": S, "revision": R}`; the engine's
 own log lines (stderr) say what each rank received.
@@ -55,11 +56,18 @@ def main() -> None:
         with WeightStreamClient(target, progress=False) as client:
             revision = client.publish(model_id, tensors)
     else:
-        for f in files:
-            staged = storage_dir / (f.name + ".incoming")
-            shutil.copyfile(f, staged)
-            staged.replace(storage_dir / f.name)
-        revision = "latest"
+        # As a deployment would: watch the model, replace its files, and pull the revision the watch
+        # names (every rank the same one, whatever comes after).
+        with WeightStreamClient(target, progress=False) as client:
+            events = client.watch(model_id)
+            held = next(events).revision
+            for f in files:
+                staged = storage_dir / (f.name + ".incoming")
+                shutil.copyfile(f, staged)
+                staged.replace(storage_dir / f.name)
+            revision = next(events).revision
+            events.close()
+        assert revision != held, revision
     started = time.perf_counter()
     sync_weights(llm, revision)
     update_seconds = time.perf_counter() - started
