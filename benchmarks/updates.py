@@ -13,7 +13,9 @@ Each case alternates between two revisions --runs times (A -> B -> A ...), so ev
 the same tensors. Reported: medians of update time, bytes the server sent per update (its /status),
 changed bytes, and the baseline: a full load_into of the same module (median of --runs) in the same
 run. Four updaters pulling one published revision at once show the server's work per revision (the
-GetChanges answers come from block CRC32Cs kept with it, no storage read). With --vllm, a vLLM CPU
+GetChanges answers come from block CRC32Cs kept with it, no storage read). A sidecar in front of the
+server (--upstream, --disk-cache) shows a published revision relayed between the tiers: how long
+until the sidecar's watch reports it, the bytes that went between them, and the update from it. With --vllm, a vLLM CPU
 engine on a small Llama (.venv-vllm) is updated in place through the weight-transfer API and
 compared with starting a fresh engine on the new files (how users update today).
 
@@ -181,6 +183,8 @@ def main() -> int:
             )
             # Four updaters pull one published revision at once.
             fanout = _fanout(client, port, http_port, shapes, a, holding, args.fraction)
+            # A sidecar in front of the server follows its revisions.
+            tier = _tier(client, port, http_port, shapes, Path(tmp), args.fraction)
     print(f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors; medians of {args.runs}")
     print("| case | seconds | x full load_into | bytes sent | changed bytes | sent / changed |")
     print("|---|---|---|---|---|---|")
@@ -188,6 +192,7 @@ def main() -> int:
         share = f"{sent_bytes / changed:.3f}" if sent_bytes and changed else "-"
         print(f"| {label} | {seconds:.3f} | {ratio:.3f}x | {sent_bytes:,d} | {changed:,d} | {share} |")
     print(fanout)
+    print(tier)
     if args.vllm:
         print(_vllm())
     return 0
@@ -254,6 +259,50 @@ def _fanout(
         f"4 updaters from one published revision ({revision}): {wall:.3f} s wall (each {min(seconds):.3f}.."
         f"{max(seconds):.3f} s), {sent:,d} bytes sent for 4 x {nbytes(a, names):,d} changed, {read:,d} bytes "
         f"read from storage, {changes} GetChanges answered from the kept block CRC32Cs"
+    )
+
+
+def _tier(
+    client: WeightStreamClient,
+    port: int,
+    http_port: int,
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    tmp: Path,
+    fraction: float,
+) -> str:
+    """A sidecar (--upstream, --disk-cache) in front of the server: a module loaded through it, then a
+    revision published to the server, relayed by the sidecar and pulled from it."""
+    sidecar_http = free_port()
+    extra = ["--upstream", f"127.0.0.1:{port}", "--disk-cache", str(tmp / "sidecar-cache")]
+    extra += ["--http-port", str(sidecar_http), "--publish-max-bytes", "64GiB"]
+    with (
+        serve_weightstream(None, wire.DEFAULT_CHUNK_BYTES, extra) as (_proc, sidecar_port),
+        WeightStreamClient(f"127.0.0.1:{sidecar_port}", progress=False) as near,
+    ):
+        module = ParameterTree(shapes)
+        first = near.load_into(module, MODEL)
+        current = {name: p.detach().clone() for name, p in module.named_parameters()}
+        names = pick(current, fraction)
+        b = perturbed(current, names, seed=321)
+        events = near.watch(MODEL, after=first.revision)
+        before = served(http_port)
+        revision = client.publish(MODEL, b, revision="tier")
+        published = time.perf_counter()
+        event = next(events)
+        relayed = time.perf_counter() - published
+        events.close()
+        between = served(http_port) - before
+        before_near = served(sidecar_http)
+        report = near.update_into(module, MODEL, since=first.revision)
+        sent = served(sidecar_http) - before_near
+        relay = status(sidecar_http)["revisions"]["relay"]  # type: ignore[index]
+    got = dict(module.named_parameters())
+    assert event.revision == revision and all(torch.equal(got[n], b[n]) for n in names), "the sidecar's update"
+    return (
+        f"through a sidecar: first load {first.seconds:.3f} s; a published revision with {nbytes(b, names):,d} "
+        f"bytes changed reached the sidecar's watch {relayed:.3f} s after publish returned, {between:,d} bytes "
+        f"between the tiers ({relay['copied_bytes_total']:,d} copied from the sidecar's own, over "
+        f"{relay.get('transport', '?')}); update_into from the sidecar {report.seconds:.3f} s, {sent:,d} bytes sent"
     )
 
 

@@ -15,10 +15,11 @@ or the same through vLLM's HTTP routes (/init_weight_transfer_engine, /start_wei
 /update_weights with {"update_info": {"revision": R}}, /finish_weight_update).
 
 init_info takes the loader's keys (target, model, token, tls, ca_file, shm_dir, transport; the
-same environment fallbacks). update_info is {"revision": R} or {"revision": "latest"}: each rank
-asks the server what changed since the revision it holds (the one load_format="weightstream"
-loaded, or the last update's; none known: everything), and streams only those tensors, plus the
-tensors vLLM fuses with them into one parameter (q/k/v, gate/up: the model's
+same environment fallbacks). update_info is {"revision": R} or {"revision": "latest"} (resolved by
+each rank on its own: with TP > 1, name the revision, so that a publish in between cannot split the
+ranks). Each rank asks the server what changed since the revision it holds (the one
+load_format="weightstream" loaded, or the last update's; none known: everything), and streams only
+those tensors, plus the tensors vLLM fuses with them into one parameter (q/k/v, gate/up: the model's
 packed_modules_mapping), because a fused parameter is rebuilt from all of its parts; and of each
 only the slice this rank's loaders read, as the loader planned them at the first load (placed in a
 tensor of the full shape at the place those loaders narrow to).

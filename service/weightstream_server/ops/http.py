@@ -89,6 +89,7 @@ class RevisionStatus(BaseModel):
 
 class RelayStatus(BaseModel):
     followed: list[str] = Field(description="models whose upstream revisions this tier follows")
+    transport: str = Field(description="how relayed revisions come from the upstream: tcp, shm or grpc")
     revisions_total: int = Field(description="published revisions of the upstream taken here")
     pulled_bytes_total: int = Field(description="bytes of those asked of the upstream (what changed)")
     copied_bytes_total: int = Field(description="bytes of those copied from revisions held here (unchanged)")
@@ -264,6 +265,7 @@ def _relay(server: WeightStreamServer) -> RelayStatus | None:
     counts = relay.counts
     return RelayStatus(
         followed=relay.followed(),
+        transport=relay.transport,
         revisions_total=counts.revisions,
         pulled_bytes_total=counts.pulled_bytes,
         copied_bytes_total=counts.copied_bytes,
