@@ -170,6 +170,30 @@ def test_the_sidecars_status_shows_what_it_follows_and_relayed(
     shown = body["revisions"]["relay"]
     assert shown["followed"] == [MODEL]
     assert shown["revisions_total"] == 1
-    # The sidecar held no bytes of the model (a manifest only): all of it came from above.
-    assert (shown["pulled_bytes_total"], shown["copied_bytes_total"]) == (nbytes(a, list(a)), 0)
+    # Its manifest started filling the disk cache: what was there by then was copied, the rest pulled.
+    assert shown["pulled_bytes_total"] + shown["copied_bytes_total"] == nbytes(a, list(a))
+    assert shown["pulled_bytes_total"] >= nbytes(a, ["head.weight"])
+    assert shown["transport"] == "tcp"
     assert body["revisions"]["models"][MODEL]["origin"] == "published"
+
+
+def test_a_sidecar_started_after_a_publish_serves_the_published_revision_and_relays_the_next_by_its_changes(
+    upstream: WeightStreamServer, tmp_path: Path
+) -> None:
+    a = state_of(0)
+    x = changed(a, list(a), seed=3)
+    y = changed(x, ["head.weight"], seed=4)
+    with client_of(upstream) as far:
+        first = far.publish(MODEL, x)
+        settings = loopback_settings(upstream=f"{LOOPBACK}:{upstream.port}", disk_cache=tmp_path / "late-cache")
+        with serving(settings) as late, client_of(late) as near:
+            module = module_of(a)
+            # Not the upstream's files (an older storage revision): its current, published revision.
+            assert near.load_into(module, MODEL).revision == first
+            assert_holds(module, x)
+            before = served(upstream)
+            second = far.publish(MODEL, y)
+            eventually(lambda: near.manifest(MODEL).revision == second, "the sidecar took the next revision")
+            assert served(upstream) - before == nbytes(y, ["head.weight"])
+            near.update_into(module, MODEL, since=first)
+            assert_holds(module, y)

@@ -41,7 +41,7 @@ from weightstream.client.errors import WeightStreamError
 from weightstream.client.revisions import RevisionEvent
 from weightstream.protocol import dtypes
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server.errors import ServerError
+from weightstream_server.errors import ModelNotFound, ServerError, UpstreamError
 from weightstream_server.revisions.published import PublishedSource, Publisher
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest
@@ -224,9 +224,35 @@ class Relay:
         if self._store.find(model, event.revision) is not None:
             return
         try:
+            if self._store.current(model) is None:
+                # The model's files first (if it has any): seen after the published revision, they
+                # would count as a newer storage revision and take its place.
+                self._observe_storage(model)
             self._pull(model, event.revision)
         except (ServerError, WeightStreamError) as exc:
             logger.warning("model %r: published revision %s of the upstream not taken: %s", model, event.revision, exc)
+
+    def _observe_storage(self, model: str) -> None:
+        try:
+            self._store.observe_storage(model, self._catalog.storage_manifest(model))
+        except (ModelNotFound, UpstreamError) as exc:
+            if isinstance(exc, UpstreamError) and exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            # A model only published upstream: no files.
+
+    def _held(self, model: str) -> Manifest | None:
+        """The manifest of the revision this server holds of model, as it can be read now (a storage
+        revision's files may have reached the disk cache since it was first listed); None if none."""
+        held = self._store.current(model)
+        if held is None or not held.servable:
+            return None
+        if held.origin == PUBLISHED:
+            return held.manifest
+        try:
+            now = self._catalog.storage_manifest(model)
+        except ServerError:
+            return None
+        return now if now.revision == held.id else None
 
     def _pull(self, model: str, revision: str) -> None:
         started = time.perf_counter()
@@ -236,23 +262,27 @@ class Relay:
             start.tensors.append(
                 pb.PublishedTensor(name=info.name, dtype=dtypes.BY_TORCH[info.dtype].wire, shape=list(info.shape))
             )
-        held = self._store.current(model)
+        held = self._held(model)
         pulled = copied = 0
 
         def fill(views: dict[str, torch.Tensor]) -> None:
             nonlocal pulled, copied
             copies: set[str] = set()
-            if held is not None and held.servable:
+            if held is not None:
                 try:
-                    copies = _copy_held(held.manifest, views)
+                    copies = _copy_held(held, views)
                 except (OSError, ServerError) as exc:  # its files went: all of it from the upstream
-                    logger.warning("model %r: revision %s held here could not be copied: %s", model, held.id, exc)
+                    logger.warning("model %r: revision %s held here could not be copied: %s", model, held.revision, exc)
             rest = {name: view for name, view in views.items() if name not in copies}
             if copies:
                 assert held is not None
                 try:
                     report = self._client.update_into(
-                        {name: views[name] for name in copies}, model, since=held.id, revision=revision, strict=False
+                        {name: views[name] for name in copies},
+                        model,
+                        since=held.revision,
+                        revision=revision,
+                        strict=False,
                     )
                     pulled += report.bytes
                     copied += sum(views[n].numel() * views[n].element_size() for n in copies) - report.bytes
@@ -276,7 +306,7 @@ class Relay:
             revision,
             pulled,
             copied,
-            held.id if held is not None else "nothing",
+            held.revision if held is not None else "nothing",
             seconds,
         )
 
