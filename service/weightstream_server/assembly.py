@@ -271,9 +271,6 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     relay = Relay(settings, revisions, catalog, publisher) if settings.upstream is not None else None
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
-    revisions_servicer.add_to_server(
-        revisions_servicer.RevisionsServicer(streams, revisions, publisher, changes, publish_tokens), server
-    )
     data_port = None
     if settings.data_port:
         tls = None
@@ -287,6 +284,12 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     host, port = advertised(settings)
     announced = (host, port if port is not None else (data_port.port if data_port is not None else 0))
     tcp_servicer.add_to_server(tcp_servicer.TcpServicer(streams, data_port, announced), server)
+    revisions_servicer.add_to_server(
+        revisions_servicer.RevisionsServicer(
+            streams, revisions, publisher, changes, publish_tokens, data_port=data_port, advertise=announced
+        ),
+        server,
+    )
     health_servicer = ReadinessHealthServicer(readiness)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # Reflection lets grpcurl and similar tools call the server without the .proto files.

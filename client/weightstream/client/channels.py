@@ -181,6 +181,20 @@ class Channels:
         with self._lock:
             return self._transports.setdefault(index, made)
 
+    def data_port(self) -> TcpTransport | None:
+        """The data port's transport for calls that send bytes there (publishes), on the main channel;
+        None for transport "grpc" or "shm", or once "auto" fell back to gRPC."""
+        if self._kind not in ("auto", "tcp") or (self._kind == "auto" and self._tcp_fallback.why is not None):
+            return None
+        host = replicas.target_host(self._channel_target)
+        return TcpTransport(
+            self.channel(0),
+            target_host=host,
+            tls=self._data_tls,
+            server_hostname=host or None,
+            fallback=self._tcp_fallback if self._kind == "auto" else None,
+        )
+
     def replace(self, index: int, stale: Transport) -> None:
         """Close the channel stale streams on and put a fresh one in its place, for channel(index) and transport(index).
 

@@ -19,7 +19,13 @@ import torch
 
 from weightstream.client import replicas, revisions
 from weightstream.client.channels import Channels, channel_credentials, data_tls_context
-from weightstream.client.errors import NotFoundError, UnavailableError, WeightStreamError, translated
+from weightstream.client.errors import (
+    FailedPreconditionError,
+    NotFoundError,
+    UnavailableError,
+    WeightStreamError,
+    translated,
+)
 from weightstream.client.fetch import FetchReport, fetch
 from weightstream.client.files import RemoteFiles
 from weightstream.client.loader_plan import WriteTarget
@@ -39,6 +45,8 @@ from weightstream.client.retry import (
 from weightstream.client.session import LoadSession, SessionConfig
 from weightstream.client.sharding import ShardSpec, sliced_manifest
 from weightstream.client.targets import match_targets
+from weightstream.client.transports.tcp import DataPortUnusable
+from weightstream.client.transports.tcp_publish import publish_over_data_port
 from weightstream.protocol import wire
 from weightstream.protocol.names import TransportChoice, TransportName
 from weightstream.v1 import weightstream_pb2 as pb
@@ -379,30 +387,61 @@ class WeightStreamClient:
         """
         started = time.perf_counter()
         tensors = revisions.named_list(named_tensors)
-        requests = revisions.publish_requests(
-            model,
-            tensors,
-            revision=revision or "",
-            part=part,
-            parts=parts,
-            new_layout=new_layout,
-            chunk_bytes=self._session_config.chunk_bytes,
-        )
+
+        def requests() -> Iterator[pb.PublishRequest]:
+            return revisions.publish_requests(
+                model,
+                tensors,
+                revision=revision or "",
+                part=part,
+                parts=parts,
+                new_layout=new_layout,
+                chunk_bytes=self._session_config.chunk_bytes,
+            )
+
         with translated(self.target):
-            responses = self.stub.PublishTensors(requests, metadata=self._channels.metadata)
-            response = next(iter(responses))
+            response = self._publish_over_data_port(next(requests()).start, tensors)
+            how = "the data port"
+            if response is None:
+                response = next(iter(self.stub.PublishTensors(requests(), metadata=self._channels.metadata)))
+                how = "gRPC"
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         seconds = time.perf_counter() - started
         logger.info(
-            "published %s revision %s: %d tensors, %d bytes in %.3f s (%.2f GB/s)",
+            "published %s revision %s: %d tensors, %d bytes in %.3f s (%.2f GB/s) over %s",
             model,
             response.revision,
             len(tensors),
             nbytes,
             seconds,
             nbytes / seconds / 1e9 if seconds else 0.0,
+            how,
         )
         return str(response.revision)
+
+    def _publish_over_data_port(
+        self, start: pb.PublishStart, tensors: list[tuple[str, torch.Tensor]]
+    ) -> pb.PublishResponse | None:
+        """The publish over the data port (transport "auto" or "tcp"); None: it goes over gRPC."""
+        transport = self._channels.data_port()
+        if transport is None:
+            return None
+        try:
+            return publish_over_data_port(
+                self.stub,
+                transport,
+                start,
+                tensors,
+                chunk_bytes=self._session_config.chunk_bytes,
+                metadata=self._channels.metadata,
+            )
+        except DataPortUnusable as exc:
+            if transport.fallback is None:
+                raise FailedPreconditionError(
+                    f"model {start.model!r}: the tcp transport cannot be used to publish: {exc}"
+                ) from None
+            transport.fallback.fall_back(str(exc))
+        return None
 
     def changes(self, model: str, *, since: str, revision: str = "") -> revisions.Changes:
         """What changed in model from revision since to the current one (or the one named), per tensor."""

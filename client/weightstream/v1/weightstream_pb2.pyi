@@ -272,20 +272,22 @@ class StreamTensorsBulkResponse(_message.Message):
     def __init__(self, data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class PublishStart(_message.Message):
-    __slots__ = ("model", "revision", "tensors", "part", "parts", "new_layout")
+    __slots__ = ("model", "revision", "tensors", "part", "parts", "new_layout", "data_port")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     NEW_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     tensors: _containers.RepeatedCompositeFieldContainer[PublishedTensor]
     part: int
     parts: int
     new_layout: bool
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[PublishedTensor, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., new_layout: _Optional[bool] = ...) -> None: ...
+    data_port: bool
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[PublishedTensor, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., new_layout: _Optional[bool] = ..., data_port: _Optional[bool] = ...) -> None: ...
 
 class PublishedTensor(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -308,16 +310,22 @@ class PublishRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[PublishStart, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
-    __slots__ = ("model", "revision", "complete", "bytes")
+    __slots__ = ("model", "revision", "complete", "bytes", "data_host", "data_port", "ticket")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_HOST_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     complete: bool
     bytes: int
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., complete: _Optional[bool] = ..., bytes: _Optional[int] = ...) -> None: ...
+    data_host: str
+    data_port: int
+    ticket: bytes
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., complete: _Optional[bool] = ..., bytes: _Optional[int] = ..., data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class GetChangesRequest(_message.Message):
     __slots__ = ("model", "since", "revision")

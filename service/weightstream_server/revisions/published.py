@@ -21,6 +21,8 @@ PublishedSource: the parts' buffers stand for its files.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -189,6 +191,13 @@ class Publisher:
 
     def publish(self, start: pb.PublishStart, messages: Iterator[pb.PublishRequest], peer: str) -> pb.PublishResponse:
         """Take one part: announced by start, its chunks from messages; the answer once its revision is complete."""
+        part = self.begin(start, peer)
+        with part.failing():
+            part.receive(messages)
+        return part.finish()
+
+    def begin(self, start: pb.PublishStart, peer: str) -> PartInFlight:
+        """A part announced by start, checked and its memory held: its bytes are landed next (PartInFlight)."""
         check_model_id(start.model)
         parts = start.parts or 1
         if not 1 <= parts <= MAX_PARTS or start.part >= parts:
@@ -207,24 +216,12 @@ class Publisher:
         total += -total % ALIGN
         self._check_layout(start, announced)
         pending = self._join(start, parts, total, peer)
-        index = start.part
         try:
-            part = _Part(index, announced, torch.empty(max(total, 1), dtype=torch.uint8))
-            self._receive(start.model, part, messages)
-        except BaseException as exc:
-            self._fail(pending, index, f"part {index} failed: {exc}" if isinstance(exc, ServerError) else "")
+            part = _Part(start.part, announced, torch.empty(max(total, 1), dtype=torch.uint8))
+        except BaseException:
+            self._fail(pending, start.part, "")
             raise
-        self._take(pending, part)
-        if not pending.done.wait(max(0.0, ASSEMBLY_TIMEOUT_S - (time.monotonic() - pending.started))):
-            self._fail(pending, index, f"its {parts} parts did not all arrive within {ASSEMBLY_TIMEOUT_S:.0f} s")
-        if pending.revision is None:
-            raise PublishConflict(
-                f"model {start.model!r}: revision {pending.name!r} was not published: {pending.failure}"
-            )
-        revision = pending.revision
-        return pb.PublishResponse(
-            model=revision.model, revision=revision.id, complete=True, bytes=sum(t.nbytes for t in announced.values())
-        )
+        return PartInFlight(self, pending, part, self._message_timeout)
 
     def relay(self, start: pb.PublishStart, fill: Callable[[dict[str, torch.Tensor]], None], peer: str) -> Revision:
         """Take a revision another server holds (start names it and its tensors, in one part), its
@@ -312,58 +309,6 @@ class Publisher:
             pending.reserved_bytes += nbytes
             return pending
 
-    def _receive(self, model: str, part: _Part, messages: Iterator[pb.PublishRequest]) -> None:
-        view = part.buffer.numpy()
-        base = int(view.ctypes.data)
-        for message in _bounded(messages, self._message_timeout, model):
-            if message.HasField("start"):
-                raise InvalidRequest(f"publish of model {model!r}: a second PublishStart")
-            for chunk in message.chunks:
-                tensor = part.tensors.get(chunk.tensor)
-                if tensor is None:
-                    raise InvalidRequest(
-                        f"publish of model {model!r}: chunk of tensor {chunk.tensor[:200]!r}, not announced"
-                    )
-                data = chunk.data  # each read of the field is a copy of its bytes: read once
-                length = len(data)
-                expected = part.received.get(tensor.name, 0)
-                if chunk.offset != expected:
-                    raise InvalidRequest(
-                        f"publish of model {model!r}: tensor {tensor.name!r}: chunk at byte {chunk.offset}, expected "
-                        f"{expected} (a tensor's chunks come in order)"
-                    )
-                if chunk.offset + length > tensor.nbytes:
-                    raise RangeOutOfBounds(
-                        f"publish of model {model!r}: tensor {tensor.name!r}: chunk ends at byte "
-                        f"{chunk.offset + length}, the tensor has {tensor.nbytes} ({tensor.dtype.safetensors} "
-                        f"{list(tensor.shape)})"
-                    )
-                # One pass: copied into the part and checksummed where it landed. A mismatch drops
-                # the whole part (and revision), so bytes written before the check never count.
-                source = int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if length else 0
-                if length and wire.copy_crc32c(base + tensor.offset + chunk.offset, source, length) != chunk.crc32c:
-                    raise CorruptCheckpoint(
-                        f"publish of model {model!r}: tensor {tensor.name!r}: the chunk at byte {chunk.offset} does "
-                        "not match its CRC32C"
-                    )
-                if not length and chunk.crc32c != 0:
-                    raise CorruptCheckpoint(
-                        f"publish of model {model!r}: tensor {tensor.name!r}: an empty chunk with a CRC32C"
-                    )
-                part.received[tensor.name] = expected + length
-            if message.commit:
-                break
-        else:
-            raise ClientGone()  # the stream ended without commit: the publisher went away
-        for tensor in part.tensors.values():
-            got = part.received.get(tensor.name, 0)
-            if got != tensor.nbytes:
-                raise InvalidRequest(
-                    f"publish of model {model!r}: tensor {tensor.name!r}: {got} of {tensor.nbytes} bytes arrived "
-                    "before commit"
-                )
-            part.blocks[tensor.name] = block_crcs(view[tensor.offset : tensor.offset + tensor.nbytes])
-
     def _take(self, pending: _Pending, part: _Part) -> None:
         with self._lock:
             pending.receiving.discard(part.index)
@@ -443,6 +388,125 @@ class Publisher:
         return Revision(
             pending.model, name, PUBLISHED, manifest, blocks=blocks, held_bytes=sum(p.buffer.numel() for p in parts)
         )
+
+
+class PartInFlight:
+    """One part of a publish whose bytes are landing in its buffer: from PublishRequest chunks
+    (receive) or frames on the data port (land, one chunk at a time), then finish (or fail).
+
+    Every chunk is checked as it lands: a tensor announced, the next offset of it (a tensor's chunks
+    come in order), within its size, its CRC32C computed where its bytes landed. A mismatch drops
+    the whole part (and revision), so bytes written before a check never count.
+    """
+
+    def __init__(self, publisher: Publisher, pending: _Pending, part: _Part, message_timeout: float) -> None:
+        self._publisher = publisher
+        self._pending = pending
+        self.part = part
+        self.model = pending.model
+        self._message_timeout = message_timeout
+        self._base = int(part.buffer.numpy().ctypes.data)
+        self.chunks = 0
+        self.bytes = 0
+
+    @contextlib.contextmanager
+    def failing(self) -> Iterator[None]:
+        """Drop the part (and its revision) if the block raises."""
+        try:
+            yield
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def fail(self, exc: BaseException) -> None:
+        index = self.part.index
+        reason = f"part {index} failed: {exc}" if isinstance(exc, ServerError) else ""
+        self._publisher._fail(self._pending, index, reason)
+
+    def receive(self, messages: Iterator[pb.PublishRequest]) -> None:
+        """Land the chunks of messages up to commit; ClientGone when they end without one."""
+        for message in _bounded(messages, self._message_timeout, self.model):
+            if message.HasField("start"):
+                raise InvalidRequest(f"publish of model {self.model!r}: a second PublishStart")
+            for chunk in message.chunks:
+                data = chunk.data  # each read of the field is a copy of its bytes: read once
+                length = len(data)
+                source = int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if length else 0
+                # One pass: copied into the part and checksummed where it landed.
+                self.land(chunk.tensor, chunk.offset, length, chunk.crc32c, functools.partial(_copy, source, length))
+            if message.commit:
+                break
+        else:
+            raise ClientGone()  # the stream ended without commit: the publisher went away
+        self.check_complete()
+
+    def land(self, name: str, offset: int, length: int, crc32c: int, write: Callable[[int], int]) -> None:
+        """One chunk: checked, then written by write(address), which returns the CRC32C of what it wrote."""
+        part, model = self.part, self.model
+        tensor = part.tensors.get(name)
+        if tensor is None:
+            raise InvalidRequest(f"publish of model {model!r}: chunk of tensor {name[:200]!r}, not announced")
+        expected = part.received.get(tensor.name, 0)
+        if offset != expected:
+            raise InvalidRequest(
+                f"publish of model {model!r}: tensor {tensor.name!r}: chunk at byte {offset}, expected "
+                f"{expected} (a tensor's chunks come in order)"
+            )
+        if offset + length > tensor.nbytes:
+            raise RangeOutOfBounds(
+                f"publish of model {model!r}: tensor {tensor.name!r}: chunk ends at byte {offset + length}, the "
+                f"tensor has {tensor.nbytes} ({tensor.dtype.safetensors} {list(tensor.shape)})"
+            )
+        if not length:
+            if crc32c != 0:
+                raise CorruptCheckpoint(
+                    f"publish of model {model!r}: tensor {tensor.name!r}: an empty chunk with a CRC32C"
+                )
+        elif write(self._base + tensor.offset + offset) != crc32c:
+            raise CorruptCheckpoint(
+                f"publish of model {model!r}: tensor {tensor.name!r}: the chunk at byte {offset} does not match "
+                "its CRC32C"
+            )
+        part.received[tensor.name] = expected + length
+        self.chunks += 1
+        self.bytes += length
+
+    def check_complete(self) -> None:
+        """Every announced byte arrived: compute the block CRC32Cs (InvalidRequest names a tensor short)."""
+        part = self.part
+        view = part.buffer.numpy()
+        for tensor in part.tensors.values():
+            got = part.received.get(tensor.name, 0)
+            if got != tensor.nbytes:
+                raise InvalidRequest(
+                    f"publish of model {self.model!r}: tensor {tensor.name!r}: {got} of {tensor.nbytes} bytes arrived "
+                    "before commit"
+                )
+            part.blocks[tensor.name] = block_crcs(view[tensor.offset : tensor.offset + tensor.nbytes])
+
+    def finish(self) -> pb.PublishResponse:
+        """Hand the complete part over; the answer once its revision is complete (PublishConflict if it failed)."""
+        publisher, pending, part = self._publisher, self._pending, self.part
+        publisher._take(pending, part)
+        if not pending.done.wait(max(0.0, ASSEMBLY_TIMEOUT_S - (time.monotonic() - pending.started))):
+            publisher._fail(
+                pending, part.index, f"its {pending.parts} parts did not all arrive within {ASSEMBLY_TIMEOUT_S:.0f} s"
+            )
+        if pending.revision is None:
+            raise PublishConflict(
+                f"model {self.model!r}: revision {pending.name!r} was not published: {pending.failure}"
+            )
+        revision = pending.revision
+        return pb.PublishResponse(
+            model=revision.model,
+            revision=revision.id,
+            complete=True,
+            bytes=sum(t.nbytes for t in part.tensors.values()),
+        )
+
+
+def _copy(source: int, length: int, address: int) -> int:
+    return wire.copy_crc32c(address, source, length)
 
 
 def _view(buffer: torch.Tensor, tensor: _Announced) -> torch.Tensor:

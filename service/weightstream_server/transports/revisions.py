@@ -1,5 +1,8 @@
 """The revision RPCs: PublishTensors, GetChanges and WatchModel, translated to the revisions package.
 
+A publish's bytes come in PublishRequest chunks, or, when its PublishStart asks, over the data
+port (transports.tcp.upload): the first answer then announces the port and a ticket.
+
 Admission: a publish is a stream like the others (a stream slot, the per-client share, the stall
 rule on the publisher's messages); a watch holds a worker thread while it waits, so watches have
 slots of their own (--max-watches, half of them per client), and the worker pool counts them. Each
@@ -9,18 +12,21 @@ watch message is sent under the stall rule, and a watch ends when its client goe
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import grpc
 
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server.errors import ClientGone, InvalidRequest, PublishRefused
+from weightstream_server.errors import ClientGone, InvalidRequest, PublishRefused, TcpUnavailable
 from weightstream_server.ops.auth import TokenFile, bearer_token
 from weightstream_server.revisions.changes import Changes
 from weightstream_server.revisions.published import Publisher
 from weightstream_server.revisions.store import Revision, RevisionStore
 from weightstream_server.serving.stream_session import Streams, StreamSlots, client_of
 from weightstream_server.transports import rpc
+from weightstream_server.transports.tcp.listener import DataPort
+from weightstream_server.transports.tcp.servicer import CallConnection, accept, issue
+from weightstream_server.transports.tcp.upload import receive_part
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +44,13 @@ class RevisionsServicer:
         publisher: Publisher,
         changes: Changes,
         publish_tokens: TokenFile | None,
+        data_port: DataPort | None = None,
+        advertise: tuple[str, int] = ("", 0),
     ) -> None:
         self._streams = streams
+        # Where publishes that ask for it send their bytes; None: over gRPC only.
+        self._data_port = data_port
+        self._advertise = advertise
         self._revisions = revisions
         self._publisher = publisher
         self._changes = changes
@@ -59,10 +70,40 @@ class RevisionsServicer:
                 raise ClientGone()
             if not first.HasField("start"):
                 raise InvalidRequest("the first PublishRequest must carry a PublishStart")
-            session.model_id = first.start.model
-            response = self._publisher.publish(first.start, requests, session.peer)
+            start = first.start
+            session.model_id = start.model
+            if start.data_port:
+                response = yield from self._publish_over_data_port(start, context, session.peer)
+            else:
+                response = self._publisher.publish(start, requests, session.peer)
             session.model = response.model
             yield response.SerializeToString()
+
+    def _publish_over_data_port(
+        self, start: pb.PublishStart, context: grpc.ServicerContext, peer: str
+    ) -> Generator[bytes, None, pb.PublishResponse]:
+        """Announce the data port, then land the part's frames from it (tcp.upload); the last answer."""
+        port = self._data_port
+        if port is None:
+            raise TcpUnavailable("this server has no data port (--data-port 0); publish over gRPC")
+        part = self._publisher.begin(start, peer)
+        connection = CallConnection()
+        context.add_callback(connection.close)
+        with part.failing():
+            pending = issue(port, context, peer)
+            try:
+                host, announced = self._advertise
+                announcement = pb.PublishResponse(
+                    model=start.model, data_host=host, data_port=announced, ticket=pending.ticket
+                )
+                yield announcement.SerializeToString()
+            except BaseException:
+                port.tickets.withdraw(pending)
+                raise
+            conn = accept(port, pending, context)
+            connection.set(conn)
+            receive_part(conn, part, self._streams.settings.stall_timeout)
+        return part.finish()
 
     def GetChanges(self, request: pb.GetChangesRequest, context: grpc.ServicerContext) -> pb.GetChangesResponse:
         streams = self._streams

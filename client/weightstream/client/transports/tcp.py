@@ -84,7 +84,7 @@ class Fallback:
         logger.info("data port not used, streaming over gRPC: %s", why)
 
 
-class _Unusable(Exception):
+class DataPortUnusable(Exception):
     """The data port cannot serve this client (see the module docstring: falling back)."""
 
 
@@ -144,7 +144,7 @@ class TcpTransport:
         try:
             try:
                 conn = self._open(messages, request.model)
-            except _Unusable as exc:
+            except DataPortUnusable as exc:
                 if self._fallback is None:
                     raise FailedPreconditionError(
                         f"model {request.model!r}: the tcp transport cannot be used: {exc}"
@@ -168,44 +168,57 @@ class TcpTransport:
                 buffer.close()
 
     def _open(self, messages: CallReader[pb.StreamTensorsBulkResponse], model: str) -> socket.socket:
-        """The admitted data connection of the call's announcement; _Unusable when there is none to be had."""
+        """The admitted data connection of the call's announcement; DataPortUnusable when there is none to be had."""
         try:
             announcement = next(messages)
         except StopIteration:
             raise IntegrityError(f"model {model!r}: the tcp stream ended before it announced its data port") from None
         except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
-                details = exc.details() if isinstance(exc, grpc.Call) else ""
-                # A changed checkpoint is FAILED_PRECONDITION too, and no reason to leave the data port.
-                if code == grpc.StatusCode.UNIMPLEMENTED or "data port" in (details or ""):
-                    raise _Unusable(f"the server says {code.name}: {details}") from None
+            raise_if_no_data_port(exc)
             raise
-        host = announcement.data_host or self._target_host
-        address = f"[{host}]:{announcement.data_port}" if ":" in host else f"{host}:{announcement.data_port}"
-        if not host or not announcement.data_port or len(announcement.ticket) != tcp.TICKET_BYTES:
-            raise _Unusable(f"the server announced no usable data port ({address!r})")
+        return self.connect(announcement.data_host, announcement.data_port, announcement.ticket)
+
+    def connect(self, data_host: str, data_port: int, ticket: bytes) -> socket.socket:
+        """A data connection to the port a call announced, admitted with its ticket (DataPortUnusable if not)."""
+        host = data_host or self._target_host
+        address = f"[{host}]:{data_port}" if ":" in host else f"{host}:{data_port}"
+        if not host or not data_port or len(ticket) != tcp.TICKET_BYTES:
+            raise DataPortUnusable(f"the server announced no usable data port ({address!r})")
         try:
-            raw = socket.create_connection((host, announcement.data_port), timeout=CONNECT_TIMEOUT_S)
+            raw = socket.create_connection((host, data_port), timeout=CONNECT_TIMEOUT_S)
         except OSError as exc:
-            raise _Unusable(f"cannot connect to the data port {address}: {exc}") from None
+            raise DataPortUnusable(f"cannot connect to the data port {address}: {exc}") from None
         conn: socket.socket = raw
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 conn = self._tls.wrap_socket(raw, server_hostname=self._server_hostname)
-            conn.sendall(tcp.hello(announcement.ticket))
+            conn.sendall(tcp.hello(ticket))
             answer = conn.recv(1)
         except (OSError, ssl.SSLError) as exc:
             conn.close()
-            raise _Unusable(f"the data port {address} did not admit the connection: {exc}") from None
+            raise DataPortUnusable(f"the data port {address} did not admit the connection: {exc}") from None
         if answer != tcp.ADMITTED:
             conn.close()
             why = "refused the ticket" if answer == tcp.REFUSED else f"answered {answer!r}"
-            raise _Unusable(f"the data port {address} {why} (another replica, or a proxy in between)")
+            raise DataPortUnusable(f"the data port {address} {why} (another replica, or a proxy in between)")
         # Blocking from now on: a stalled stream is the idle watchdog's to notice, and its cancel shuts us down.
         conn.settimeout(None)
         return conn
+
+    @property
+    def fallback(self) -> Fallback | None:
+        return self._fallback
+
+
+def raise_if_no_data_port(exc: grpc.RpcError) -> None:
+    """DataPortUnusable when a call's error says the server has no data port (or predates it)."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+        details = exc.details() if isinstance(exc, grpc.Call) else ""
+        # A changed checkpoint is FAILED_PRECONDITION too, and no reason to leave the data port.
+        if code == grpc.StatusCode.UNIMPLEMENTED or "data port" in (details or ""):
+            raise DataPortUnusable(f"the server says {code.name}: {details}") from None
 
 
 def _receive(

@@ -92,7 +92,7 @@ class TcpServicer:
         if port is None:
             error = TcpUnavailable("this server has no data port (--data-port 0); use StreamTensors")
             rpc.abort(context, self._streams.stats, "StreamTensorsBulk", request.request.model, error)
-        connection = _Connection()
+        connection = CallConnection()
         context.add_callback(connection.close)
         streams = self._streams
         with streams.session(
@@ -100,19 +100,14 @@ class TcpServicer:
         ) as session:
             chunk_bytes = session.start(request.request)
             plan = session.plan_reads(chunk_bytes)
-            pending = port.tickets.issue(peer_host(session.peer), _call_certificate(context, port))
+            pending = issue(port, context, session.peer)
             try:
                 host, announced = self._advertise
                 yield pb.StreamTensorsBulkResponse(data_host=host, data_port=announced, ticket=pending.ticket)
-                conn = _wait_for_connection(pending, context)
-            finally:
-                conn = port.tickets.withdraw(pending)
-            if conn is None:
-                if not context.is_active():
-                    raise ClientGone()
-                raise RequestTimeout(
-                    f"the client did not open its data connection to port {port.port} within {CONNECT_TIMEOUT_S:.0f} s"
-                )
+            except BaseException:
+                port.tickets.withdraw(pending)
+                raise
+            conn = accept(port, pending, context)
             connection.set(conn)
             sender = _FrameSender(conn, session.peer, self._streams.settings.stall_timeout)
             manifest = session.manifest
@@ -181,6 +176,27 @@ def _read_exactly(
         done += n
 
 
+def issue(port: DataPort, context: grpc.ServicerContext, peer: str) -> Pending:
+    """A ticket for the call's data connection: from the call's host (and certificate, under mutual TLS)."""
+    return port.tickets.issue(peer_host(peer), _call_certificate(context, port))
+
+
+def accept(port: DataPort, pending: Pending, context: grpc.ServicerContext) -> socket.socket:
+    """The data connection that came with pending's ticket (announced on the call); ClientGone if the
+    call ended first, RequestTimeout if none came within CONNECT_TIMEOUT_S. The ticket is spent."""
+    try:
+        conn = _wait_for_connection(pending, context)
+    finally:
+        conn = port.tickets.withdraw(pending)
+    if conn is None:
+        if not context.is_active():
+            raise ClientGone()
+        raise RequestTimeout(
+            f"the client did not open its data connection to port {port.port} within {CONNECT_TIMEOUT_S:.0f} s"
+        )
+    return conn
+
+
 def _wait_for_connection(pending: Pending, context: grpc.ServicerContext) -> socket.socket | None:
     deadline = time.monotonic() + CONNECT_TIMEOUT_S
     while context.is_active():
@@ -204,7 +220,7 @@ def _call_certificate(context: grpc.ServicerContext, port: DataPort) -> bytes | 
     return None
 
 
-class _Connection:
+class CallConnection:
     """A stream's data connection, closed when the call terminates (from gRPC's callback thread)."""
 
     def __init__(self) -> None:

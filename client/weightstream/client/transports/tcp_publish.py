@@ -1,0 +1,105 @@
+"""A publish's bytes over the data port: the part's tensors written as frames, client to server.
+
+The PublishTensors call (authenticated, its status how the publish ended) carries the PublishStart
+with data_port set; the server's first answer announces the port and a one-time ticket, the client
+connects (TcpTransport.connect: the handshake and fallback rules of tcp streams) and writes each
+tensor's CHUNK frames, each with its CRC32C, then END with the counts (weightstream.protocol.tcp).
+The payload goes out from the tensor's own host memory (sendall of a view: one kernel copy); a
+tensor on a device is copied to host memory first, one tensor at a time. The call's last answer
+says the revision is current. The request side of the call stays open, empty, until then.
+
+A connection the server breaks (a bad chunk, a layout refused) ends the publish with the call's
+status, which names what was wrong.
+
+Concurrency: one publish per call; the call's request iterator runs on gRPC's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+
+import grpc
+import torch
+
+from weightstream.client.errors import UnavailableError
+from weightstream.client.transports.tcp import TcpTransport, raise_if_no_data_port
+from weightstream.protocol import tcp, wire
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+
+# How long a publish whose data connection broke waits for the call to say why.
+CALL_END_GRACE_S = 10.0
+
+
+def publish_over_data_port(
+    stub: pb_grpc.WeightStreamServiceStub,
+    transport: TcpTransport,
+    start: pb.PublishStart,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    *,
+    chunk_bytes: int,
+    metadata: Sequence[tuple[str, str]],
+) -> pb.PublishResponse:
+    """Publish one part over the data port; DataPortUnusable when the server has none (or it cannot be
+    reached), before any byte was sent; grpc.RpcError for what the server refused."""
+    announced = pb.PublishStart()
+    announced.CopyFrom(start)
+    announced.data_port = True
+    answered = threading.Event()
+
+    def requests() -> Iterator[pb.PublishRequest]:
+        yield pb.PublishRequest(start=announced)
+        answered.wait()  # the request side stays open until the last answer
+
+    call = stub.PublishTensors(requests(), metadata=tuple(metadata))
+    try:
+        try:
+            announcement = next(call)
+        except grpc.RpcError as exc:
+            raise_if_no_data_port(exc)
+            raise
+        conn = transport.connect(announcement.data_host, announcement.data_port, announcement.ticket)
+        with contextlib.closing(conn):
+            try:
+                _send_frames(conn, tensors, chunk_bytes)
+            except OSError as exc:
+                # The server broke the connection: the call says why.
+                if _ended_with_error(call):
+                    raise call from None  # the server's status and message
+                raise UnavailableError(f"the data connection broke while publishing: {exc}") from None
+            return next(call)
+    finally:
+        answered.set()
+        call.cancel()
+
+
+def _send_frames(conn: socket.socket, tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> None:
+    chunk_bytes = min(chunk_bytes, wire.MAX_CHUNK_BYTES)
+    chunks = sent = 0
+    for name, tensor in tensors:
+        host = tensor.detach()
+        if host.device.type != "cpu":
+            host = host.to("cpu")
+        if not host.numel():
+            continue
+        data = host.contiguous().view(-1).view(torch.uint8).numpy()
+        name_bytes = name.encode()
+        address = int(data.ctypes.data)
+        for offset in range(0, data.size, chunk_bytes):
+            length = min(chunk_bytes, data.size - offset)
+            crc = wire.crc32c_at(address + offset, length)
+            conn.sendall(tcp.chunk_header(name_bytes, offset, length, crc))
+            conn.sendall(data[offset : offset + length].data)
+            chunks += 1
+            sent += length
+    conn.sendall(tcp.end_frame(chunks, sent))
+
+
+def _ended_with_error(call: grpc.Future) -> bool:
+    """Whether the call ended, within CALL_END_GRACE_S, with an error status."""
+    done = threading.Event()
+    call.add_done_callback(lambda _: done.set())
+    return done.wait(CALL_END_GRACE_S) and call.code() != grpc.StatusCode.OK  # type: ignore[attr-defined]
