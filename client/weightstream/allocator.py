@@ -1,9 +1,13 @@
-"""Process-wide allocator tuning for the data path: fresh multi-MiB message buffers without page faults."""
+"""Process-wide allocator tuning for the data path: fresh multi-MiB message buffers without page faults,
+and fresh memory faulted in ahead of the bytes that land there (populate, PopulateAhead)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
+import threading
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -59,3 +63,85 @@ def release_free_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+MADV_POPULATE_WRITE = 23
+PAGE = mmap.PAGESIZE
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        function = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+_MADVISE = _madvise()
+
+
+def _probe() -> bool:
+    """Whether this kernel knows MADV_POPULATE_WRITE: tried once on a page of fresh anonymous memory.
+
+    A refusal later says nothing about the kernel (EINVAL is also the answer for memory without
+    write permission), so it is asked here, where only an unknown advice can fail.
+    """
+    if _MADVISE is None:
+        return False
+    with mmap.mmap(-1, PAGE) as page:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+        known = _MADVISE(address, PAGE, MADV_POPULATE_WRITE) == 0
+    if not known:
+        logger.debug("madvise(MADV_POPULATE_WRITE) is not supported here; destinations fault on first write")
+    return known
+
+
+_supported = _probe()
+
+
+def populate_supported() -> bool:
+    """Whether populate can do anything here (the kernel knows MADV_POPULATE_WRITE)."""
+    return _supported
+
+
+def populate(address: int, length: int) -> bool:
+    """Fault in the pages of [address, address + length) writable, contents unchanged; False if not done
+    (an old kernel; memory that refuses writes).
+
+    The span is widened to whole pages: the pages at its ends hold bytes of it, so they are mapped.
+    """
+    if not _supported or _MADVISE is None or length <= 0:
+        return False
+    start = address - address % PAGE
+    end = -(-(address + length) // PAGE) * PAGE
+    return _MADVISE(start, end - start, MADV_POPULATE_WRITE) == 0
+
+
+class PopulateAhead:
+    """Faults in [address, address + length) on a daemon thread, step by step from its start, while
+    bytes land there from the front (a receive into fresh memory): most pages are there before
+    the bytes are. close() stops it between two steps and waits for it."""
+
+    STEP_BYTES = 32 * 1024 * 1024
+
+    def __init__(self, address: int, length: int) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if _supported and length > 0:
+            self._thread = threading.Thread(
+                target=self._run, args=(address, length), name="weightstream-populate", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self, address: int, length: int) -> None:
+        for offset in range(0, length, self.STEP_BYTES):
+            if self._stop.is_set() or not populate(address + offset, min(self.STEP_BYTES, length - offset)):
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from weightstream.client import prefault
+from weightstream import allocator
 from weightstream.client.placement import Destination
 from weightstream.client.prefault import Prefault, host_span, populate
 
@@ -98,7 +98,7 @@ def test_memory_that_refuses_population_is_left_to_the_receive() -> None:
         warnings.simplefilter("ignore", UserWarning)
         tensor = torch.frombuffer(memory, dtype=torch.uint8)  # read-only: a write fault is refused
     assert not populate(int(tensor.data_ptr()), tensor.numel())
-    assert prefault._supported  # one refusal does not turn it off for every later load
+    assert allocator.populate_supported()  # one refusal does not turn it off for every later load
 
 
 def test_closing_stops_it_between_steps_without_populating_the_rest() -> None:

@@ -14,55 +14,20 @@ memory refuses it), nothing happens and the receive faults the pages as before.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from weightstream.allocator import populate, populate_supported
 from weightstream.client.placement import Destination
 
 logger = logging.getLogger(__name__)
 
-MADV_POPULATE_WRITE = 23
-PAGE = mmap.PAGESIZE
 # One madvise call's span: small enough that closing the prefault (a load's end or error) waits
 # for little, large enough that the calls cost nothing beside the faults they spare.
 STEP_BYTES = 32 * 1024 * 1024
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        function = ctypes.CDLL(None).madvise
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function
-
-
-_MADVISE = _madvise()
-
-
-def _probe() -> bool:
-    """Whether this kernel knows MADV_POPULATE_WRITE: tried once on a page of fresh anonymous memory.
-
-    A refusal later says nothing about the kernel (EINVAL is also the answer for memory without
-    write permission), so it is asked here, where only an unknown advice can fail.
-    """
-    if _MADVISE is None:
-        return False
-    with mmap.mmap(-1, PAGE) as page:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(page))
-        known = _MADVISE(address, PAGE, MADV_POPULATE_WRITE) == 0
-    if not known:
-        logger.debug("madvise(MADV_POPULATE_WRITE) is not supported here; destinations fault on first write")
-    return known
-
-
-_supported = _probe()
 
 
 def host_span(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -71,19 +36,6 @@ def host_span(tensor: torch.Tensor) -> tuple[int, int] | None:
         return None
     last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     return int(tensor.data_ptr()), (last + 1) * tensor.element_size()
-
-
-def populate(address: int, length: int) -> bool:
-    """Fault in the pages of [address, address + length) writable, contents unchanged; False if not done
-    (an old kernel; memory that refuses writes).
-
-    The span is widened to whole pages: the pages at its ends hold bytes of it, so they are mapped.
-    """
-    if not _supported or _MADVISE is None or length <= 0:
-        return False
-    start = address - address % PAGE
-    end = -(-(address + length) // PAGE) * PAGE
-    return _MADVISE(start, end - start, MADV_POPULATE_WRITE) == 0
 
 
 class Prefault:
@@ -98,7 +50,7 @@ class Prefault:
         self._stop = threading.Event()
         self.populated_bytes = 0
         self._thread: threading.Thread | None = None
-        if _supported and any(host_span(d.buffer) for d in self._dests):
+        if populate_supported() and any(host_span(d.buffer) for d in self._dests):
             self._thread = threading.Thread(target=self._run, name="weightstream-prefault", daemon=True)
             self._thread.start()
 

@@ -9,6 +9,11 @@ payload. A CHUNK frame carries `length` bytes of tensor `name` from byte `offset
 for a slice), with their CRC32C; the END frame closes the stream and carries, in offset and length,
 how many chunks and payload bytes came before it. The server sends END only after every chunk was
 sent; a connection that ends without one was cut, and the call's status says why.
+
+A publish uses the same handshake and frames the other way: a PublishTensors call whose
+PublishStart sets data_port is answered with the port and a ticket, and the client writes the
+part's CHUNK frames (offsets within each tensor, in order) and then END with its counts; the server
+writes nothing on that connection, and the call's last answer says the revision is current.
 """
 
 from __future__ import annotations
