@@ -117,8 +117,13 @@ def test_a_model_only_published_upstream_is_served_by_the_sidecar_and_a_second_r
         report = near.update_into(module, "trained", since=first)
     assert_holds(module, b)
     assert report.revision == second
-    # From the revision the sidecar held in memory: only the changed tensor came from above.
+    # From the revision the sidecar held in memory: only the changed tensor came from above, and
+    # the unchanged ones are the same memory in both revisions it keeps.
     assert between_tiers == nbytes(b, ["head.weight"])
+    relay, store = sidecar.relay, sidecar.revisions
+    assert relay is not None and store is not None
+    assert relay.counts.shared_bytes == nbytes(b, list(b)) - nbytes(b, ["head.weight"])
+    assert store.held_bytes() <= nbytes(a, list(a)) + nbytes(b, ["head.weight"]) + 2 * 64, store.held_bytes()
 
 
 def test_a_storage_revision_upstream_reaches_the_sidecar_whose_manifests_cost_the_upstream_no_listing(

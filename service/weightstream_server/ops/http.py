@@ -93,6 +93,7 @@ class RelayStatus(BaseModel):
     revisions_total: int = Field(description="published revisions of the upstream taken here")
     pulled_bytes_total: int = Field(description="bytes of those asked of the upstream (what changed)")
     copied_bytes_total: int = Field(description="bytes of those copied from revisions held here (unchanged)")
+    shared_bytes_total: int = Field(description="bytes of those shared with a published revision held here")
     seconds_total: float = Field(description="seconds spent taking them")
 
 
@@ -269,6 +270,7 @@ def _relay(server: WeightStreamServer) -> RelayStatus | None:
         revisions_total=counts.revisions,
         pulled_bytes_total=counts.pulled_bytes,
         copied_bytes_total=counts.copied_bytes,
+        shared_bytes_total=counts.shared_bytes,
         seconds_total=round(counts.seconds, 3),
     )
 

@@ -117,6 +117,24 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     revision: Revision | None = None
     failure: str = ""
+    # A relayed revision's tensors that lie in a kept revision's memory, shared, not copied.
+    shared: dict[str, Shared] = field(default_factory=dict)
+    # The revision's tensor order, when the parts do not give it (a relay).
+    order: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A tensor of a kept published revision that a new one holds too: its buffer, where it lies
+    there, and its block CRC32Cs."""
+
+    name: str
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+    nbytes: int
+    buffer: torch.Tensor
+    offset: int
+    blocks: Blocks
 
 
 class PublishedSource:
@@ -224,17 +242,29 @@ class Publisher:
             raise
         return PartInFlight(self, pending, part, self._message_timeout)
 
-    def relay(self, start: pb.PublishStart, fill: Callable[[dict[str, torch.Tensor]], None], peer: str) -> Revision:
-        """Take a revision another server holds (start names it and its tensors, in one part), its
-        bytes written by fill into the views it is given, by tensor name; current once fill returned.
+    def relay(
+        self,
+        start: pb.PublishStart,
+        fill: Callable[[dict[str, torch.Tensor]], None],
+        peer: str,
+        shared: Sequence[Shared] = (),
+        order: list[str] | None = None,
+    ) -> Revision:
+        """Take a revision another server holds: start names it and the tensors to receive (one part),
+        whose bytes fill writes into the views it is given, by name; shared are its tensors already
+        in the memory of a revision kept here (held by reference, never copied); order is every
+        tensor's name in the revision's order. Current once fill returned.
 
-        Held like a publish: within --publish-max-bytes, one revision of a model at a time, nothing
-        left behind if fill fails. The layout is not checked: the other server checked it.
+        Held like a publish: within --publish-max-bytes (the new bytes; shared memory is counted
+        once), one revision of a model at a time, nothing left behind if fill fails. The layout is
+        not checked: the other server checked it.
         """
-        announced = _announced(start)
+        announced = _announced(start) if start.tensors else {}
         total = sum(t.nbytes for t in announced.values())
         total += -total % ALIGN
         pending = self._join(start, 1, total, peer)
+        pending.shared = {s.name: s for s in shared}
+        pending.order = order
         try:
             part = _Part(0, announced, torch.empty(max(total, 1), dtype=torch.uint8))
             with contextlib.closing(_populate_ahead(part.buffer)):
@@ -367,17 +397,29 @@ class Publisher:
             missing = [t.name for t in current.tensors if t.name not in by_name]
             if missing:
                 raise InvalidRequest(f"tensor {missing[0]!r} of revision {current.revision} is in no part")
-        order = [t.name for t in current.tensors] if current is not None else list(by_name)
         blocks = {name: parts[i].blocks[name] for name, (i, _) in by_name.items()}
+        buffers = [p.buffer for p in parts]
+        where: dict[int, int] = {}
+        for shared in pending.shared.values():
+            index = where.setdefault(shared.buffer.data_ptr(), len(buffers))
+            if index == len(buffers):
+                buffers.append(shared.buffer)
+            announced = _Announced(shared.name, shared.dtype, shared.shape, shared.nbytes, shared.offset)
+            by_name[shared.name] = (index, announced)
+            blocks[shared.name] = shared.blocks
+        if pending.order is not None:
+            order = pending.order
+        else:
+            order = [t.name for t in current.tensors] if current is not None else list(by_name)
         name = pending.name or _content_name(order, by_name, blocks)
         files = tuple(
             SourceFile(
-                f"published-{name}-part-{p.index}",
-                f"{PUBLISHED_SCHEME}{pending.model}/{name}/{p.index}",
-                p.buffer.numel(),
+                f"published-{name}-part-{index}",
+                f"{PUBLISHED_SCHEME}{pending.model}/{name}/{index}",
+                buffer.numel(),
                 name,
             )
-            for p in parts
+            for index, buffer in enumerate(buffers)
         )
         tensors = tuple(
             TensorEntry(
@@ -385,11 +427,10 @@ class Publisher:
             )
             for n in order
         )
-        source = PublishedSource(pending.model, [p.buffer for p in parts])
+        source = PublishedSource(pending.model, buffers)
         manifest = Manifest(pending.model, name, files, tensors, {t.name: t for t in tensors}, source)
-        return Revision(
-            pending.model, name, PUBLISHED, manifest, blocks=blocks, held_bytes=sum(p.buffer.numel() for p in parts)
-        )
+        memory = tuple((int(b.data_ptr()), b.numel()) for b in buffers)
+        return Revision(pending.model, name, PUBLISHED, manifest, blocks=blocks, memory=memory)
 
 
 class PartInFlight:

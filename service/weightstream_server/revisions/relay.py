@@ -8,9 +8,11 @@ too, under the same name, so a client pinned to a revision may ask either tier:
   kept (storage.upstream.UpstreamSource.hold_listings), so a manifest costs no call to the
   upstream: one ListModelFiles per revision, not one per request.
 - a published revision: taken into this server's memory as a published revision
-  (Publisher.relay, within --publish-max-bytes). What did not change since the revision this
-  server holds is copied here from that one (a published revision's memory, or files in the disk
-  cache); only the changed byte ranges (GetChanges: the upstream's block CRC32Cs) are asked of the
+  (Publisher.relay, within --publish-max-bytes). Tensors that did not change since the published
+  revision this server holds are shared with it: the new revision refers to the same memory (no
+  copy, no memory of its own). Changed tensors get memory of their own: their unchanged blocks are
+  copied from the revision held here (a published revision's memory, or files in the disk cache),
+  and only the changed byte ranges (GetChanges: the upstream's block CRC32Cs) are asked of the
   upstream, over its data port where it has one. Anything this server cannot copy (no held bytes,
   another layout, a since the upstream no longer keeps) is pulled whole.
 
@@ -32,17 +34,19 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from weightstream.client.errors import WeightStreamError
+from weightstream.client.manifest import TensorInfo
 from weightstream.client.revisions import RevisionEvent
 from weightstream.protocol import dtypes
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ModelNotFound, ServerError, UpstreamError
-from weightstream_server.revisions.published import PublishedSource, Publisher
+from weightstream_server.revisions.published import PublishedSource, Publisher, Shared
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest
 from weightstream_server.settings import ServerSettings
@@ -88,9 +92,11 @@ class RelayCounts:
     """What the relay did, for /status and the tests."""
 
     revisions: int = 0
-    # Bytes of relayed revisions asked of the upstream, and copied from revisions held here.
+    # Bytes of relayed revisions asked of the upstream, copied from revisions held here (files in the
+    # disk cache, changed tensors' unchanged blocks), and shared with a kept published revision.
     pulled_bytes: int = 0
     copied_bytes: int = 0
+    shared_bytes: int = 0
     seconds: float = 0.0
 
 
@@ -257,13 +263,16 @@ class Relay:
     def _pull(self, model: str, revision: str) -> None:
         started = time.perf_counter()
         upstream = self._client.manifest(model, revision=revision)
+        held = self._held(model)
+        shared = self._shared(model, held, upstream.tensors, revision)
         start = pb.PublishStart(model=model, revision=revision, new_layout=True)
         for info in upstream.tensors:
-            start.tensors.append(
-                pb.PublishedTensor(name=info.name, dtype=dtypes.BY_TORCH[info.dtype].wire, shape=list(info.shape))
-            )
-        held = self._held(model)
+            if info.name not in shared:
+                start.tensors.append(
+                    pb.PublishedTensor(name=info.name, dtype=dtypes.BY_TORCH[info.dtype].wire, shape=list(info.shape))
+                )
         pulled = copied = 0
+        shared_bytes = sum(s.nbytes for s in shared.values())
 
         def fill(views: dict[str, torch.Tensor]) -> None:
             nonlocal pulled, copied
@@ -293,22 +302,56 @@ class Relay:
             if rest:
                 pulled += self._client.load_into(rest, model, revision=revision, strict=False).bytes
 
-        self._publisher.relay(start, fill, f"upstream {self._client.target}")
+        order = [info.name for info in upstream.tensors]
+        self._publisher.relay(start, fill, f"upstream {self._client.target}", list(shared.values()), order)
         seconds = time.perf_counter() - started
         with self._lock:
             self.counts.revisions += 1
             self.counts.pulled_bytes += pulled
             self.counts.copied_bytes += copied
+            self.counts.shared_bytes += shared_bytes
             self.counts.seconds += seconds
         logger.info(
-            "model %r: revision %s relayed from the upstream: %d bytes pulled, %d copied from %s, %.3f s",
+            "model %r: revision %s relayed from the upstream: %d bytes pulled, %d copied and %d shared from %s, %.3f s",
             model,
             revision,
             pulled,
             copied,
+            shared_bytes,
             held.revision if held is not None else "nothing",
             seconds,
         )
+
+    def _shared(
+        self, model: str, held: Manifest | None, tensors: Sequence[TensorInfo], revision: str
+    ) -> dict[str, Shared]:
+        """The tensors of revision that did not change since held, a published revision in memory here:
+        held by reference in the new revision (no copy, no memory of its own). None where held is
+        not in memory, or the upstream cannot say what changed since it."""
+        if held is None or not isinstance(held.source, PublishedSource):
+            return {}
+        kept = self._store.find(model, held.revision)
+        if kept is None or kept.blocks is None:
+            return {}
+        try:
+            changed = self._client.changes(model, since=held.revision, revision=revision).tensors
+        except WeightStreamError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            return {}  # the upstream no longer keeps the revision held here
+        shared: dict[str, Shared] = {}
+        for info in tensors:
+            entry = held.by_name.get(info.name)
+            blocks = kept.blocks.get(info.name)
+            if entry is None or blocks is None or info.name in changed:
+                continue
+            if entry.dtype.torch != info.dtype or entry.shape != tuple(info.shape):
+                continue
+            buffer = held.source.part_buffer(entry.file_index)
+            shared[info.name] = Shared(
+                info.name, entry.dtype, entry.shape, entry.nbytes, buffer, entry.file_offset, blocks
+            )
+        return shared
 
 
 def _copy_held(held: Manifest, views: dict[str, torch.Tensor]) -> set[str]:

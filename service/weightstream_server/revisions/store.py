@@ -46,8 +46,9 @@ class Revision:
     manifest: Manifest
     created: float = field(default_factory=time.time)
     blocks: dict[str, Blocks] | None = None
-    # Bytes this revision holds in memory (published tensors); 0 for storage.
-    held_bytes: int = 0
+    # The memory this revision's tensors lie in, (address, bytes) per buffer (published ones);
+    # empty for storage. A relayed revision may share buffers with an older one.
+    memory: tuple[tuple[int, int], ...] = ()
     # False once a newer storage revision replaced this storage one: its files are gone.
     servable: bool = True
     # Called when the revision leaves the history (frees a published revision's memory).
@@ -164,8 +165,10 @@ class RevisionStore:
             }
 
     def held_bytes(self) -> int:
+        """Memory the kept revisions hold, each buffer counted once."""
         with self._lock:
-            return sum(r.held_bytes for h in self._models.values() for r in h.revisions)
+            spans = {address: size for h in self._models.values() for r in h.revisions for address, size in r.memory}
+            return sum(spans.values())
 
     def wait_for_change(self, model: str, after: str, timeout: float) -> Revision | None:
         """The model's current revision once it is not after (at once if it is not now); None after timeout."""
