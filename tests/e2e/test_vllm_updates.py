@@ -6,7 +6,7 @@ trainer, or written over the files in the model root) and the engine pulls it (s
 finish) and generates again, from the server itself or through a sidecar tier in front of it. Its
 tokens must be those of a fresh engine loaded from B's files with load_format="safetensors" at the
 same tensor-parallel size, and the server it pulls from must have sent only the changed tensors (per
-rank: that rank's slices of them).
+rank: that rank's slices of them). The same through `vllm serve`'s weight-transfer HTTP routes.
 """
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ import contextlib
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support.ports import LOOPBACK, free_ports
 from tests.support.servers import Running, running
 from tests.support.vllm_runs import (
     ENGINE_TIMEOUT_S,
@@ -143,3 +146,86 @@ def test_a_running_vllm_pulls_only_what_changed_and_generates_what_a_fresh_engin
         f"\nvLLM update ({mode}, TP={tp}, {through}): {update_sent} bytes sent for {changed} changed, "
         f"{result['update_seconds']:.3f} s in the engine; a fresh engine on B: {fresh.init_seconds:.1f} s"
     )
+
+
+PROMPTS = ["w1 w2 w3 w4", "w10 w200 w30", "w5 w5 w5 w5 w5 w5"]
+
+
+def completions(http: httpx.Client, base: str, model: str) -> list[list[int]]:
+    """Greedy token ids of PROMPTS from a vLLM OpenAI server, as the offline engine script asks for them."""
+    body = {
+        "model": model,
+        "prompt": PROMPTS,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    response = http.post(f"{base}/v1/completions", json=body, timeout=120.0)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    return [list(c["token_ids"]) for c in choices]
+
+
+def test_vllm_serve_pulls_a_published_revision_through_its_weight_transfer_http_routes(
+    folders: tuple[Path, Path], server: Running, tmp_path: Path
+) -> None:
+    _, new = folders
+    config_dir = tmp_path / "config" / MODEL
+    with WeightStreamClient(server.target, progress=False) as client:
+        client.fetch(MODEL, config_dir, metadata_only=True)
+    (port,) = free_ports(1)
+    base = f"http://{LOOPBACK}:{port}"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    args = [
+        str(VLLM_PYTHON.parent / "vllm"),
+        "serve",
+        str(config_dir),
+        *("--host", LOOPBACK, "--port", str(port), "--load-format", "weightstream"),
+        *("--model-loader-extra-config", json.dumps({"target": server.target, "model": MODEL})),
+        *("--weight-transfer-config", json.dumps({"backend": "weightstream"})),
+        *("--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0"),
+    ]
+    log = tmp_path / "vllm-serve.log"
+    with log.open("w") as sink:
+        engine = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        with httpx.Client(trust_env=False) as http:
+            deadline = time.monotonic() + ENGINE_TIMEOUT_S
+            while time.monotonic() < deadline and engine.poll() is None:
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(f"{base}/health", timeout=2.0).status_code == 200:
+                        break
+                time.sleep(0.5)
+            else:
+                raise AssertionError(f"vllm serve did not come up (exit {engine.poll()}):\n{log.read_text()[-6000:]}")
+            before = completions(http, base, str(config_dir))
+            state: dict[str, torch.Tensor] = {}
+            for file in sorted(new.glob("*.safetensors")):
+                state.update(load_file(str(file)))
+            with WeightStreamClient(server.target, progress=False) as trainer:
+                revision = trainer.publish(MODEL, state)
+            sent_before = int(server.get("/status").json()["bytes_served_total"])
+            init = {"init_info": {"target": server.target, "model": MODEL}}
+            for path, body in (
+                ("init_weight_transfer_engine", init),
+                ("start_weight_update", None),
+                ("update_weights", {"update_info": {"revision": revision}}),
+                ("finish_weight_update", {"weight_version": revision}),
+            ):
+                answer = http.post(f"{base}/{path}", json=body, timeout=120.0)
+                assert answer.status_code == 200, (path, answer.text, log.read_text()[-4000:])
+            sent = int(server.get("/status").json()["bytes_served_total"]) - sent_before
+            assert http.get(f"{base}/weight_info", timeout=10.0).json()["weight_version"] == revision
+            after = completions(http, base, str(config_dir))
+    finally:
+        engine.terminate()
+        try:
+            engine.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+    fresh = run_engine(new, "safetensors")
+    assert after == fresh.token_ids, "the engine updated over HTTP must generate what one loaded from B does"
+    assert before != after
+    changed = changed_bytes(new)
+    assert changed <= sent <= 1.1 * changed, (sent, changed)
