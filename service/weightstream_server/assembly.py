@@ -266,7 +266,16 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         stalls=StallWatch(settings.stall_timeout),
         cache=cache,
     )
-    publisher = Publisher(revisions, catalog, settings.publish_max_bytes, settings.stall_timeout, settings.publish_dir)
+    upload = None
+    if settings.publish_s3_prefix is not None:
+        from weightstream_server.storage.model_ids import parse_s3_model_id
+        from weightstream_server.storage.s3 import make_client
+
+        configure_s3(settings)
+        upload = (make_client(settings), parse_s3_model_id(settings.publish_s3_prefix))
+    publisher = Publisher(
+        revisions, catalog, settings.publish_max_bytes, settings.stall_timeout, settings.publish_dir, upload
+    )
     changes = Changes(revisions)
     relay = Relay(settings, revisions, catalog, publisher) if settings.upstream is not None else None
     servicer.add_to_server(servicer.WeightStreamServicer(streams), server)

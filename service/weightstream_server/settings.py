@@ -190,6 +190,12 @@ class ServerSettings(BaseSettings):
         description="folder each complete published revision is written to, as safetensors under MODEL/REVISION/ "
         "(atomically); none: published revisions live in memory only",
     )
+    publish_s3_prefix: str | None = Field(
+        default=None,
+        description="s3://BUCKET/PREFIX each complete published revision is uploaded to, as safetensors under "
+        "MODEL/REVISION/ with its index first (the --s3-endpoint, --s3-region and credentials of the S3 "
+        "settings); none: not uploaded",
+    )
     publish_max_bytes: ByteCount = Field(
         default=32 * 1024 * 1024 * 1024,
         description="memory that published revisions may hold together (those kept and the one arriving)",
@@ -307,6 +313,9 @@ class ServerSettings(BaseSettings):
             problems.append("--disk-cache keeps files read from S3 or --upstream; pass --s3-bucket or --upstream")
         if self.streamer_chunk_bytes is not None and self.streamer_chunk_bytes < 4096:
             problems.append(f"streamer_chunk_bytes must be at least 4096, not {self.streamer_chunk_bytes}")
+        prefix = self.publish_s3_prefix
+        if prefix is not None and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?", prefix):
+            problems.append(f"--publish-s3-prefix must be s3://BUCKET/PREFIX, not {prefix[:200]!r}")
         if self.s3_request_timeout_ms < 100:
             problems.append(f"s3_request_timeout_ms must be at least 100, not {self.s3_request_timeout_ms}")
         if (self.tls_cert is None) != (self.tls_key is None):

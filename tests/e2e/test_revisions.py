@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.support.servers import loopback_settings, serving
+from tests.support.s3_stores import REGION, S3_BUCKET, S3Process, s3_settings
+from tests.support.servers import eventually, loopback_settings, serving
 from weightstream.client import (
     AbortedError,
     FailedPreconditionError,
@@ -30,6 +31,7 @@ from weightstream.samples import ParameterTree
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server import WeightStreamServer
+from weightstream_server.storage.index import INDEX_FILE
 
 MODEL = "live"
 # 10 tensors of 1 MiB and 2 of 4 MiB (float32).
@@ -454,6 +456,37 @@ def test_a_complete_revision_is_written_to_the_publish_dir_and_served_from_there
     with serving(loopback_settings(model_root=published)) as s, client_of(s) as c:
         module = module_of(b)
         c.load_into(module, f"{MODEL}/{revision}")
+    assert_holds(module, b)
+
+
+def test_a_complete_revision_is_uploaded_to_the_publish_s3_prefix_index_first_and_served_from_there(
+    root: Path, s3_store: S3Process
+) -> None:
+    prefix = f"s3://{S3_BUCKET}/published"
+    settings = loopback_settings(
+        model_root=root,
+        allow_publish=True,
+        publish_s3_prefix=prefix,
+        s3_endpoint=s3_store.endpoint,
+        s3_region=REGION,
+        s3_path_style=True,
+    )
+    b = changed(state_of(0), ["layers.6.weight"], seed=21)
+    with serving(settings) as s, client_of(s) as c:
+        revision = c.publish(MODEL, b, revision="step-7")
+    store = s3_store.client()
+    key = f"published/{MODEL}/{revision}/"
+    eventually(
+        lambda: len(store.list_objects_v2(Bucket=S3_BUCKET, Prefix=key).get("Contents", [])) == 2,
+        "the revision's index and file were uploaded",
+    )
+    index = json.loads(store.get_object(Bucket=S3_BUCKET, Key=key + INDEX_FILE)["Body"].read())
+    assert set(index["weight_map"]) == set(b) and set(index["weight_map"].values()) == {
+        "model-00001-of-00001.safetensors"
+    }
+    with serving(s3_settings(s3_store)) as reader, client_of(reader) as r:
+        module = module_of(b)
+        r.load_into(module, f"{prefix}/{MODEL}/{revision}")
     assert_holds(module, b)
 
 

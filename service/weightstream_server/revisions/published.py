@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,11 +53,11 @@ from weightstream_server.errors import (
     RequestTimeout,
     ServerError,
 )
-from weightstream_server.revisions.persist import write_in_background
+from weightstream_server.revisions.persist import upload_in_background, write_in_background
 from weightstream_server.revisions.store import PUBLISHED, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest, TensorEntry
 from weightstream_server.serving.read_plan import ReadPlan
-from weightstream_server.storage.model_ids import check_model_id
+from weightstream_server.storage.model_ids import S3Location, check_model_id
 from weightstream_server.storage.sources import ModelFiles, SourceFile
 
 logger = logging.getLogger(__name__)
@@ -194,8 +195,11 @@ class Publisher:
         max_bytes: int,
         message_timeout: float,
         publish_dir: Path | None = None,
+        upload: tuple[Any, S3Location] | None = None,
     ) -> None:
         self._store = store
+        # Where complete revisions are uploaded (an S3 client and prefix, revisions.persist); None: not.
+        self._upload = upload
         # Where complete revisions are written (revisions.persist); None: they live in memory only.
         self._publish_dir = publish_dir
         self._catalog = catalog
@@ -362,6 +366,8 @@ class Publisher:
             pending.done.set()
         if self._publish_dir is not None:
             write_in_background(self._publish_dir, revision)
+        if self._upload is not None:
+            upload_in_background(*self._upload, revision)
         logger.info(
             "model %r: published revision %s is current: %d tensors, %d bytes in %d parts, %.3f s, from %s",
             revision.model,

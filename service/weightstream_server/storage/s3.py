@@ -133,7 +133,7 @@ class S3Source:
     def _list(self, location: S3Location) -> dict[str, tuple[int, str]]:
         """(size, ETag) of every object directly under location's prefix, by name."""
         objects: dict[str, tuple[int, str]] = {}
-        with _translated(location.bucket, location.prefix):
+        with translated(location.bucket, location.prefix):
             pages = self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=location.bucket, Prefix=location.prefix, Delimiter="/"
             )
@@ -147,7 +147,7 @@ class S3Source:
         key = file.path[len(S3_SCHEME) + len(self.bucket) + 1 :]
         if length <= 0:
             return b""
-        with _translated(self.bucket, key):
+        with translated(self.bucket, key):
             response = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
             data: bytes = response["Body"].read()
         return data
@@ -158,7 +158,7 @@ class S3Source:
         end = start + length if length else file.size
         if end <= start:
             return
-        with _translated(self.bucket, key):
+        with translated(self.bucket, key):
             response = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
             for piece in response["Body"].iter_chunks(_PIECE_BYTES):
                 yield piece, None
@@ -174,7 +174,7 @@ class S3Source:
             raise CorruptCheckpoint(f"model {model!r}: {INDEX_FILE} is larger than {MAX_INDEX_BYTES} bytes")
 
         def parse() -> dict[str, str]:
-            with _translated(location.bucket, key):
+            with translated(location.bucket, key):
                 # IfMatch: the object read is the version listed, or the read fails (and is not remembered).
                 raw = self._client.get_object(Bucket=location.bucket, Key=key, IfMatch=etag)["Body"].read()
             return parse_index(model, raw)
@@ -187,7 +187,7 @@ def _source_file(location: S3Location, name: str, objects: dict[str, tuple[int, 
 
 
 @contextlib.contextmanager
-def _translated(bucket: str, key: str) -> Iterator[None]:
+def translated(bucket: str, key: str) -> Iterator[None]:
     """Turn boto3's errors into the server's, naming the bucket and key (never credentials)."""
     where = f"s3://{bucket}/{key}"
     try:
