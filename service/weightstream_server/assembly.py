@@ -278,7 +278,6 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     )
     changes = Changes(revisions)
     relay = Relay(settings, revisions, catalog, publisher) if settings.upstream is not None else None
-    servicer.add_to_server(servicer.WeightStreamServicer(streams), server)
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
     data_port = None
     if settings.data_port:
@@ -292,6 +291,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
             raise OSError(f"could not bind the data port {settings.host}:{settings.data_port}: {exc.strerror}") from exc
     host, port = advertised(settings)
     announced = (host, port if port is not None else (data_port.port if data_port is not None else 0))
+    servicer.add_to_server(servicer.WeightStreamServicer(streams, data_port, announced), server)
     tcp_servicer.add_to_server(tcp_servicer.TcpServicer(streams, data_port, announced), server)
     revisions_servicer.add_to_server(
         revisions_servicer.RevisionsServicer(

@@ -23,6 +23,7 @@ from tests.support.servers import eventually, loopback_settings, serving
 from weightstream.client import NotFoundError, WeightStreamClient
 from weightstream_server import WeightStreamServer
 from weightstream_server.ops.http import create_app, start_http
+from weightstream_server.transports.tcp.servicer import FrameSender
 
 
 @pytest.fixture
@@ -202,3 +203,24 @@ def test_a_sidecar_started_after_a_publish_serves_the_published_revision_and_rel
             assert served(upstream) - before == nbytes(y, ["head.weight"])
             near.update_into(module, MODEL, since=first)
             assert_holds(module, y)
+
+
+def test_file_bytes_between_the_tiers_travel_over_the_upstreams_data_port(
+    upstream: WeightStreamServer, sidecar: WeightStreamServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[int] = []
+    raw = FrameSender.raw
+
+    def counting(self: FrameSender, name: bytes, offset: int, crc32c: int, data: bytes) -> None:
+        sent.append(len(data))
+        raw(self, name, offset, crc32c, data)
+
+    monkeypatch.setattr(FrameSender, "raw", counting)
+    a = state_of(0)
+    module = module_of(a)
+    with client_of(sidecar) as near:
+        near.load_into(module, MODEL)  # the sidecar fills its disk cache from the upstream
+    assert_holds(module, a)
+    # The file read whole, header and tensors, as frames on the data port.
+    file_size = sum(p.stat().st_size for p in Path(upstream.settings.model_root or "").rglob("*.safetensors"))
+    assert sum(sent) == file_size, (sum(sent), file_size)

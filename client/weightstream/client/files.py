@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
+import grpc
+
 from weightstream.client.channels import Channels
-from weightstream.client.errors import IntegrityError, translated
+from weightstream.client.errors import FailedPreconditionError, IntegrityError, UnavailableError, translated
 from weightstream.client.manifest import ModelFileList, files_from_proto
-from weightstream.protocol import wire
+from weightstream.client.transports.tcp import (
+    Cut,
+    DataPortUnusable,
+    FrameReader,
+    TcpTransport,
+    ended_with_error,
+    raise_if_no_data_port,
+)
+from weightstream.protocol import tcp, wire
 from weightstream.v1 import weightstream_pb2 as pb
 
 
@@ -51,18 +62,28 @@ class RemoteFiles:
             length=length,
         )
         where = f"model {model!r}, file {name!r}"
+        pieces: Iterator[tuple[int, bytes, int, int | None]] | None = None
+        transport = self._channels.data_port()
+        if transport is not None:
+            try:
+                with translated(self._target):
+                    pieces = self._data_port_pieces(transport, request, where)
+            except DataPortUnusable as exc:
+                if transport.fallback is None:
+                    raise FailedPreconditionError(f"{where}: the tcp transport cannot be used: {exc}") from None
+                transport.fallback.fall_back(str(exc))
+        if pieces is None:
+            pieces = self._grpc_pieces(request)
         expected = offset
         finished = False
-        call = self._channels.stub.ReadModelFile(request, metadata=self._channels.metadata)
         try:
             with translated(self._target):
-                for message in call:
-                    if finished or message.offset != expected:
-                        raise IntegrityError(f"{where}: received bytes at offset {message.offset}, expected {expected}")
-                    data = message.data  # each access of a protobuf bytes field makes a new copy
-                    if wire.crc32c(data) != message.crc32c:
+                for piece_offset, data, crc, file_crc in pieces:
+                    if finished or piece_offset != expected:
+                        raise IntegrityError(f"{where}: received bytes at offset {piece_offset}, expected {expected}")
+                    if wire.crc32c(data) != crc:
                         raise IntegrityError(
-                            f"{where}: CRC32C mismatch in the chunk at offset {message.offset} "
+                            f"{where}: CRC32C mismatch in the chunk at offset {piece_offset} "
                             f"({len(data)} bytes); the data was corrupted in transit"
                         )
                     expected += len(data)
@@ -72,10 +93,76 @@ class RemoteFiles:
                         finished = expected == offset + length
                         yield data, None
                         continue
-                    finished = message.HasField("file_crc32c")
-                    yield data, message.file_crc32c if finished else None
+                    finished = file_crc is not None
+                    yield data, file_crc
         finally:
-            call.cancel()
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
         if not finished:
             end = f"offset {offset + length}" if length else "the end of the file"
             raise IntegrityError(f"{where}: the stream ended at offset {expected}, before {end}")
+
+    def _grpc_pieces(self, request: pb.ReadModelFileRequest) -> Iterator[tuple[int, bytes, int, int | None]]:
+        """(offset, data, CRC32C, the whole file's CRC32C on the last piece of a read to the end) over gRPC."""
+        call = self._channels.stub.ReadModelFile(request, metadata=self._channels.metadata)
+        try:
+            for message in call:
+                data = message.data  # each access of a protobuf bytes field makes a new copy
+                whole = message.file_crc32c if message.HasField("file_crc32c") else None
+                yield message.offset, data, message.crc32c, whole
+        finally:
+            call.cancel()
+
+    def _data_port_pieces(
+        self, transport: TcpTransport, request: pb.ReadModelFileRequest, where: str
+    ) -> Iterator[tuple[int, bytes, int, int | None]]:
+        """The call opened and its data connection admitted (DataPortUnusable if not), then its pieces."""
+        ask = pb.ReadModelFileRequest()
+        ask.CopyFrom(request)
+        ask.data_port = True
+        call = self._channels.stub.ReadModelFile(ask, metadata=self._channels.metadata)
+        try:
+            try:
+                announcement = next(call)
+            except StopIteration:
+                raise IntegrityError(f"{where}: the read ended before it announced its data port") from None
+            except grpc.RpcError as exc:
+                raise_if_no_data_port(exc)
+                raise
+            conn = transport.connect(announcement.data_host, announcement.data_port, announcement.ticket)
+        except BaseException:
+            call.cancel()
+            raise
+        return _frames(call, conn, where, to_end=not request.length)
+
+
+def _frames(
+    call: grpc.Call, conn: socket.socket, where: str, *, to_end: bool
+) -> Iterator[tuple[int, bytes, int, int | None]]:
+    """A file read's frames from conn as pieces; the last one (held back until END) with END's whole-file
+    CRC32C on a read to the end. A connection cut before END raises what the call ended with."""
+    reader = FrameReader(conn)
+    held: tuple[int, bytes, int] | None = None
+    try:
+        while True:
+            try:
+                frame = tcp.decode_header(reader.exactly(tcp.HEADER.size))
+                if frame.kind == tcp.END:
+                    if held is not None:
+                        yield (*held, frame.crc32c if to_end else None)
+                    elif to_end:
+                        raise IntegrityError(f"{where}: the read ended with no bytes")
+                    return
+                reader.exactly(frame.name_bytes)
+                data = reader.payload(frame.length)
+            except (Cut, tcp.FrameError) as exc:
+                if ended_with_error(call):  # type: ignore[arg-type]
+                    raise call from None  # type: ignore[misc]
+                raise UnavailableError(f"{where}: the data connection was cut: {exc}") from None
+            if held is not None:
+                yield (*held, None)
+            held = (frame.offset, data, frame.crc32c)
+    finally:
+        call.cancel()
+        conn.close()

@@ -14,6 +14,10 @@ A publish uses the same handshake and frames the other way: a PublishTensors cal
 PublishStart sets data_port is answered with the port and a ticket, and the client writes the
 part's CHUNK frames (offsets within each tensor, in order) and then END with its counts; the server
 writes nothing on that connection, and the call's last answer says the revision is current.
+
+A file read (ReadModelFile with data_port, between tiers) sends the file's pieces as CHUNK frames
+named by the file, offsets within it; END carries, in crc32c, the whole file's CRC32C on a read to
+the file's end.
 """
 
 from __future__ import annotations
@@ -61,8 +65,9 @@ def chunk_header(name: bytes, offset: int, length: int, crc32c: int) -> bytes:
     return HEADER.pack(CHUNK, len(name), offset, length, crc32c) + name
 
 
-def end_frame(chunks: int, payload_bytes: int) -> bytes:
-    return HEADER.pack(END, 0, chunks, payload_bytes, 0)
+def end_frame(chunks: int, payload_bytes: int, crc32c: int = 0) -> bytes:
+    """The END frame; crc32c is a file read's whole-file CRC32C (0 elsewhere)."""
+    return HEADER.pack(END, 0, chunks, payload_bytes, crc32c)
 
 
 def decode_header(data: bytes | bytearray | memoryview) -> Frame:

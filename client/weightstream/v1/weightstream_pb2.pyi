@@ -188,32 +188,40 @@ class ModelFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., kind: _Optional[_Union[ModelFileKind, str]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ReadModelFileRequest(_message.Message):
-    __slots__ = ("model", "file", "offset", "revision", "max_chunk_bytes", "length")
+    __slots__ = ("model", "file", "offset", "revision", "max_chunk_bytes", "length", "data_port")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     file: str
     offset: int
     revision: str
     max_chunk_bytes: int
     length: int
-    def __init__(self, model: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., revision: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    data_port: bool
+    def __init__(self, model: _Optional[str] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., revision: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., length: _Optional[int] = ..., data_port: _Optional[bool] = ...) -> None: ...
 
 class ReadModelFileResponse(_message.Message):
-    __slots__ = ("offset", "crc32c", "file_crc32c", "data")
+    __slots__ = ("offset", "crc32c", "file_crc32c", "data_host", "data_port", "ticket", "data")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     FILE_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    DATA_HOST_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     offset: int
     crc32c: int
     file_crc32c: int
+    data_host: str
+    data_port: int
+    ticket: bytes
     data: bytes
-    def __init__(self, offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., file_crc32c: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., file_crc32c: _Optional[int] = ..., data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class OpenSharedMemoryRequest(_message.Message):
     __slots__ = ("nonce_file", "nonce")

@@ -3,8 +3,9 @@
 The upstream is asked through weightstream's own client, over gRPC, with its own token and TLS
 settings (--upstream-token-file, --upstream-tls, ...): ListModelFiles gives a model's files, their
 sizes and versions (so this server's revision of a model is its upstream's), and ReadModelFile their
-bytes, each piece checked against its CRC32C as it arrives and a read to the end of a file against
-the whole file's. Manifests are built here from the headers so read, as for any source.
+bytes (over the upstream's data port when it has one, else in the call's messages), each piece
+checked against its CRC32C as it arrives and a read to the end of a file against the whole file's.
+Manifests are built here from the headers so read, as for any source.
 
 Every failure of a call to the upstream is an UpstreamError that keeps the upstream's status code
 and names the upstream first, so a client can tell which tier failed.
@@ -56,7 +57,7 @@ class UpstreamSource:
         self.target = settings.upstream
         token = _read_token(settings.upstream_token_file) if settings.upstream_token_file is not None else None
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self._client = upstream_client(settings, "grpc")
+        self._client = upstream_client(settings, "auto")
         self._lock = threading.Lock()
         # The revision of each model's latest listing, passed on its reads: a model that changed
         # upstream since is refused there, never read mixed.

@@ -6,6 +6,7 @@ end-of-stream line; errors become gRPC status codes in rpc.abort only.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 
@@ -14,11 +15,14 @@ import grpc
 from weightstream.protocol.names import FILE_KINDS
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server.errors import TcpUnavailable
 from weightstream_server.serving.catalog import Manifest
 from weightstream_server.serving.files import FileListing, list_files
 from weightstream_server.serving.packing import pack_chunks
-from weightstream_server.serving.stream_session import Streams
+from weightstream_server.serving.stream_session import Streams, StreamSession
 from weightstream_server.transports import rpc
+from weightstream_server.transports.tcp.listener import DataPort
+from weightstream_server.transports.tcp.servicer import CallConnection, FrameSender, accept, issue
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +30,13 @@ logger = logging.getLogger(__name__)
 class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
     """GetManifest, StreamTensors, ListModelFiles and ReadModelFile. Safe to call from many threads."""
 
-    def __init__(self, streams: Streams) -> None:
+    def __init__(
+        self, streams: Streams, data_port: DataPort | None = None, advertise: tuple[str, int] = ("", 0)
+    ) -> None:
         self._streams = streams
+        # Where file reads that ask for it send their bytes (tiers); None: over gRPC only.
+        self._data_port = data_port
+        self._advertise = advertise
 
     def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
         try:
@@ -64,6 +73,9 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
     ) -> Iterator[pb.ReadModelFileResponse]:
         """One file's bytes from request.offset; a stream like the others, so that drain waits for it."""
         with self._streams.session(context, method="ReadModelFile", kind="file read", model=request.model) as session:
+            if request.data_port:
+                yield from self._read_over_data_port(request, context, session)
+                return
             responses = (
                 (
                     pb.ReadModelFileResponse(
@@ -74,6 +86,36 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
                 for piece in session.read_file(request)
             )
             yield from session.send(responses)
+
+    def _read_over_data_port(
+        self, request: pb.ReadModelFileRequest, context: grpc.ServicerContext, session: StreamSession
+    ) -> Iterator[pb.ReadModelFileResponse]:
+        """The file's pieces as frames on the data port, after the announcement (transports.tcp)."""
+        port = self._data_port
+        if port is None:
+            raise TcpUnavailable("this server has no data port (--data-port 0); use ReadModelFile without data_port")
+        pieces = session.read_file(request)  # its checks first, before a ticket is issued
+        first = next(pieces, None)
+        connection = CallConnection()
+        context.add_callback(connection.close)
+        pending = issue(port, context, session.peer)
+        try:
+            host, announced = self._advertise
+            yield pb.ReadModelFileResponse(data_host=host, data_port=announced, ticket=pending.ticket)
+        except BaseException:
+            port.tickets.withdraw(pending)
+            raise
+        conn = accept(port, pending, context)
+        connection.set(conn)
+        sender = FrameSender(conn, session.peer, self._streams.settings.stall_timeout)
+        name = request.file.encode()
+        whole = 0
+        for piece in itertools.chain((first,) if first is not None else (), pieces):
+            sender.raw(name, piece.offset, piece.crc32c, piece.data)
+            session.count_sent(len(piece.data))
+            if piece.file_crc32c is not None:
+                whole = piece.file_crc32c
+        sender.end(whole)
 
 
 def add_to_server(servicer: WeightStreamServicer, server: grpc.Server) -> None:

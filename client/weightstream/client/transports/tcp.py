@@ -88,7 +88,7 @@ class DataPortUnusable(Exception):
     """The data port cannot serve this client (see the module docstring: falling back)."""
 
 
-class _Cut(Exception):
+class Cut(Exception):
     """The data connection ended or failed before its END frame."""
 
 
@@ -228,7 +228,7 @@ def _receive(
     messages: CallReader[pb.StreamTensorsBulkResponse],
     model: str,
 ) -> Batches:
-    reader = _Reader(conn)
+    reader = FrameReader(conn)
     chunks = payload = 0
     try:
         while True:
@@ -264,7 +264,7 @@ def _receive(
             ]  # fmt: skip
     except tcp.FrameError as exc:
         raise IntegrityError(f"model {model!r}: malformed frame on the data connection: {exc}") from exc
-    except _Cut as cut:
+    except Cut as cut:
         outcome = _call_outcome(messages)
         if outcome is not None:
             raise outcome from None
@@ -284,13 +284,20 @@ def _call_outcome(messages: CallReader[pb.StreamTensorsBulkResponse]) -> BaseExc
         return None
 
 
+def ended_with_error(call: grpc.Future) -> bool:
+    """Whether a call ended, within CALL_END_GRACE_S, with an error status (then it is the error to raise)."""
+    done = threading.Event()
+    call.add_done_callback(lambda _: done.set())
+    return done.wait(CALL_END_GRACE_S) and call.code() != grpc.StatusCode.OK  # type: ignore[attr-defined]
+
+
 def _shut(conn: socket.socket) -> None:
     with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)
 
 
-class _Reader:
-    """Exact reads from the data connection; _Cut when it ends or fails first."""
+class FrameReader:
+    """Exact reads from the data connection; Cut when it ends or fails first."""
 
     def __init__(self, conn: socket.socket) -> None:
         self._conn = conn
@@ -302,6 +309,21 @@ class _Reader:
         view = memoryview(self._small)[:size]
         self._fill(view)
         return bytes(view)
+
+    def payload(self, size: int) -> bytes:
+        """The next size bytes, as bytes (received in as few calls as the socket allows)."""
+        parts: list[bytes] = []
+        left = size
+        while left:
+            try:
+                data = self._conn.recv(left, self._flags)
+            except OSError as exc:
+                raise Cut(str(exc)) from None
+            if not data:
+                raise Cut(f"the server closed it {left} bytes into a read")
+            parts.append(data)
+            left -= len(data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def into(self, address: int, size: int, *, checksum: bool = False) -> int:
         """Receive size bytes at address; with checksum, their CRC32C as they landed (else 0).
@@ -328,9 +350,9 @@ class _Reader:
             try:
                 n = self._conn.recv_into(view[got:], size - got, self._flags)
             except OSError as exc:
-                raise _Cut(str(exc)) from None
+                raise Cut(str(exc)) from None
             if n == 0:
-                raise _Cut(f"the server closed it {size - got} bytes into a read")
+                raise Cut(f"the server closed it {size - got} bytes into a read")
             got += n
 
 

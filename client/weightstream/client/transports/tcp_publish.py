@@ -25,13 +25,10 @@ import grpc
 import torch
 
 from weightstream.client.errors import UnavailableError
-from weightstream.client.transports.tcp import TcpTransport, raise_if_no_data_port
+from weightstream.client.transports.tcp import TcpTransport, ended_with_error, raise_if_no_data_port
 from weightstream.protocol import tcp, wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
-
-# How long a publish whose data connection broke waits for the call to say why.
-CALL_END_GRACE_S = 10.0
 
 
 def publish_over_data_port(
@@ -67,7 +64,7 @@ def publish_over_data_port(
                 _send_frames(conn, tensors, chunk_bytes)
             except OSError as exc:
                 # The server broke the connection: the call says why.
-                if _ended_with_error(call):
+                if ended_with_error(call):
                     raise call from None  # the server's status and message
                 raise UnavailableError(f"the data connection broke while publishing: {exc}") from None
             return next(call)
@@ -96,10 +93,3 @@ def _send_frames(conn: socket.socket, tensors: Sequence[tuple[str, torch.Tensor]
             chunks += 1
             sent += length
     conn.sendall(tcp.end_frame(chunks, sent))
-
-
-def _ended_with_error(call: grpc.Future) -> bool:
-    """Whether the call ended, within CALL_END_GRACE_S, with an error status."""
-    done = threading.Event()
-    call.add_done_callback(lambda _: done.set())
-    return done.wait(CALL_END_GRACE_S) and call.code() != grpc.StatusCode.OK  # type: ignore[attr-defined]

@@ -109,7 +109,7 @@ class TcpServicer:
                 raise
             conn = accept(port, pending, context)
             connection.set(conn)
-            sender = _FrameSender(conn, session.peer, self._streams.settings.stall_timeout)
+            sender = FrameSender(conn, session.peer, self._streams.settings.stall_timeout)
             manifest = session.manifest
             direct = streams.cache is None and reads_directly(manifest, plan) and page_cached(manifest, plan)
             logger.debug(
@@ -130,7 +130,7 @@ class TcpServicer:
             sender.end()
 
 
-def _send_files(sender: _FrameSender, session: StreamSession, chunk_bytes: int) -> None:
+def _send_files(sender: FrameSender, session: StreamSession, chunk_bytes: int) -> None:
     """Every chunk of the session's plan (local, page-cached files) from its file, checksummed once per file version."""
     manifest, plan = session.manifest, session.plan
     buffer = np.empty(chunk_bytes, dtype=np.uint8)
@@ -247,7 +247,7 @@ class CallConnection:
             conn.close()
 
 
-class _FrameSender:
+class FrameSender:
     """Writes a stream's frames to its connection; a broken or stalled connection is DataConnectionLost."""
 
     def __init__(self, conn: socket.socket, peer: str, stall_timeout: float) -> None:
@@ -280,9 +280,17 @@ class _FrameSender:
             self._sendfile(fd, offset, place.length, check_unchanged)
         self._sent(place.length)
 
-    def end(self) -> None:
+    def raw(self, name: bytes, offset: int, crc32c: int, data: bytes) -> None:
+        """One CHUNK frame of data (a file's piece: name is the file's, offset within it)."""
         with self._sending():
-            self._conn.sendall(tcp.end_frame(self.chunks, self.nbytes))
+            self._conn.sendall(tcp.chunk_header(name, offset, len(data), crc32c), socket.MSG_MORE if self.plain else 0)
+            self._conn.sendall(data)
+        self._sent(len(data))
+
+    def end(self, crc32c: int = 0) -> None:
+        """The END frame (crc32c: a file read's whole-file CRC32C)."""
+        with self._sending():
+            self._conn.sendall(tcp.end_frame(self.chunks, self.nbytes, crc32c))
 
     def _sendfile(self, fd: int, offset: int, length: int, check_unchanged: Callable[[], None]) -> None:
         out = self._conn.fileno()
