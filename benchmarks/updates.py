@@ -301,8 +301,9 @@ def _tier(
     return (
         f"through a sidecar: first load {first.seconds:.3f} s; a published revision with {nbytes(b, names):,d} "
         f"bytes changed reached the sidecar's watch {relayed:.3f} s after publish returned, {between:,d} bytes "
-        f"between the tiers ({relay['copied_bytes_total']:,d} copied from the sidecar's own, over "
-        f"{relay.get('transport', '?')}); update_into from the sidecar {report.seconds:.3f} s, {sent:,d} bytes sent"
+        f"between the tiers over {relay.get('transport', '?')} ({relay['shared_bytes_total']:,d} shared with the "
+        f"revision the sidecar held, {relay['copied_bytes_total']:,d} copied from it); update_into from the "
+        f"sidecar {report.seconds:.3f} s, {sent:,d} bytes sent"
     )
 
 
