@@ -17,7 +17,8 @@ GetChanges answers come from block CRC32Cs kept with it, no storage read). A sid
 server (--upstream, --disk-cache) shows a published revision relayed between the tiers: how long
 until the sidecar's watch reports it, the bytes that went between them, and the update from it. With --vllm, a vLLM CPU
 engine on a small Llama (.venv-vllm) is updated in place through the weight-transfer API and
-compared with starting a fresh engine on the new files (how users update today).
+compared with vLLM's own in-place reload from the new files (reload_weights(weights_path=...)) and
+with starting a fresh engine on them (how users update today).
 
 Usage (from the repository root): python benchmarks/updates.py [--gb 1] [--runs 3] [--fraction 0.1] [--vllm]
 """
@@ -361,10 +362,23 @@ def _vllm() -> str:
             line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
             update_s = json.loads(line.removeprefix("RESULT "))["update_seconds"]
         fresh = run_engine(new, "safetensors")
+        # vLLM's own path: an engine on A's files reloads B's from disk in place (reload_weights).
+        script = Path(__file__).resolve().parent / "vllm_reload_script.py"
+        reloaded = subprocess.run(
+            [str(VLLM_PYTHON), str(script), str(root / MODEL), str(new)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+            cwd=tmp,
+        )
+        line = next(x for x in reloaded.stdout.splitlines() if x.startswith("RESULT "))
+        reload_s = json.loads(line.removeprefix("RESULT "))["reload_seconds"]
     changed = nbytes(state, names)
     return (
         f"vLLM (CPU, {sum(t.numel() * 4 for t in state.values()) / MB:.0f} MB float32 Llama, {changed / MB:.1f} MB "
-        f"changed): in-place update {update_s:.3f} s; a fresh LLM on the new files {fresh.wall_seconds:.1f} s "
+        f"changed): in-place update {update_s:.3f} s; vLLM's own reload_weights from the new files "
+        f"{reload_s:.3f} s ({reload_s / update_s:.1f}x); a fresh LLM on the new files {fresh.wall_seconds:.1f} s "
         f"(LLM() {fresh.init_seconds:.1f} s): {fresh.wall_seconds / update_s:.0f}x"
     )
 

@@ -16,6 +16,7 @@ from weightstream.protocol import names
 
 if TYPE_CHECKING:
     from weightstream.client import WeightStreamClient
+    from weightstream.client.vllm_http import VllmServer
 
 SERVER_INSTALL = "pip install 'weightstream[server]'"
 
@@ -104,6 +105,29 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--after", default="", help="a revision already held: start with the next one")
     watch.add_argument("--count", type=int, default=0, help="stop after this many revisions (default: never)")
     _add_connection_options(watch)
+
+    update = commands.add_parser(
+        "update",
+        help="tell a running vllm serve to pull a revision of MODEL in place (or each new one, with --follow)",
+        description="Pull MODEL's current revision (or --revision R) into a running `vllm serve` through its "
+        "weight-transfer HTTP routes: the engine must run with VLLM_SERVER_DEV_MODE=1 and "
+        '--weight-transfer-config \'{"backend": "weightstream"}\'. Every rank pulls only what changed since '
+        "the revision it holds. The revision is resolved here, once, so that every rank pulls the same one. "
+        "With --follow, watch MODEL and pull each new revision as it becomes current (a continuous deployment "
+        "loop); one JSON line per update. The engine's API key, if any, comes from VLLM_API_KEY.",
+    )
+    update.add_argument("model", help="model id, for example tiny-llama")
+    update.add_argument("--target", required=True, help="weightstream server address, HOST:PORT")
+    update.add_argument("--vllm", required=True, metavar="URL", help="the vLLM server, e.g. http://127.0.0.1:8000")
+    update.add_argument(
+        "--engine-target",
+        default=None,
+        help="the weightstream address as the engine reaches it (default: --target)",
+    )
+    update.add_argument("--revision", default=None, help="the revision to pull (default: the current one)")
+    update.add_argument("--follow", action="store_true", help="keep watching, and pull each new revision")
+    update.add_argument("--count", type=int, default=0, help="with --follow: stop after this many updates")
+    _add_connection_options(update)
     return parser
 
 
@@ -176,10 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _publish(client, args)
             if args.command == "watch":
                 return _watch(client, args)
+            if args.command == "update":
+                return _update(client, args)
             return _load(client, args)
     except KeyboardInterrupt:
         return 130
-    except (WeightStreamError, OSError, ValueError) as exc:
+    except (WeightStreamError, OSError, ValueError, RuntimeError) as exc:
         print(f"weightstream {args.command}: {exc}", file=sys.stderr)
         return 1
 
@@ -299,3 +325,33 @@ def _watch(client: WeightStreamClient, args: argparse.Namespace) -> int:
         if args.count and count >= args.count:
             break
     return 0
+
+
+def _update(client: WeightStreamClient, args: argparse.Namespace) -> int:
+    import os
+
+    from weightstream.client.vllm_http import VllmServer
+
+    engine = VllmServer(args.vllm, api_key=os.environ.get("VLLM_API_KEY"))
+    engine.init({"target": args.engine_target or args.target, "model": args.model})
+    if args.revision and args.follow:
+        raise ValueError("--revision and --follow: pass one")
+    holding = engine.weight_version()
+    if not args.follow:
+        revision = args.revision or client.manifest(args.model).revision
+        _pull(engine, args.model, revision, holding)
+        return 0
+    updates = 0
+    for event in client.watch(args.model, after=holding or ""):
+        _pull(engine, args.model, event.revision, holding)
+        holding = event.revision
+        updates += 1
+        if args.count and updates >= args.count:
+            break
+    return 0
+
+
+def _pull(engine: VllmServer, model: str, revision: str, holding: str | None) -> None:
+    seconds = engine.pull(revision)
+    line = {"model": model, "revision": revision, "since": holding, "seconds": round(seconds, 3), "vllm": engine.url}
+    print(json.dumps(line), flush=True)

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from tests.e2e.test_revisions import MODEL, assert_holds, changed, module_of, nbytes, served, state_of
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.servers import eventually, loopback_settings, serving
-from weightstream.client import NotFoundError, WeightStreamClient
+from weightstream.client import FailedPreconditionError, NotFoundError, WeightStreamClient
 from weightstream_server import WeightStreamServer
 from weightstream_server.ops.http import create_app, start_http
 from weightstream_server.transports.tcp.servicer import FrameSender
@@ -224,3 +224,26 @@ def test_file_bytes_between_the_tiers_travel_over_the_upstreams_data_port(
     # The file read whole, header and tensors, as frames on the data port.
     file_size = sum(p.stat().st_size for p in Path(upstream.settings.model_root or "").rglob("*.safetensors"))
     assert sum(sent) == file_size, (sum(sent), file_size)
+
+
+def test_a_revision_named_at_the_sidecar_a_moment_after_its_publish_upstream_is_waited_for(
+    upstream: WeightStreamServer, sidecar: WeightStreamServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    relay = sidecar.relay
+    assert relay is not None
+    pull = relay._pull
+
+    def slow_pull(model: str, revision: str) -> None:
+        time.sleep(1.0)  # the relay takes its time: the request naming the revision comes first
+        pull(model, revision)
+
+    monkeypatch.setattr(relay, "_pull", slow_pull)
+    b = changed(state_of(0), ["head.weight"], seed=12)
+    with client_of(sidecar) as near, client_of(upstream) as far:
+        near.manifest(MODEL)  # followed
+        revision = far.publish(MODEL, b)
+        assert near.manifest(MODEL, revision=revision).revision == revision
+        started = time.monotonic()
+        with pytest.raises(FailedPreconditionError, match="never-published"):
+            near.manifest(MODEL, revision="never-published")
+        assert time.monotonic() - started < 10, "a revision the upstream does not have is not waited for"

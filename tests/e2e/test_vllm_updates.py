@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support.commands import clean_env, weightstream_cmd
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.servers import Running, running
 from tests.support.vllm_runs import (
@@ -89,7 +90,7 @@ def changed_bytes(folder: Path) -> int:
 
 
 def run_update(
-    server: Running, config_dir: Path, new: Path, mode: str, tp: int, model_dir: Path
+    server: Running, config_dir: Path, new: Path, mode: str, tp: int, model_dir: Path, publish_to: str
 ) -> tuple[dict[str, object], str]:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
     if tp > 1:
@@ -104,6 +105,7 @@ def run_update(
         mode,
         str(tp),
         str(model_dir),
+        publish_to,
     ]
     result = subprocess.run(
         args, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env, cwd=config_dir.parent, check=False
@@ -117,7 +119,9 @@ def run_update(
     return json.loads(lines[-1].removeprefix("RESULT ")), result.stdout + result.stderr
 
 
-@pytest.mark.parametrize(("mode", "tp", "through"), [("publish", 1, "direct"), ("storage", 2, "sidecar")])
+@pytest.mark.parametrize(
+    ("mode", "tp", "through"), [("publish", 1, "direct"), ("publish", 2, "sidecar"), ("storage", 2, "sidecar")]
+)
 def test_a_running_vllm_pulls_only_what_changed_and_generates_what_a_fresh_engine_on_the_new_files_does(
     mode: str, tp: int, through: str, folders: tuple[Path, Path], server: Running, tmp_path: Path
 ) -> None:
@@ -128,7 +132,7 @@ def test_a_running_vllm_pulls_only_what_changed_and_generates_what_a_fresh_engin
             client.fetch(MODEL, config_dir, metadata_only=True)
             total = client.manifest(MODEL).total_bytes
         before = int(target.get("/status").json()["bytes_served_total"])  # the config and tokenizer files
-        result, logs = run_update(target, config_dir, new, mode, tp, root / MODEL)
+        result, logs = run_update(target, config_dir, new, mode, tp, root / MODEL, server.target)
         served = int(target.get("/status").json()["bytes_served_total"]) - before
     fresh = run_engine(new, "safetensors", tp=tp)
 
@@ -201,21 +205,34 @@ def test_vllm_serve_pulls_a_published_revision_through_its_weight_transfer_http_
             else:
                 raise AssertionError(f"vllm serve did not come up (exit {engine.poll()}):\n{log.read_text()[-6000:]}")
             before = completions(http, base, str(config_dir))
-            state: dict[str, torch.Tensor] = {}
-            for file in sorted(new.glob("*.safetensors")):
-                state.update(load_file(str(file)))
-            with WeightStreamClient(server.target, progress=False) as trainer:
-                revision = trainer.publish(MODEL, state)
+            held = json.loads(http.get(f"{base}/weight_info", timeout=10.0).text or "{}").get("weight_version")
             sent_before = int(server.get("/status").json()["bytes_served_total"])
-            init = {"init_info": {"target": server.target, "model": MODEL}}
-            for path, body in (
-                ("init_weight_transfer_engine", init),
-                ("start_weight_update", None),
-                ("update_weights", {"update_info": {"revision": revision}}),
-                ("finish_weight_update", {"weight_version": revision}),
-            ):
-                answer = http.post(f"{base}/{path}", json=body, timeout=120.0)
-                assert answer.status_code == 200, (path, answer.text, log.read_text()[-4000:])
+            # The deployment loop: `weightstream update --follow` watches the model and has the engine
+            # pull each revision through its HTTP routes; the first is the one it holds already.
+            follow = subprocess.Popen(
+                [
+                    *weightstream_cmd(),
+                    *("update", MODEL, "--target", server.target, "--vllm", base, "--follow", "--count", "2"),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=clean_env(),
+            )
+            try:
+                assert follow.stdout is not None
+                first = json.loads(follow.stdout.readline() or "null")
+                assert first is not None, follow.stderr.read() if follow.stderr else ""
+                state: dict[str, torch.Tensor] = {}
+                for file in sorted(new.glob("*.safetensors")):
+                    state.update(load_file(str(file)))
+                with WeightStreamClient(server.target, progress=False) as trainer:
+                    revision = trainer.publish(MODEL, state)
+                second = json.loads(follow.stdout.readline() or "null")
+                assert follow.wait(timeout=120) == 0, follow.stderr.read() if follow.stderr else ""
+            finally:
+                follow.kill()
+            assert (first["since"], second["since"], second["revision"]) == (held, first["revision"], revision)
             sent = int(server.get("/status").json()["bytes_served_total"]) - sent_before
             assert http.get(f"{base}/weight_info", timeout=10.0).json()["weight_version"] == revision
             after = completions(http, base, str(config_dir))

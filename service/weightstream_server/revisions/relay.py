@@ -126,8 +126,12 @@ class Relay:
         with self._lock:
             return sorted(self._followers)
 
-    def follow(self, model: str) -> None:
-        """Follow model if it is read from the upstream; the first time, wait for its current revision."""
+    def follow(self, model: str, revision: str = "") -> None:
+        """Follow model if it is read from the upstream; the first time, wait for its current revision.
+
+        A request that names a revision not here yet, which is the upstream's current one (published
+        there a moment ago), waits for the follower to take it, up to FIRST_REVISION_S.
+        """
         with self._lock:
             follower = self._followers.get(model)
         if follower is None:
@@ -139,6 +143,16 @@ class Relay:
                 "model %r: the upstream's revision did not arrive within %.0f s; answering with the one held here",
                 model,
                 FIRST_REVISION_S,
+            )
+        if not revision or self._store.find(model, revision) is not None:
+            return
+        try:
+            current = self._client.manifest(model).revision
+        except WeightStreamError:
+            return  # the request is answered with what this server has
+        if current == revision and not self._store.wait_for(model, revision, FIRST_REVISION_S):
+            logger.warning(
+                "model %r: revision %s of the upstream did not arrive within %.0f s", model, revision, FIRST_REVISION_S
             )
 
     def close(self) -> None:

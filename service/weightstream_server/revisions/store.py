@@ -84,13 +84,28 @@ class RevisionStore:
         self.publish_seconds: dict[str, float] = {}
         # Called (outside the lock) with each new storage revision.
         self.listeners: list[Callable[[Revision], None]] = []
-        # Called with each model a request asks for, before its revision is looked up (revisions.relay).
-        self.on_asked: list[Callable[[str], None]] = []
+        # Called with each model (and revision named, or "") a request asks for, before its revision
+        # is looked up (revisions.relay).
+        self.on_asked: list[Callable[[str, str], None]] = []
 
-    def asked(self, model: str) -> None:
-        """A request asks for model: what follows revisions elsewhere may bring them first."""
+    def asked(self, model: str, revision: str = "") -> None:
+        """A request asks for model (and names revision, or ""): what follows revisions elsewhere may
+        bring them first."""
         for call in self.on_asked:
-            call(model)
+            call(model, revision)
+
+    def wait_for(self, model: str, revision: str, timeout: float) -> bool:
+        """Whether revision of model is kept here, waiting up to timeout s for it to arrive."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                history = self._models.get(model)
+                if history is not None and any(r.id == revision for r in history.revisions):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
 
     def observe_storage(self, model: str, manifest: Manifest) -> Revision:
         """Record manifest, built from storage, as the model's storage revision; a new one becomes current."""

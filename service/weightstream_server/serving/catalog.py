@@ -97,7 +97,7 @@ class RevisionLookup(Protocol):
 
     def was_evicted(self, model: str, revision: str) -> bool: ...
 
-    def asked(self, model: str) -> None: ...
+    def asked(self, model: str, revision: str = "") -> None: ...
 
 
 class Catalog:
@@ -142,7 +142,7 @@ class Catalog:
                     f"model {model!r} changed: revision {only.revision}, the request expects {revision}"
                 )
             return only
-        store.asked(model)
+        store.asked(model, revision)
         if revision:
             kept = store.find(model, revision)
             if kept is not None and kept.servable and kept.origin != "storage":

@@ -1,10 +1,11 @@
 """Run in the vLLM environment (.venv-vllm): an engine loaded through weightstream, updated in place.
 
-Usage: python tests/support/vllm_scripts/update.py CONFIG_DIR TARGET MODEL_ID NEW_DIR MODE TP STORAGE_DIR
+Usage: python tests/support/vllm_scripts/update.py CONFIG_DIR TARGET MODEL_ID NEW_DIR MODE TP STORAGE_DIR [PUBLISH_TO]
 
 Builds an LLM on CONFIG_DIR with load_format="weightstream" and the weightstream weight-transfer
 backend, generates greedily, then makes NEW_DIR's safetensors the model's next revision: MODE
-"publish" publishes them from this process (a trainer would), MODE "storage" moves them over the
+"publish" publishes them from this process (a trainer would) to PUBLISH_TO (default TARGET: a
+sidecar's upstream, say), MODE "storage" moves them over the
 files in STORAGE_DIR (the model folder of TARGET or of its upstream) and takes the revision that
 TARGET's watch then reports, and pulls it into the running engine through
 vLLM's weight-transfer API (start, update, finish), and generates again. Prints one line
@@ -28,6 +29,7 @@ MAX_TOKENS = 8
 def main() -> None:
     config_dir, target, model_id, new_dir, mode, tp = sys.argv[1:7]
     storage_dir = Path(sys.argv[7])
+    publish_to = sys.argv[8] if len(sys.argv) > 8 else target
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
@@ -53,7 +55,7 @@ def main() -> None:
     files = sorted(Path(new_dir).glob("*.safetensors"))
     if mode == "publish":
         tensors = {name: t for f in files for name, t in load_file(str(f)).items()}
-        with WeightStreamClient(target, progress=False) as client:
+        with WeightStreamClient(publish_to, progress=False) as client:
             revision = client.publish(model_id, tensors)
     else:
         # As a deployment would: watch the model, replace its files, and pull the revision the watch
