@@ -33,6 +33,7 @@ from weightstream_server.revisions.relay import Relay
 from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog
+from weightstream_server.serving.deltas import Deltas
 from weightstream_server.serving.reader import StreamerPool
 from weightstream_server.serving.stalls import StallWatch
 from weightstream_server.serving.stream_session import Streams, StreamSlots
@@ -95,6 +96,8 @@ class WeightStreamServer:
     changes: Changes | None = None
     # Follows the upstream's revisions of the models asked for (--upstream); None without one.
     relay: Relay | None = None
+    # XOR deltas against revisions held in memory, shared by every stream; None when --delta-cache-bytes is 0.
+    deltas: Deltas | None = None
 
     @property
     def tls(self) -> bool:
@@ -265,6 +268,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         slots=StreamSlots(settings.max_streams, settings.max_streams_per_client or max(1, settings.max_streams - 1)),
         stalls=StallWatch(settings.stall_timeout),
         cache=cache,
+        deltas=Deltas(settings.delta_cache_bytes) if settings.delta_cache_bytes else None,
     )
     upload = None
     if settings.publish_s3_prefix is not None:
@@ -330,6 +334,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         publisher=publisher,
         changes=changes,
         relay=relay,
+        deltas=streams.deltas,
     )
 
 

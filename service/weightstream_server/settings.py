@@ -200,6 +200,11 @@ class ServerSettings(BaseSettings):
         default=32 * 1024 * 1024 * 1024,
         description="memory that published revisions may hold together (those kept and the one arriving)",
     )
+    delta_cache_bytes: ByteCount = Field(
+        default=256 * 1024 * 1024,
+        description="XOR deltas (against a revision held in memory) kept for every client updating between the "
+        "same two revisions, computed once; 0: no deltas, changed chunks go whole",
+    )
     max_watches: int = Field(
         default=32, description="WatchModel calls open at once (each holds a worker thread), half per client"
     )
@@ -324,6 +329,8 @@ class ServerSettings(BaseSettings):
             problems.append("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if self.drain_seconds < 0:
             problems.append(f"drain_seconds must be at least 0, not {self.drain_seconds}")
+        if self.delta_cache_bytes < 0:
+            problems.append(f"delta_cache_bytes must be at least 0, not {self.delta_cache_bytes}")
         if self.cache_bytes < 0:
             problems.append(f"cache_bytes must be at least 0, not {self.cache_bytes}")
         if self.preload and not self.cache_bytes:

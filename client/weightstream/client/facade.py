@@ -72,6 +72,11 @@ class LoadReport:
     resent_bytes: int = 0
     # The revision loaded (an update's new one).
     revision: str = ""
+    # An update's chunks that came as XOR deltas and checked, their payload bytes, and the chunks
+    # whose result failed its check (the module did not hold `since` there) and came again, whole.
+    delta_chunks: int = 0
+    delta_bytes: int = 0
+    delta_fallbacks: int = 0
 
     @property
     def gbps(self) -> float:
@@ -477,6 +482,7 @@ class WeightStreamClient:
         revision: str = "",
         strict: bool = True,
         shard: ShardSpec | None = None,
+        deltas: bool = True,
     ) -> LoadReport:
         """Write only what changed in model since revision `since` (which module holds) into its
         parameters (or a mapping's tensors, by name), in place; the report names the new revision, the
@@ -484,9 +490,13 @@ class WeightStreamClient:
 
         The server says which byte ranges changed (per-block CRC32Cs of both revisions); a tensor
         written straight into its parameter receives only those, one written through staging (another
-        dtype, a strided view, a slice not along dim 0) all of its slice. An error raised after
-        writing began has partially_written=True: the module then holds some tensors of each
-        revision, and calling update_into again with the same since completes it.
+        dtype, a strided view, a slice not along dim 0) all of its slice. With deltas (the default),
+        a server that holds `since` in memory sends changed chunks of tensors written straight in as
+        XOR deltas against it where that is smaller; each result is checked against the new
+        revision's CRC32C, and a chunk that fails (the parameter did not hold `since` there) comes
+        again whole (report.delta_fallbacks). An error raised after writing began has
+        partially_written=True: the module then holds some tensors of each revision, and calling
+        update_into again with the same since completes it.
         """
         started = time.perf_counter()
         changes = self.changes(model, since=since, revision=revision)
@@ -495,6 +505,8 @@ class WeightStreamClient:
         matched = match_targets(module, manifest, strict=strict)
         dests: dict[str, Destination] = {}
         landed: dict[str, list[tuple[int, int]]] = {}
+        # Tensors whose parameters hold since's bytes in place, of the same layout: deltas apply.
+        held: set[str] = set()
         changed_bytes = 0
         for name, target in matched.targets.items():
             if name not in changes.tensors:
@@ -506,18 +518,33 @@ class WeightStreamClient:
                 continue  # this rank's slice did not change
             if unchanged:
                 landed[name] = unchanged
+            if deltas and not dest.staged and changes.tensors[name] is not None:
+                held.add(name)
             changed_bytes += revisions.changed_bytes(info, unchanged)
             dests[name] = dest
-        report = self._receive_into(model, manifest, dests, started, matched.missing, matched.unexpected, landed=landed)
+        report = self._receive_into(
+            model,
+            manifest,
+            dests,
+            started,
+            matched.missing,
+            matched.unexpected,
+            landed=landed,
+            delta_base=changes.since if held else "",
+            delta_tensors=frozenset(held),
+        )
         report = dataclasses.replace(report, bytes=changed_bytes, revision=changes.revision)
         logger.info(
-            "updated %s from %s to %s: %d tensors, %d bytes in %.3f s",
+            "updated %s from %s to %s: %d tensors, %d bytes in %.3f s (%d chunks as deltas of %d bytes, %d fell back)",
             model,
             since,
             changes.revision,
             report.tensors,
             report.bytes,
             report.seconds,
+            report.delta_chunks,
+            report.delta_bytes,
+            report.delta_fallbacks,
         )
         return report
 
@@ -530,11 +557,15 @@ class WeightStreamClient:
         missing: list[str] | None = None,
         unexpected: list[str] | None = None,
         landed: Mapping[str, list[tuple[int, int]]] | None = None,
+        delta_base: str = "",
+        delta_tensors: frozenset[str] = frozenset(),
     ) -> LoadReport:
-        """Receive dests' tensors of manifest into them (but the landed ranges); the report, or the error
-        with the write state."""
+        """Receive dests' tensors of manifest into them (but the landed ranges; delta_tensors' may come as
+        deltas against delta_base); the report, or the error with the write state."""
         infos = {name: manifest[name] for name in dests}
-        session = LoadSession(self._session_config, manifest, infos, dests.__getitem__, landed)
+        session = LoadSession(
+            self._session_config, manifest, infos, dests.__getitem__, landed, delta_base, delta_tensors
+        )
         received = 0
         try:
             # Fresh host memory faulted in on a helper thread while the first bytes are on their way.
@@ -562,6 +593,9 @@ class WeightStreamClient:
             retries=session.retries,
             resent_bytes=session.resent_bytes,
             revision=manifest.revision,
+            delta_chunks=session.delta_chunks,
+            delta_bytes=session.delta_bytes,
+            delta_fallbacks=session.delta_fallbacks,
         )
 
     def _shows_progress(self) -> bool:

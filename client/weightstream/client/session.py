@@ -26,6 +26,7 @@ import grpc
 from tqdm import tqdm
 
 from weightstream.client.channels import Channels
+from weightstream.client.deltas import DeltaUnusable, apply_delta
 from weightstream.client.errors import (
     FailedPreconditionError,
     IntegrityError,
@@ -88,6 +89,8 @@ class LoadSession:
         infos: dict[str, TensorInfo],
         destination: Callable[[str], Destination],
         landed: Mapping[str, list[tuple[int, int]]] | None = None,
+        delta_base: str = "",
+        delta_tensors: frozenset[str] = frozenset(),
     ) -> None:
         self.config = config
         self.manifest = manifest
@@ -96,10 +99,19 @@ class LoadSession:
         # Byte ranges of some tensors that their destinations hold already (an update's unchanged
         # ones): only the rest is asked for.
         self.landed = landed or {}
+        # The revision that delta_tensors' destinations hold where their bytes are missing: the server
+        # may send those as XOR deltas against it (deltas.py).
+        self.delta_base = delta_base
+        self.delta_tensors = delta_tensors if delta_base else frozenset()
         # Streams resumed after a failure that reached a server, and bytes received again that
         # had already landed.
         self.retries = 0
         self.resent_bytes = 0
+        # Chunks that came as deltas and checked, their payload bytes, and those whose result
+        # failed its check (asked for again, whole).
+        self.delta_chunks = 0
+        self.delta_bytes = 0
+        self.delta_fallbacks = 0
         self._tally_lock = threading.Lock()
 
     def receive(self, *, description: str, progress: bool) -> Iterator[Destination]:
@@ -158,11 +170,22 @@ class LoadSession:
             for worker in workers:
                 worker.join(timeout=30)
 
-    def count(self, *, retries: int = 0, resent_bytes: int = 0) -> None:
+    def count(
+        self,
+        *,
+        retries: int = 0,
+        resent_bytes: int = 0,
+        delta_chunks: int = 0,
+        delta_bytes: int = 0,
+        delta_fallbacks: int = 0,
+    ) -> None:
         """Add to the tally; called by every stream's thread."""
         with self._tally_lock:
             self.retries += retries
             self.resent_bytes += resent_bytes
+            self.delta_chunks += delta_chunks
+            self.delta_bytes += delta_bytes
+            self.delta_fallbacks += delta_fallbacks
 
     def precondition_failed(self, exc: grpc.RpcError) -> WeightStreamError:
         """FAILED_PRECONDITION on a stream: say so plainly when the checkpoint changed since the manifest."""
@@ -208,6 +231,10 @@ class _Stream:
         self.placers = Placers(session.config.chunk_bytes)
         # Whether the stream is waiting for a server that was not there (warned once per wait).
         self._waiting = False
+        # Tensors whose destinations turned out not to hold the delta base (a delta's result failed
+        # its check): the rest of them is asked for whole.
+        self.whole: set[str] = set()
+        self._fell_back = False
 
     def run(self) -> Iterator[Destination]:
         """Place every chunk of the stream's tensors, yield each destination once complete.
@@ -231,6 +258,7 @@ class _Stream:
             while True:
                 cancel = StreamCancel()
                 self.stop.on_cancel(functools.partial(cancel.cancel, STOPPED))
+                self._fell_back = False
                 try:
                     yield from self._attempt(transport, cancel)
                 except (grpc.RpcError, StreamAbandoned, TransportError) as exc:
@@ -247,6 +275,8 @@ class _Stream:
                     if self._pause(delay, reached, stopped):
                         raise WeightStreamError(f"model {self.model!r}: the load was stopped") from exc
                     continue
+                if self.pending and self._fell_back:
+                    continue  # what deltas could not make is asked for again, whole (not a retry)
                 break
         finally:
             self.placers.close()
@@ -284,13 +314,14 @@ class _Stream:
 
     def _place_batch(self, batch: Sequence[ChunkRef]) -> Iterator[Destination]:
         """Place every chunk of batch; yield each tensor it completes."""
-        landed = 0
+        landed = resent = 0
         for chunk in batch:
             placed = self._place(chunk)
             if placed is None:
                 continue
             dest, new = placed
             landed += new
+            resent += chunk.length - new
             self.touched[dest.name] = dest
             if dest.complete and dest.name in self.pending:
                 self.placers.for_tensor(dest.buffer).finish(dest)
@@ -298,7 +329,6 @@ class _Stream:
                 del self.touched[dest.name]
                 yield dest
         self.bar.update(landed)
-        resent = sum(c.length for c in batch) - landed
         if resent:
             self.session.count(resent_bytes=resent)
         if landed and self.outage is not None:
@@ -315,6 +345,8 @@ class _Stream:
         info = self.infos.get(chunk.tensor)
         if info is None:
             raise IntegrityError(f"model {self.model!r}: received a chunk of unrequested tensor {chunk.tensor!r}")
+        if chunk.encoding:
+            return self._apply_delta(chunk, info)
         size = chunk.received
         end = chunk.offset + size
         if size != chunk.length or end > info.nbytes:
@@ -344,6 +376,40 @@ class _Stream:
             return None
         return dest, dest.landed.add(chunk.offset, end)
 
+    def _apply_delta(self, chunk: ChunkRef, info: TensorInfo) -> tuple[Destination, int] | None:
+        """XOR a delta chunk into its destination and check the result; (destination, new bytes), or
+        None when the result failed its check (then the tensor's missing bytes are asked for whole)."""
+        end = chunk.offset + chunk.length
+        if (
+            chunk.encoding != pb.CHUNK_ENCODING_XOR_ZSTD
+            or chunk.tensor not in self.session.delta_tensors
+            or chunk.tensor in self.whole
+            or chunk.received != chunk.encoded_length
+            or end > info.nbytes
+        ):
+            raise IntegrityError(
+                f"model {self.model!r}: tensor {chunk.tensor!r}: a chunk at offset {chunk.offset} came encoded "
+                f"({chunk.encoding}, {chunk.received} of {chunk.encoded_length} payload bytes for {chunk.length}) "
+                "where no delta was asked for, or does not fit the tensor"
+            )
+        dest = self.session.destination(chunk.tensor)
+        crc: int | None = None
+        # XOR twice undoes it: a range that holds checked bytes already is not touched again.
+        if not dest.landed.overlaps(chunk.offset, end):
+            try:
+                dest.written = True
+                crc = apply_delta(dest, chunk.offset, chunk.length, chunk.address, chunk.encoded_length)
+            except DeltaUnusable as exc:
+                logger.warning("model %r: tensor %r: a delta did not decode (%s)", self.model, chunk.tensor, exc)
+        if crc != chunk.crc32c:
+            # The destination did not hold the base revision there (or the delta was damaged).
+            self.whole.add(chunk.tensor)
+            self._fell_back = True
+            self.session.count(delta_fallbacks=1)
+            return None
+        self.session.count(delta_chunks=1, delta_bytes=chunk.encoded_length)
+        return dest, dest.landed.add(chunk.offset, end)
+
     def _landing(self, tensor: str, offset: int, length: int) -> int | None:
         """Where a transport may receive these bytes of tensor directly: host memory of its destination
         that holds no checked byte yet; None otherwise (the chunk then comes through the transport's
@@ -362,23 +428,24 @@ class _Stream:
         manifest = self.session.manifest
         sliced = any(info.slice is not None for info in self.infos.values())
         begun = bool(self.touched) or len(self.pending) < sum(1 for info in self.infos.values() if info.nbytes)
-        everything = not begun and not sliced and len(self.infos) == len(manifest.tensors)
+        deltas = self.session.delta_tensors
+        everything = not begun and not sliced and not deltas and len(self.infos) == len(manifest.tensors)
         tensors = []
         if not everything:
             for name, info in self.pending.items():
                 dest = self.touched.get(name)
                 ranges = [pb.ByteRange(start=s, end=e) for s, e in dest.landed.missing()] if dest is not None else []
-                if info.slice is None:
-                    tensors.append(pb.TensorRequest(name=name, ranges=ranges))
-                else:
+                request = pb.TensorRequest(name=name, ranges=ranges, delta=name in deltas and name not in self.whole)
+                if info.slice is not None:
                     s = info.slice
-                    piece = pb.TensorSlice(dim=s.dim, start=s.start, stop=s.stop)
-                    tensors.append(pb.TensorRequest(name=name, ranges=ranges, slice=piece))
+                    request.slice.CopyFrom(pb.TensorSlice(dim=s.dim, start=s.start, stop=s.stop))
+                tensors.append(request)
         return pb.StreamTensorsRequest(
             model=manifest.model,
             tensors=tensors,
             max_chunk_bytes=self.session.config.chunk_bytes,
             revision=manifest.revision,
+            delta_base=self.session.delta_base if any(t.delta for t in tensors) else "",
         )
 
     def _retry_delay(

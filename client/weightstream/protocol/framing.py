@@ -18,6 +18,8 @@ _KEY_TENSOR = 0x0A  # 1, length-delimited
 _KEY_OFFSET = 0x10  # 2, varint
 _KEY_CRC32C = 0x18  # 3, varint
 _KEY_LENGTH = 0x20  # 4, varint
+_KEY_ENCODING = 0x38  # 7, varint
+_KEY_ENCODED_LENGTH = 0x40  # 8, varint
 _KEY_DATA = 0x7A  # 15, length-delimited
 _KEY_CHUNKS = 0x0A  # StreamTensorsResponse.chunks: 1, length-delimited
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
@@ -37,6 +39,9 @@ class RawChunk:
     length: int
     data_start: int
     data_length: int
+    # ChunkEncoding; for an encoded chunk the payload is its encoded_length bytes.
+    encoding: int = 0
+    encoded_length: int = 0
 
 
 def _varint(value: int) -> bytes:
@@ -48,13 +53,17 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def encode_chunk(tensor: str, offset: int, crc32c: int, data: bytes | memoryview) -> bytes:
+def encode_chunk(
+    tensor: str, offset: int, crc32c: int, data: bytes | memoryview, *, length: int | None = None, encoding: int = 0
+) -> bytes:
     """One `chunks` entry of a StreamTensorsResponse, payload included; entries concatenate into a message.
 
     data may be any buffer (a view of a reused read buffer); it is copied once, into the result.
+    An encoded chunk (encoding set) carries length, the bytes it stands for, and data as its payload.
     """
     name = tensor.encode()
     size = len(data)
+    length = size if length is None else length
     head = bytearray()
     if name:
         head += bytes([_KEY_TENSOR]) + _varint(len(name)) + name
@@ -62,8 +71,12 @@ def encode_chunk(tensor: str, offset: int, crc32c: int, data: bytes | memoryview
         head += bytes([_KEY_OFFSET]) + _varint(offset)
     if crc32c:
         head += bytes([_KEY_CRC32C]) + _varint(crc32c)
+    if length:
+        head += bytes([_KEY_LENGTH]) + _varint(length)
+    if encoding:
+        head += bytes([_KEY_ENCODING]) + _varint(encoding) + bytes([_KEY_ENCODED_LENGTH]) + _varint(size)
     if size:
-        head += bytes([_KEY_LENGTH]) + _varint(size) + bytes([_KEY_DATA]) + _varint(size)
+        head += bytes([_KEY_DATA]) + _varint(size)
     return b"".join((bytes([_KEY_CHUNKS]) + _varint(len(head) + size) + bytes(head), data))
 
 
@@ -95,6 +108,7 @@ def decode_response(message: bytes) -> list[RawChunk]:
 
 def _decode_chunk(message: bytes, position: int, end: int) -> RawChunk:
     tensor, offset, crc, length, data_start, data_length = "", 0, 0, 0, position, 0
+    encoding = encoded_length = 0
     while position < end:
         key, position = _read_varint(message, position, end)
         if key == _KEY_TENSOR:
@@ -112,6 +126,10 @@ def _decode_chunk(message: bytes, position: int, end: int) -> RawChunk:
             crc, position = _read_varint(message, position, end)
         elif key == _KEY_LENGTH:
             length, position = _read_varint(message, position, end)
+        elif key == _KEY_ENCODING:
+            encoding, position = _read_varint(message, position, end)
+        elif key == _KEY_ENCODED_LENGTH:
+            encoded_length, position = _read_varint(message, position, end)
         elif key == _KEY_DATA:
             data_length, position = _read_varint(message, position, end)
             if data_length > end - position:
@@ -122,7 +140,7 @@ def _decode_chunk(message: bytes, position: int, end: int) -> RawChunk:
             position = _skip(message, key, position, end)
     if crc > 0xFFFFFFFF:
         raise FramingError("a crc32c does not fit 32 bits")
-    return RawChunk(tensor, offset, crc, length, data_start, data_length)
+    return RawChunk(tensor, offset, crc, length, data_start, data_length, encoding, encoded_length)
 
 
 def _read_varint(message: bytes, position: int, end: int) -> tuple[int, int]:

@@ -26,6 +26,11 @@ class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATA_TYPE_FLOAT8_E4M3FN: _ClassVar[DataType]
     DATA_TYPE_FLOAT8_E5M2: _ClassVar[DataType]
 
+class ChunkEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHUNK_ENCODING_UNSPECIFIED: _ClassVar[ChunkEncoding]
+    CHUNK_ENCODING_XOR_ZSTD: _ClassVar[ChunkEncoding]
+
 class ModelFileKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MODEL_FILE_KIND_UNSPECIFIED: _ClassVar[ModelFileKind]
@@ -47,6 +52,8 @@ DATA_TYPE_FLOAT32: DataType
 DATA_TYPE_FLOAT64: DataType
 DATA_TYPE_FLOAT8_E4M3FN: DataType
 DATA_TYPE_FLOAT8_E5M2: DataType
+CHUNK_ENCODING_UNSPECIFIED: ChunkEncoding
+CHUNK_ENCODING_XOR_ZSTD: ChunkEncoding
 MODEL_FILE_KIND_UNSPECIFIED: ModelFileKind
 MODEL_FILE_KIND_WEIGHTS: ModelFileKind
 MODEL_FILE_KIND_COMPANION: ModelFileKind
@@ -104,14 +111,16 @@ class ByteRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class TensorRequest(_message.Message):
-    __slots__ = ("name", "ranges", "slice")
+    __slots__ = ("name", "ranges", "slice", "delta")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     name: str
     ranges: _containers.RepeatedCompositeFieldContainer[ByteRange]
     slice: TensorSlice
-    def __init__(self, name: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ..., slice: _Optional[_Union[TensorSlice, _Mapping]] = ...) -> None: ...
+    delta: bool
+    def __init__(self, name: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ..., slice: _Optional[_Union[TensorSlice, _Mapping]] = ..., delta: _Optional[bool] = ...) -> None: ...
 
 class TensorSlice(_message.Message):
     __slots__ = ("dim", "start", "stop")
@@ -124,16 +133,18 @@ class TensorSlice(_message.Message):
     def __init__(self, dim: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class StreamTensorsRequest(_message.Message):
-    __slots__ = ("model", "tensors", "max_chunk_bytes", "revision")
+    __slots__ = ("model", "tensors", "max_chunk_bytes", "revision", "delta_base")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
     model: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorRequest]
     max_chunk_bytes: int
     revision: str
-    def __init__(self, model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorRequest, _Mapping]]] = ..., max_chunk_bytes: _Optional[int] = ..., revision: _Optional[str] = ...) -> None: ...
+    delta_base: str
+    def __init__(self, model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorRequest, _Mapping]]] = ..., max_chunk_bytes: _Optional[int] = ..., revision: _Optional[str] = ..., delta_base: _Optional[str] = ...) -> None: ...
 
 class StreamTensorsResponse(_message.Message):
     __slots__ = ("chunks",)
@@ -142,13 +153,15 @@ class StreamTensorsResponse(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("tensor", "offset", "crc32c", "length", "slot", "slot_offset", "data")
+    __slots__ = ("tensor", "offset", "crc32c", "length", "slot", "slot_offset", "encoding", "encoded_length", "data")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     SLOT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     tensor: str
     offset: int
@@ -156,8 +169,10 @@ class TensorChunk(_message.Message):
     length: int
     slot: int
     slot_offset: int
+    encoding: ChunkEncoding
+    encoded_length: int
     data: bytes
-    def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., length: _Optional[int] = ..., slot: _Optional[int] = ..., slot_offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, tensor: _Optional[str] = ..., offset: _Optional[int] = ..., crc32c: _Optional[int] = ..., length: _Optional[int] = ..., slot: _Optional[int] = ..., slot_offset: _Optional[int] = ..., encoding: _Optional[_Union[ChunkEncoding, str]] = ..., encoded_length: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ListModelFilesRequest(_message.Message):
     __slots__ = ("model",)

@@ -36,11 +36,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServedChunk:
-    """One chunk to send: its place, the CRC32C of its bytes, and the bytes."""
+    """One chunk to send: its place, the CRC32C of its bytes, and its payload: the bytes, or with
+    encoding set (weightstream.v1 ChunkEncoding) what stands for them (serving.deltas)."""
 
     place: ChunkPlace
     crc32c: int
     data: np.ndarray
+    encoding: int = 0
 
 
 def serve_chunks(
@@ -201,13 +203,20 @@ def _from_cached(unit: UnitPlace, cached: CachedUnit, chunk_bytes: int) -> Itera
     yield from _chunks(unit, cached.data, chunk_bytes)
 
 
+def unit_output(unit: UnitPlace, data: np.ndarray) -> np.ndarray:
+    """What a read unit's bytes give to unit.place: themselves, or the slice gathered out of its rows."""
+    gather = unit.gather
+    if gather is None:
+        return data
+    rows = data.size // gather.row_bytes
+    return np.ascontiguousarray(
+        data.reshape(rows, gather.row_bytes)[:, gather.first : gather.first + gather.width]
+    ).reshape(-1)
+
+
 def _chunks(unit: UnitPlace, data: np.ndarray, chunk_bytes: int) -> Iterator[ServedChunk]:
     """The unit's output (gathered, for a slice of rows) cut into checksummed chunks."""
-    gather = unit.gather
-    if gather is not None:
-        rows = data.size // gather.row_bytes
-        data = np.ascontiguousarray(data.reshape(rows, gather.row_bytes)[:, gather.first : gather.first + gather.width])
-        data = data.reshape(-1)
+    data = unit_output(unit, data)
     for place, piece in _cut(unit.place, data, chunk_bytes):
         yield ServedChunk(place, wire.crc32c_at(piece.ctypes.data, place.length), piece)
 

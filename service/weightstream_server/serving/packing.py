@@ -25,9 +25,11 @@ def pack_chunks(chunks: Iterable[ServedChunk], chunk_bytes: int) -> Iterator[tup
     pending_payload = 0
     for chunk in chunks:
         place = chunk.place
-        length = place.length
+        length = chunk.data.size  # the payload: an encoded chunk's is smaller than its bytes
         # The ring slot is reused once the next chunk is taken, so the chunk is framed (copied) now.
-        entry = framing.encode_chunk(place.tensor, place.offset, chunk.crc32c, chunk.data.data)
+        entry = framing.encode_chunk(
+            place.tensor, place.offset, chunk.crc32c, chunk.data.data, length=place.length, encoding=chunk.encoding
+        )
         if pending and pending_bytes + len(entry) > chunk_bytes:
             yield b"".join(pending), pending_payload
             pending, pending_bytes, pending_payload = [], 0, 0

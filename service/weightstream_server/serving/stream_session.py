@@ -35,6 +35,7 @@ from typing import TypeVar
 import grpc
 
 from weightstream.allocator import release_free_memory
+from weightstream.protocol.wire import TensorSlice
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ClientGone, Draining, TooManyStreams, status_code
 from weightstream_server.ops.health import Readiness
@@ -43,6 +44,7 @@ from weightstream_server.serving import validation
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog, Manifest
 from weightstream_server.serving.chunks import ServedChunk, serve_chunks
+from weightstream_server.serving.deltas import Deltas
 from weightstream_server.serving.files import FilePiece, read_file
 from weightstream_server.serving.read_plan import ReadPlan, plan_reads
 from weightstream_server.serving.reader import PooledStreamer, StreamerPool
@@ -117,6 +119,8 @@ class Streams:
     stalls: StallWatch
     # Shared by every stream; None when --cache-bytes is 0.
     cache: UnitCache | None = None
+    # Deltas against a revision clients hold (serving.deltas); None when --delta-cache-bytes is 0.
+    deltas: Deltas | None = None
 
     def session(self, context: grpc.ServicerContext, *, method: str, kind: str, model: str = "") -> StreamSession:
         """A session for one call of method; kind names it in the end-of-stream line ("stream", ...)."""
@@ -141,6 +145,9 @@ class StreamSession:
         self._request: pb.StreamTensorsRequest | None = None
         self._manifest: Manifest | None = None
         self._plan: ReadPlan | None = None
+        # The revision the client holds, as kept in memory here, and the tensors it may get deltas of.
+        self._delta_base: Manifest | None = None
+        self._delta_tensors: dict[str, TensorSlice | None] = {}
         # (file name, offset) of a file read.
         self._file: tuple[str, int] | None = None
         self._started = 0.0
@@ -202,7 +209,34 @@ class StreamSession:
         self.model = manifest.model
         self._manifest = manifest
         self._request = request
+        self._find_delta_base(request)
         return validation.chunk_bytes(request.max_chunk_bytes, self._streams.settings.chunk_bytes)
+
+    @property
+    def sends_deltas(self) -> bool:
+        """Whether some chunks may go as deltas (then they come through chunks(), never straight from files)."""
+        return self._delta_base is not None
+
+    def _find_delta_base(self, request: pb.StreamTensorsRequest) -> None:
+        """The delta base the request names, if this server holds it in memory; else every chunk goes whole."""
+        lookup = self._streams.catalog.revisions
+        if not request.delta_base or self._streams.deltas is None or lookup is None:
+            return
+        wanted = {
+            t.name: TensorSlice(t.slice.dim, t.slice.start, t.slice.stop) if t.HasField("slice") else None
+            for t in request.tensors
+            if t.delta
+        }
+        kept = lookup.find(self.manifest.model, request.delta_base) if wanted else None
+        if kept is None or not kept.servable or not getattr(kept.manifest.source, "in_memory", False):
+            logger.debug(
+                "model %r: no deltas against %s: this server does not hold its bytes in memory",
+                self.model_id,
+                request.delta_base[:200],
+            )
+            return
+        self._delta_base = kept.manifest
+        self._delta_tensors = wanted
 
     def plan_reads(self, chunk_bytes: int) -> ReadPlan:
         """The reads of the started stream, sent in chunks of at most chunk_bytes."""
@@ -223,10 +257,15 @@ class StreamSession:
         # A published revision is in memory already (revisions.published): the cache would hold its
         # bytes twice, and they are not read from storage.
         if getattr(self.manifest.source, "in_memory", False):
-            return serve_chunks(self.manifest, self.plan, streamer, settings.read_ahead_bytes, None, lambda _: None)
-        return serve_chunks(
-            self.manifest, self.plan, streamer, settings.read_ahead_bytes, self._streams.cache, self.count_read
-        )
+            chunks = serve_chunks(self.manifest, self.plan, streamer, settings.read_ahead_bytes, None, lambda _: None)
+        else:
+            chunks = serve_chunks(
+                self.manifest, self.plan, streamer, settings.read_ahead_bytes, self._streams.cache, self.count_read
+            )
+        deltas = self._streams.deltas
+        if self._delta_base is None or deltas is None:
+            return chunks
+        return deltas.encode(chunks, self.manifest, self._delta_base, self._delta_tensors)
 
     def read_file(self, request: pb.ReadModelFileRequest) -> Iterator[FilePiece]:
         """The checks a file read starts with, then the pieces of the file from request.offset.

@@ -65,6 +65,15 @@ class ChunkRef:
     # For a chunk received in place: the CRC32C of its bytes as they landed, when the transport
     # computed it while receiving them (None: the session computes it).
     landed_crc32c: int | None = None
+    # weightstream.v1 ChunkEncoding: set, the received bytes at address are an encoded payload of
+    # encoded_length bytes (a delta) that stands for length bytes; crc32c is of those.
+    encoding: int = 0
+    encoded_length: int = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        """The bytes that should have arrived at address: length, or an encoded payload's size."""
+        return self.encoded_length if self.encoding else self.length
 
 
 # land(tensor, offset, length): where those bytes may be received directly, or None.

@@ -62,8 +62,12 @@ class GrpcTransport:
                 # message object stays referenced (by `message`) until the next batch is asked for.
                 base = ctypes.cast(ctypes.c_char_p(message), ctypes.c_void_p).value or 0
                 yield [
-                    ChunkRef(c.tensor, c.offset, c.crc32c, c.length, base + c.data_start, c.data_length) for c in chunks
-                ]
+                    ChunkRef(
+                        c.tensor, c.offset, c.crc32c, c.length, base + c.data_start, c.data_length,
+                        encoding=c.encoding, encoded_length=c.encoded_length,
+                    )
+                    for c in chunks
+                ]  # fmt: skip
         finally:
             call.cancel()
             messages.close()

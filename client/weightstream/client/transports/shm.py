@@ -254,14 +254,18 @@ class _Ring:
 
     def ref(self, chunk: pb.TensorChunk) -> ChunkRef:
         """Where chunk's bytes lie in the mapping; a chunk outside its slot is an IntegrityError."""
-        if not chunk.HasField("slot") or chunk.slot >= self.slots or chunk.slot_offset + chunk.length > self.slot_bytes:
+        size = chunk.encoded_length if chunk.encoding else chunk.length
+        if not chunk.HasField("slot") or chunk.slot >= self.slots or chunk.slot_offset + size > self.slot_bytes:
             raise IntegrityError(
                 f"model {self.model!r}: tensor {chunk.tensor!r}: chunk at offset {chunk.offset} lies outside the "
                 f"ring (slot {chunk.slot if chunk.HasField('slot') else None}, slot offset {chunk.slot_offset}, "
-                f"{chunk.length} bytes; {self.slots} slots of {self.slot_bytes} bytes)"
+                f"{size} bytes; {self.slots} slots of {self.slot_bytes} bytes)"
             )
         address = shm.slot_address(self.mapping.address, self.slot_bytes, chunk.slot, chunk.slot_offset)
-        return ChunkRef(chunk.tensor, chunk.offset, chunk.crc32c, chunk.length, address, chunk.length, self.region)
+        return ChunkRef(
+            chunk.tensor, chunk.offset, chunk.crc32c, chunk.length, address, size, self.region,
+            encoding=chunk.encoding, encoded_length=chunk.encoded_length,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Unregister and unmap; the caller has waited for copies from the ring (Placers.settle)."""

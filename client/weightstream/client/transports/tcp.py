@@ -232,7 +232,7 @@ def _receive(
     chunks = payload = 0
     try:
         while True:
-            frame = tcp.decode_header(reader.exactly(tcp.HEADER.size))
+            frame = tcp.decode_header(reader.exactly(tcp.HEADER.size), deltas=True)
             if frame.kind == tcp.END:
                 if (frame.offset, frame.length) != (chunks, payload):
                     raise IntegrityError(
@@ -244,8 +244,21 @@ def _receive(
                 tensor = reader.exactly(frame.name_bytes).decode()
             except UnicodeDecodeError:
                 raise IntegrityError(f"model {model!r}: a chunk's tensor name is not UTF-8") from None
-            address = land(tensor, frame.offset, frame.length) if land is not None else None
             chunks += 1
+            if frame.kind == tcp.DELTA:
+                (size,) = tcp.DELTA_LENGTH.unpack(reader.exactly(tcp.DELTA_LENGTH.size))
+                if size > wire.MAX_CHUNK_BYTES:
+                    raise tcp.FrameError(f"delta frame with {size} payload bytes")
+                payload += size
+                reader.into(buffer.address, size)
+                yield [
+                    ChunkRef(
+                        tensor, frame.offset, frame.crc32c, frame.length, buffer.address, size, buffer.region,
+                        encoding=pb.CHUNK_ENCODING_XOR_ZSTD, encoded_length=size,
+                    )
+                ]  # fmt: skip
+                continue
+            address = land(tensor, frame.offset, frame.length) if land is not None else None
             payload += frame.length
             if address is None:  # placed from the buffer, and checked as it is placed
                 reader.into(buffer.address, frame.length)

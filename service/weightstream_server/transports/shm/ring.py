@@ -120,21 +120,30 @@ def read_credits(
 @dataclass(frozen=True)
 class SlotWrite:
     """One chunk on its way into a slot: where it belongs, and write(address), which puts its
-    place.length bytes there and gives their CRC32C, at once or as a future of the read under way."""
+    payload there (place.length bytes, or encoded_length for an encoded chunk) and gives the
+    chunk's CRC32C, at once or as a future of the read under way."""
 
     place: ChunkPlace
     write: Callable[[int], int | Future[int]]
+    encoding: int = 0
+    encoded_length: int = 0
+
+    @property
+    def size(self) -> int:
+        """The bytes it takes in the slot."""
+        return self.encoded_length if self.encoding else self.place.length
 
 
 def copied(chunk: ServedChunk) -> SlotWrite:
     """A chunk of the chunk source (its data valid until the next is taken), copied into the slot."""
 
     def write(address: int) -> int:
-        ctypes.memmove(address, chunk.data.ctypes.data, chunk.place.length)
+        ctypes.memmove(address, chunk.data.ctypes.data, chunk.data.size)
         # Taken on the source bytes; the client checks it on the slot, after both copies.
         return chunk.crc32c
 
-    return SlotWrite(chunk.place, write)
+    encoded = chunk.data.size if chunk.encoding else 0
+    return SlotWrite(chunk.place, write, chunk.encoding, encoded)
 
 
 def read_into(read: DirectRead) -> SlotWrite:
@@ -149,6 +158,8 @@ class SlotChunk:
     place: ChunkPlace
     slot_offset: int
     crc32c: int
+    encoding: int = 0
+    encoded_length: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,7 +176,7 @@ class _Filling:
     """A slot being filled: its chunks' places, slot offsets and CRC32Cs (or futures of them)."""
 
     slot: int
-    chunks: list[tuple[ChunkPlace, int, int | Future[int]]] = field(default_factory=list)
+    chunks: list[tuple[SlotWrite, int, int | Future[int]]] = field(default_factory=list)
     nbytes: int = 0
 
     def futures(self) -> list[Future[int]]:
@@ -177,7 +188,10 @@ class _Filling:
     def filled(self) -> FilledSlot:
         """The slot once its writes are done (waits for them; a failed read raises here)."""
         chunks = tuple(
-            SlotChunk(place, at, crc.result() if isinstance(crc, Future) else crc) for place, at, crc in self.chunks
+            SlotChunk(
+                item.place, at, crc.result() if isinstance(crc, Future) else crc, item.encoding, item.encoded_length
+            )
+            for item, at, crc in self.chunks
         )
         return FilledSlot(self.slot, chunks, self.nbytes)
 
@@ -205,7 +219,7 @@ def fill_slots(
     used = 0
     try:
         for item in writes:
-            length = item.place.length
+            length = item.size
             at = aligned(used)
             if current is not None and at + length > segment.slot_bytes:
                 closed.append(current)
@@ -227,7 +241,7 @@ def fill_slots(
                         raise ClientGone()
                 current = _Filling(slot)
                 at = 0
-            current.chunks.append((item.place, at, item.write(segment.slot_address(current.slot) + at)))
+            current.chunks.append((item, at, item.write(segment.slot_address(current.slot) + at)))
             current.nbytes += length
             used = at + length
             if aligned(used) >= segment.slot_bytes:

@@ -117,7 +117,12 @@ class ShmServicer:
                 ).start()
                 # Straight into the slots when the bytes are local and in the page cache; from
                 # storage the streamer's reads are faster (reader.DirectReader).
-                direct = self._streams.cache is None and reads_directly(manifest, plan) and page_cached(manifest, plan)
+                direct = (
+                    self._streams.cache is None
+                    and not session.sends_deltas
+                    and reads_directly(manifest, plan)
+                    and page_cached(manifest, plan)
+                )
                 logger.debug(
                     "shared stream %r from %s: %d tensors, %d bytes, ring %s (%d x %d bytes), %s",
                     session.model_id,
@@ -167,6 +172,8 @@ def _slot_message(filled: FilledSlot) -> pb.StreamTensorsSharedResponse:
                 length=chunk.place.length,
                 slot=filled.slot,
                 slot_offset=chunk.slot_offset,
+                encoding=chunk.encoding,  # type: ignore[arg-type]
+                encoded_length=chunk.encoded_length,
             )
             for chunk in filled.chunks
         ]

@@ -111,7 +111,12 @@ class TcpServicer:
             connection.set(conn)
             sender = FrameSender(conn, session.peer, self._streams.settings.stall_timeout)
             manifest = session.manifest
-            direct = streams.cache is None and reads_directly(manifest, plan) and page_cached(manifest, plan)
+            direct = (
+                streams.cache is None
+                and not session.sends_deltas
+                and reads_directly(manifest, plan)
+                and page_cached(manifest, plan)
+            )
             logger.debug(
                 "tcp stream %r from %s: %d tensors, %d bytes, %s",
                 session.model_id,
@@ -125,8 +130,8 @@ class TcpServicer:
             else:
                 with session.streamer() as streamer:
                     for chunk in session.chunks(streamer):
-                        sender.from_memory(chunk.place, chunk.crc32c, chunk.data)
-                        session.count_sent(chunk.place.length)
+                        sender.from_memory(chunk.place, chunk.crc32c, chunk.data, chunk.encoding)
+                        session.count_sent(chunk.data.size)
             sender.end()
 
 
@@ -260,15 +265,20 @@ class FrameSender:
         self.nbytes = 0
         conn.settimeout(stall_timeout)
 
-    def from_memory(self, place: ChunkPlace, crc32c: int, data: np.ndarray) -> None:
-        header = tcp.chunk_header(place.tensor.encode(), place.offset, place.length, crc32c)
+    def from_memory(self, place: ChunkPlace, crc32c: int, data: np.ndarray, encoding: int = 0) -> None:
+        """One chunk from memory: a CHUNK frame of its bytes, or a DELTA frame of an encoded payload (encoding set)."""
+        name = place.tensor.encode()
+        if encoding:
+            header = tcp.delta_header(name, place.offset, place.length, crc32c, data.size)
+        else:
+            header = tcp.chunk_header(name, place.offset, place.length, crc32c)
         with self._sending():
-            if place.length <= SMALL_CHUNK_BYTES:
+            if data.size <= SMALL_CHUNK_BYTES:
                 self._conn.sendall(header + data.tobytes())  # a second send would cost more than the copy
             else:
                 self._conn.sendall(header)
                 self._conn.sendall(data.data.cast("B"))
-        self._sent(place.length)
+        self._sent(data.size)
 
     def from_file(
         self, place: ChunkPlace, crc32c: int, fd: int, offset: int, check_unchanged: Callable[[], None]

@@ -1,0 +1,236 @@
+"""Sparse updates: a chunk sent as a compressed XOR against a revision the client already holds.
+
+A client updating from revision A to B marks the tensors whose destinations hold A's bytes
+(TensorRequest.delta) and names A (StreamTensorsRequest.delta_base). While the server keeps A's
+bytes in memory (a published revision), each chunk of those tensors goes out in the cheapest of:
+- a delta: a zstd frame of the XOR of B's bytes with A's bytes at the same place (the same tensor,
+  slice and offset), when that frame is at most WORTH of the chunk's bytes;
+- the bytes themselves: when A's layout of the tensor differs, or the XOR is dense (more than
+  DENSE of its bytes nonzero in SAMPLES spread samples, then in the whole chunk), so that a chunk
+  whose every element changed costs a few small XORs, not a compression that gives up;
+and chunks that did not change at all are never asked for (GetChanges, per block CRC32C). The
+chunk's crc32c is always B's, so the client checks the result of its XOR: a destination that did
+not hold A there (written since) fails the check and is asked for again, whole.
+
+A (model, A, B, tensor, slice, offset, length) delta is computed once and kept (Deltas: single
+flight, at most budget_bytes of payloads, least recently used first out), so a fleet of engines
+and ranks updating between the same revisions costs one computation per chunk. A base that the
+server does not hold in memory (a storage revision, one no longer kept) gets every chunk whole, no
+error. Concurrency: Deltas is shared by every stream; encode runs on the stream's thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from weightstream.protocol import wire
+from weightstream.protocol.wire import TensorSlice
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server.serving.catalog import Manifest
+from weightstream_server.serving.chunks import ServedChunk, unit_output
+from weightstream_server.serving.read_plan import plan_reads
+
+logger = logging.getLogger(__name__)
+
+XOR_ZSTD = pb.CHUNK_ENCODING_XOR_ZSTD
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+ZSTD_LEVEL = 1
+# A chunk is sampled at this many places, this many bytes each, before it is XORed whole.
+SAMPLES = 4
+SAMPLE_BYTES = 16 * 1024
+# An XOR with more than this share of nonzero bytes is not worth compressing: the chunk goes whole.
+DENSE = 0.25
+# A delta is sent only when its payload is at most this share of the chunk's bytes.
+WORTH = 0.75
+# How long a stream waits for another one's computation of the same delta before doing it itself.
+FLIGHT_WAIT_S = 30.0
+
+# (model, base revision, revision, tensor, slice (dim, start, stop) or None, offset, length)
+DeltaKey = tuple[str, str, str, str, tuple[int, int, int] | None, int, int]
+_Compute = Callable[[], bytes | None]
+
+
+@dataclass
+class DeltaStats:
+    """What the deltas cost and saved, since the server started."""
+
+    computed: int = 0
+    reused: int = 0
+    delta_chunks: int = 0
+    raw_chunks: int = 0
+    # Payload bytes of the deltas sent, and the chunk bytes they stood for.
+    delta_bytes: int = 0
+    covered_bytes: int = 0
+    raw_bytes: int = 0
+    compute_seconds: float = 0.0
+
+
+class Deltas:
+    """Deltas computed once and kept within budget_bytes (payloads); thread-safe."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.budget_bytes = budget_bytes
+        self.stats = DeltaStats()
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[DeltaKey, bytes | None] = OrderedDict()
+        self._kept_bytes = 0
+        self._flights: dict[DeltaKey, threading.Event] = {}
+        self._local = threading.local()
+
+    @property
+    def kept_bytes(self) -> int:
+        return self._kept_bytes
+
+    def encode(
+        self,
+        chunks: Iterator[ServedChunk],
+        revision: Manifest,
+        base: Manifest,
+        wanted: Mapping[str, TensorSlice | None],
+    ) -> Iterator[ServedChunk]:
+        """chunks of revision, those of the wanted tensors (name: the slice asked, or None) as deltas
+        against base where that is cheaper. base's bytes must be in memory (its source in_memory)."""
+        same = {
+            name
+            for name in wanted
+            if name in base.by_name
+            and name in revision.by_name
+            and base.by_name[name].dtype == revision.by_name[name].dtype
+            and base.by_name[name].shape == revision.by_name[name].shape
+        }
+        for chunk in chunks:
+            name = chunk.place.tensor
+            if name not in same or not chunk.place.length:
+                yield chunk
+                continue
+            slice_ = wanted[name]
+            key: DeltaKey = (
+                revision.model,
+                base.revision,
+                revision.revision,
+                name,
+                (slice_.dim, slice_.start, slice_.stop) if slice_ is not None else None,
+                chunk.place.offset,
+                chunk.place.length,
+            )
+            payload = self._delta(key, functools.partial(self._compute, base, slice_, chunk))
+            with self._lock:
+                if payload is None:
+                    self.stats.raw_chunks += 1
+                    self.stats.raw_bytes += chunk.place.length
+                else:
+                    self.stats.delta_chunks += 1
+                    self.stats.delta_bytes += len(payload)
+                    self.stats.covered_bytes += chunk.place.length
+            if payload is None:
+                yield chunk
+            else:
+                yield ServedChunk(chunk.place, chunk.crc32c, np.frombuffer(payload, dtype=np.uint8), XOR_ZSTD)
+
+    def _delta(self, key: DeltaKey, compute: _Compute) -> bytes | None:
+        """The kept delta of key, computed here (once for every stream asking at the same time) if it is not kept."""
+        with self._lock:
+            if key in self._kept:
+                self._kept.move_to_end(key)
+                self.stats.reused += 1
+                return self._kept[key]
+            flight = self._flights.get(key)
+            leader = flight is None
+            if flight is None:
+                flight = self._flights[key] = threading.Event()
+        if not leader:
+            flight.wait(FLIGHT_WAIT_S)
+            with self._lock:
+                if key in self._kept:
+                    self.stats.reused += 1
+                    return self._kept[key]
+            return self._timed(compute)  # the other stream failed or is slow: not kept, not waited for again
+        try:
+            payload = self._timed(compute)
+            with self._lock:
+                self._keep(key, payload)
+            return payload
+        finally:
+            with self._lock:
+                self._flights.pop(key, None)
+            flight.set()
+
+    def _timed(self, compute: _Compute) -> bytes | None:
+        started = time.thread_time()
+        try:
+            return compute()
+        finally:
+            with self._lock:
+                self.stats.computed += 1
+                self.stats.compute_seconds += time.thread_time() - started
+
+    def _keep(self, key: DeltaKey, payload: bytes | None) -> None:
+        size = len(payload) if payload is not None else 0
+        if size > self.budget_bytes:
+            return
+        self._kept[key] = payload
+        self._kept_bytes += size
+        while self._kept_bytes > self.budget_bytes or len(self._kept) > MAX_KEPT:
+            _, dropped = self._kept.popitem(last=False)
+            self._kept_bytes -= len(dropped) if dropped is not None else 0
+
+    def _compute(self, base: Manifest, slice_: TensorSlice | None, chunk: ServedChunk) -> bytes | None:
+        """The delta payload of chunk against base, or None when the chunk should go whole."""
+        place = chunk.place
+        length = place.length
+        xor = self._scratch(length)
+        # A few samples first: a chunk whose every element changed is known for dense at a small cost.
+        sample = min(SAMPLE_BYTES, length)
+        starts = sorted({(length - sample) * i // max(1, SAMPLES - 1) for i in range(SAMPLES)})
+        nonzero = 0
+        for start in starts:
+            _xor_base(base, place.tensor, slice_, place.offset + start, chunk.data[start : start + sample], xor[start:])
+            nonzero += int(np.count_nonzero(xor[start : start + sample]))
+        if nonzero > DENSE * sample * len(starts):
+            return None
+        _xor_base(base, place.tensor, slice_, place.offset, chunk.data, xor)
+        if np.count_nonzero(xor[:length]) > DENSE * length:
+            return None
+        payload = self._compressor().compress(xor[:length].data)
+        return payload if len(payload) <= WORTH * length else None
+
+    def _scratch(self, length: int) -> np.ndarray:
+        scratch: np.ndarray | None = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.size < length:
+            scratch = self._local.scratch = np.empty(max(length, wire.DEFAULT_CHUNK_BYTES), dtype=np.uint8)
+        return scratch
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        # A compressor is not safe to share between threads; each stream's thread keeps its own.
+        compressor: zstandard.ZstdCompressor | None = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = self._local.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+        return compressor
+
+
+# Kept entries at most, whatever their size (a raw decision holds no payload but a key).
+MAX_KEPT = 65536
+
+
+def _xor_base(
+    base: Manifest, tensor: str, slice_: TensorSlice | None, offset: int, new: np.ndarray, out: np.ndarray
+) -> None:
+    """out[: new.size] = new XOR base's bytes of tensor (its slice) from offset, read from base's memory."""
+    plan = plan_reads(base, [(tensor, [(offset, offset + new.size)], slice_)], wire.MAX_CHUNK_BYTES)
+    units = base.source.read_units(base.files, plan)
+    if units is None:
+        raise RuntimeError(f"model {base.model!r}: revision {base.revision} is not held in memory")
+    for file_id, index, data in units:
+        unit = plan.files[file_id].places[index]
+        piece = unit_output(unit, data.numpy())
+        start = unit.place.offset - offset
+        np.bitwise_xor(new[start : start + piece.size], piece, out=out[start : start + piece.size])

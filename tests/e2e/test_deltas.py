@@ -1,0 +1,306 @@
+"""Sparse updates against a real server: changed chunks sent as XOR deltas against the revision the
+client holds, over each transport, checked by CRC32C on the result; a module that did not hold the base,
+damaged deltas, a base the server does not hold, and the server's delta cache (computed once, bounded)."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.support.ports import free_ports
+from tests.support.servers import loopback_settings, serving
+from weightstream.client import WeightStreamClient
+from weightstream.samples import ParameterTree
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server import WeightStreamServer
+from weightstream_server.serving import deltas as server_deltas
+from weightstream_server.serving.chunks import ServedChunk
+from weightstream_server.serving.deltas import Deltas
+from weightstream_server.serving.read_plan import ChunkPlace
+
+MODEL = "sparse"
+# 12 bfloat16 tensors of 1 MiB and one of 4 MiB.
+SHAPES = {f"layers.{i}.weight": (512, 1024) for i in range(12)} | {"embed.weight": (2048, 1024)}
+TRANSPORTS = ("grpc", "tcp", "shm")
+
+
+def state_of(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, shape in SHAPES.items()}
+
+
+def stepped(state: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """state with fraction of the elements of every tensor changed at random places (an optimizer step)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in state.items():
+        flat = tensor.clone().view(-1)
+        count = max(1, int(fraction * flat.numel()))
+        places = torch.randperm(flat.numel(), generator=generator)[:count]
+        flat[places] = (flat[places].float() * 1.01 + 0.01).to(torch.bfloat16)
+        out[name] = flat.view(tensor.shape)
+    return out
+
+
+def module_of(state: dict[str, torch.Tensor]) -> ParameterTree:
+    return ParameterTree({name: (tuple(t.shape), t.dtype) for name, t in state.items()})
+
+
+def assert_holds(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    got = dict(module.named_parameters())
+    for name, tensor in state.items():
+        assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name
+
+
+def model_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+@pytest.fixture(scope="module")
+def shm_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="weightstream-test-deltas-", dir="/dev/shm") as name:
+        yield Path(name)
+
+
+@pytest.fixture
+def server(tmp_path: Path, shm_dir: Path) -> Iterator[WeightStreamServer]:
+    settings = loopback_settings(model_root=tmp_path, allow_publish=True, shm_dir=shm_dir, data_port=free_ports(1)[0])
+    with serving(settings) as s:
+        yield s
+
+
+def client_of(server: WeightStreamServer, transport: str = "grpc") -> WeightStreamClient:
+    options: dict[str, object] = {"progress": False, "transport": transport}
+    if transport == "shm":
+        options["shm_dir"] = server.settings.shm_dir
+    return WeightStreamClient(f"127.0.0.1:{server.port}", **options)  # type: ignore[arg-type]
+
+
+def served(server: WeightStreamServer) -> int:
+    return server.stats.snapshot().bytes_served_total
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_sparse_step_travels_as_deltas_and_lands_bit_exact(server: WeightStreamServer, transport: str) -> None:
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    module = module_of(a)
+    with client_of(server, transport) as client:
+        revision_a = client.publish(MODEL, a)
+        client.load_into(module, MODEL)
+        assert_holds(module, a)
+        client.publish(MODEL, b)
+        before = served(server)
+        report = client.update_into(module, MODEL, since=revision_a)
+        sent = served(server) - before
+    assert_holds(module, b)
+    assert report.transport == transport
+    assert report.delta_chunks > 0 and report.delta_fallbacks == 0
+    # Every 1 MiB block changed, so without deltas the whole model would travel.
+    assert report.bytes == model_bytes(b)
+    assert sent == report.delta_bytes + (report.bytes - _covered(server))
+    assert sent <= 0.15 * model_bytes(b), sent
+
+
+def _covered(server: WeightStreamServer) -> int:
+    assert server.deltas is not None
+    return server.deltas.stats.covered_bytes
+
+
+def test_deltas_off_on_the_client_send_the_changed_chunks_whole(server: WeightStreamServer) -> None:
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    module = module_of(a)
+    with client_of(server) as client:
+        revision_a = client.publish(MODEL, a)
+        client.load_into(module, MODEL)
+        client.publish(MODEL, b)
+        before = served(server)
+        report = client.update_into(module, MODEL, since=revision_a, deltas=False)
+        sent = served(server) - before
+    assert_holds(module, b)
+    assert report.delta_chunks == 0
+    assert sent == model_bytes(b)
+
+
+@pytest.mark.parametrize("transport", ("grpc", "tcp"))
+def test_a_module_that_does_not_hold_the_base_ends_at_the_new_revision_through_whole_chunks(
+    server: WeightStreamServer, transport: str
+) -> None:
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    module = module_of(a)
+    with client_of(server, transport) as client:
+        revision_a = client.publish(MODEL, a)
+        client.load_into(module, MODEL)
+        with torch.no_grad():  # somebody wrote into two parameters since
+            module.get_parameter("layers.4.weight").view(-1)[1000:1010] += 1
+            module.get_parameter("embed.weight").fill_(0.5)
+        client.publish(MODEL, b)
+        report = client.update_into(module, MODEL, since=revision_a)
+    assert_holds(module, b)
+    # layers.4: its first chunk; embed: every chunk it got as a delta before the first failed check.
+    assert report.delta_fallbacks >= 2
+    assert report.delta_chunks > 0
+
+
+def test_damaged_deltas_are_caught_and_the_chunks_come_whole(
+    server: WeightStreamServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The damage is made on the server, in the payloads it computes (a loopback connection does not
+    corrupt bytes by itself): one byte flipped inside every third frame's compressed data, and
+    every fifth frame cut short."""
+    deltas = server.deltas
+    assert deltas is not None
+    compute = deltas._compute
+    made = {"count": 0}
+
+    def damaged(base: object, slice_: object, chunk: ServedChunk) -> bytes | None:
+        payload = compute(base, slice_, chunk)  # type: ignore[arg-type]
+        if payload is None:
+            return None
+        made["count"] += 1
+        if made["count"] % 5 == 0:
+            return payload[: len(payload) // 2]
+        if made["count"] % 3 == 0:
+            spoiled = bytearray(payload)
+            spoiled[len(spoiled) // 2] ^= 0x40
+            return bytes(spoiled)
+        return payload
+
+    monkeypatch.setattr(deltas, "_compute", damaged)
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    module = module_of(a)
+    with client_of(server, "tcp") as client:
+        revision_a = client.publish(MODEL, a)
+        client.load_into(module, MODEL)
+        client.publish(MODEL, b)
+        report = client.update_into(module, MODEL, since=revision_a)
+    assert_holds(module, b)
+    assert made["count"] >= 5
+    assert report.delta_fallbacks >= 2
+    assert report.revision == client_revision(server)
+
+
+def client_revision(server: WeightStreamServer) -> str:
+    with client_of(server) as client:
+        return client.manifest(MODEL).revision
+
+
+def test_a_base_the_server_does_not_hold_in_memory_gets_whole_chunks_and_no_error(
+    tmp_path: Path, server: WeightStreamServer
+) -> None:
+    """A is a storage revision (a file under the root): the server knows what changed (block CRC32Cs)
+    but does not hold A's bytes in memory, so the changed chunks go whole."""
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    (tmp_path / MODEL).mkdir()
+    save_file(a, str(tmp_path / MODEL / "model.safetensors"))
+    module = module_of(a)
+    with client_of(server, "tcp") as client:
+        revision_a = client.load_into(module, MODEL).revision
+        client.publish(MODEL, b)
+        before = served(server)
+        report = client.update_into(module, MODEL, since=revision_a)
+        sent = served(server) - before
+    assert_holds(module, b)
+    assert report.delta_chunks == 0 and report.delta_fallbacks == 0
+    assert sent == report.bytes == model_bytes(b)
+
+
+def test_four_engines_updating_at_once_cost_one_computation_per_chunk(server: WeightStreamServer) -> None:
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    modules = [module_of(a) for _ in range(4)]
+    with client_of(server, "tcp") as client:
+        revision_a = client.publish(MODEL, a)
+        for module in modules:
+            client.load_into(module, MODEL)
+        client.publish(MODEL, b)
+        reports: list[object] = [None] * 4
+        errors: list[BaseException] = []
+
+        def update(index: int) -> None:
+            try:
+                with client_of(server, "tcp") as own:
+                    reports[index] = own.update_into(modules[index], MODEL, since=revision_a)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=update, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert not errors, errors
+    for module in modules:
+        assert_holds(module, b)
+    assert server.deltas is not None
+    stats = server.deltas.stats
+    chunks = stats.delta_chunks + stats.raw_chunks
+    assert chunks % 4 == 0 and chunks > 0
+    assert stats.computed == chunks // 4, (stats.computed, chunks)
+    assert stats.reused == chunks - chunks // 4
+
+
+def test_the_delta_cache_stays_within_its_budget() -> None:
+    """Many (A, B) pairs asked for at once, from 8 threads: what is kept never exceeds the budget, and
+    each key is computed once while it is kept."""
+    budget = 256 * 1024
+    deltas = Deltas(budget)
+    computed: dict[tuple[object, ...], int] = {}
+    lock = threading.Lock()
+
+    def compute_for(key: tuple[object, ...]) -> bytes:
+        with lock:
+            computed[key] = computed.get(key, 0) + 1
+        return bytes(16 * 1024)
+
+    def ask(worker: int) -> None:
+        for pair in range(64):
+            key = ("m", f"a{pair}", f"b{pair}", "t", None, 0, 16 * 1024)
+            deltas._delta(key, lambda k=key: compute_for(k))  # type: ignore[misc]
+            assert deltas.kept_bytes <= budget
+
+    threads = [threading.Thread(target=ask, args=(w,)) for w in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert deltas.kept_bytes <= budget
+    assert len(computed) == 64
+    assert deltas.stats.computed + deltas.stats.reused == 8 * 64
+
+
+def test_dense_chunks_are_given_up_at_the_samples() -> None:
+    """A chunk whose every byte changed is sent whole after a few sampled XORs, not compressed."""
+
+    class Base:
+        def __init__(self, data: np.ndarray) -> None:
+            self.data = data
+
+    old = np.random.default_rng(0).integers(0, 255, 4 * 1024 * 1024, dtype=np.uint8)
+    new = np.random.default_rng(1).integers(0, 255, old.size, dtype=np.uint8)
+    sampled: list[int] = []
+    real = server_deltas._xor_base
+
+    def xor_base(base: object, tensor: str, slice_: object, offset: int, chunk: np.ndarray, out: np.ndarray) -> None:
+        sampled.append(chunk.size)
+        np.bitwise_xor(chunk, old[offset : offset + chunk.size], out=out[: chunk.size])
+
+    server_deltas._xor_base = xor_base  # type: ignore[assignment]
+    try:
+        payload = Deltas()._compute(None, None, ServedChunk(ChunkPlace("t", 0, new.size), 0, new))  # type: ignore[arg-type]
+    finally:
+        server_deltas._xor_base = real
+    assert payload is None
+    assert sum(sampled) <= server_deltas.SAMPLES * server_deltas.SAMPLE_BYTES
+    assert pb.CHUNK_ENCODING_XOR_ZSTD == server_deltas.XOR_ZSTD
