@@ -32,16 +32,24 @@ class DeltaUnusable(ValueError):
 def apply_delta(dest: Destination, offset: int, length: int, address: int, payload_bytes: int) -> int:
     """XOR the delta of payload_bytes at address into dest's bytes [offset, offset + length); their CRC32C after.
 
-    DeltaUnusable (dest untouched) when the payload does not decode to exactly length bytes.
+    DeltaUnusable (dest untouched) when the payload does not decode to exactly length bytes. On host
+    memory the XOR and the checksum go piece by piece (wire.CACHE_PIECE_BYTES), each piece checksummed
+    while it is in the core's cache; a piece that size is also below torch's grain for splitting an
+    operation over threads, which on a busy host cost more than the XOR itself.
     """
     xor = decode(address, payload_bytes, length)
     view = dest.buffer[offset : offset + length]
-    if view.device.type == "cpu":
-        view.bitwise_xor_(xor)
-        return wire.crc32c_at(view.data_ptr(), length)
-    view.bitwise_xor_(xor.to(view.device))
-    landed = view.cpu()
-    return wire.crc32c_at(landed.data_ptr(), length)
+    if view.device.type != "cpu":
+        view.bitwise_xor_(xor.to(view.device))
+        landed = view.cpu()
+        return wire.crc32c_at(landed.data_ptr(), length)
+    words = torch.int64 if offset % 8 == 0 and length % 8 == 0 else torch.uint8
+    crc = 0
+    for start in range(0, length, wire.CACHE_PIECE_BYTES):
+        end = min(length, start + wire.CACHE_PIECE_BYTES)
+        view[start:end].view(words).bitwise_xor_(xor[start:end].view(words))
+        crc = wire.crc32c_at(view.data_ptr() + start, end - start, crc)
+    return crc
 
 
 def decode(address: int, payload_bytes: int, length: int) -> torch.Tensor:

@@ -97,6 +97,17 @@ class RelayStatus(BaseModel):
     seconds_total: float = Field(description="seconds spent taking them")
 
 
+class DeltasStatus(BaseModel):
+    delta_chunks_total: int = Field(description="changed chunks sent as XOR deltas against the revision clients held")
+    whole_chunks_total: int = Field(description="changed chunks that could have gone as deltas but were sent whole")
+    delta_bytes_total: int = Field(description="payload bytes of the deltas sent")
+    covered_bytes_total: int = Field(description="chunk bytes those deltas stood for (delta/covered: the ratio)")
+    computed_total: int = Field(description="deltas computed (each (A, B, chunk) once while kept)")
+    reused_total: int = Field(description="deltas served from the kept ones (other engines, other ranks)")
+    compute_seconds_total: float = Field(description="CPU seconds spent computing them")
+    kept_bytes: int = Field(description="payload bytes of the deltas kept (--delta-cache-bytes)")
+
+
 class RevisionsStatus(BaseModel):
     models: dict[str, RevisionStatus] = Field(description="each model's revisions, by model id")
     publishes_total: int = Field(description="publishes completed since the server started")
@@ -106,6 +117,7 @@ class RevisionsStatus(BaseModel):
     changed_bytes_total: int = Field(description="changed bytes those answers named (what the updates then fetch)")
     digested_bytes_total: int = Field(description="bytes of storage files read to learn their block CRC32Cs")
     relay: RelayStatus | None = Field(default=None, description="the upstream's revisions followed (--upstream)")
+    deltas: DeltasStatus | None = Field(default=None, description="sparse updates; null with --delta-cache-bytes 0")
 
 
 class ServerStatus(BaseModel):
@@ -152,7 +164,13 @@ def create_app(server: WeightStreamServer) -> FastAPI:
         redoc_url=None,
     )
     registry = metrics.create_registry(
-        server.stats, server.settings.max_streams, server.cache, server.tiers, server.revisions, server.changes
+        server.stats,
+        server.settings.max_streams,
+        server.cache,
+        server.tiers,
+        server.revisions,
+        server.changes,
+        server.deltas,
     )
     tokens = server.tokens
 
@@ -256,6 +274,23 @@ def _revisions(server: WeightStreamServer) -> RevisionsStatus | None:
         changed_bytes_total=changes.changed_bytes,
         digested_bytes_total=changes.bytes_digested,
         relay=_relay(server),
+        deltas=_deltas(server),
+    )
+
+
+def _deltas(server: WeightStreamServer) -> DeltasStatus | None:
+    if server.deltas is None:
+        return None
+    d = server.deltas.snapshot()
+    return DeltasStatus(
+        delta_chunks_total=d.delta_chunks,
+        whole_chunks_total=d.raw_chunks,
+        delta_bytes_total=d.delta_bytes,
+        covered_bytes_total=d.covered_bytes,
+        computed_total=d.computed,
+        reused_total=d.reused,
+        compute_seconds_total=d.compute_seconds,
+        kept_bytes=server.deltas.kept_bytes,
     )
 
 

@@ -18,6 +18,7 @@ from weightstream_server.ops.stats import DURATION_BUCKETS_S, ServerStats
 from weightstream_server.revisions.changes import Changes
 from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving.cache import CacheSnapshot, UnitCache
+from weightstream_server.serving.deltas import Deltas
 from weightstream_server.storage.disk_cache import DiskCacheSnapshot
 from weightstream_server.storage.tiers import Tiers
 
@@ -136,13 +137,44 @@ def create_registry(
     tiers: Tiers | None = None,
     revisions: RevisionStore | None = None,
     changes: Changes | None = None,
+    deltas: Deltas | None = None,
 ) -> CollectorRegistry:
     """A registry holding only this server's metrics."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats, max_streams, cache, tiers if tiers is not None else Tiers()))
     if revisions is not None and changes is not None:
         registry.register(RevisionsCollector(revisions, changes))
+    if deltas is not None:
+        registry.register(DeltasCollector(deltas))
     return registry
+
+
+class DeltasCollector(Collector):
+    """The sparse-update metrics: changed chunks by form, delta bytes against the bytes they stood for, the work."""
+
+    def __init__(self, deltas: Deltas) -> None:
+        self._deltas = deltas
+
+    def collect(self) -> Iterator[Metric]:
+        d = self._deltas.snapshot()
+        chunks = CounterMetricFamily(
+            PREFIX + "delta_chunks", "Changed chunks that could go as XOR deltas, by the form sent.", labels=["form"]
+        )
+        chunks.add_metric(["delta"], d.delta_chunks)
+        chunks.add_metric(["whole"], d.raw_chunks)
+        yield chunks
+        yield CounterMetricFamily(PREFIX + "delta_bytes", "Payload bytes of the deltas sent.", value=d.delta_bytes)
+        yield CounterMetricFamily(
+            PREFIX + "delta_covered_bytes", "Chunk bytes the deltas sent stood for.", value=d.covered_bytes
+        )
+        yield CounterMetricFamily(PREFIX + "delta_computations", "Deltas computed.", value=d.computed)
+        yield CounterMetricFamily(PREFIX + "delta_reuses", "Deltas served from those kept.", value=d.reused)
+        yield CounterMetricFamily(
+            PREFIX + "delta_compute_seconds", "CPU seconds spent computing deltas.", value=d.compute_seconds
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "delta_kept_bytes", "Payload bytes of the deltas kept.", value=self._deltas.kept_bytes
+        )
 
 
 class RevisionsCollector(Collector):

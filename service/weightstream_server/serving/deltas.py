@@ -21,6 +21,7 @@ error. Concurrency: Deltas is shared by every stream; encode runs on the stream'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -89,6 +90,11 @@ class Deltas:
     @property
     def kept_bytes(self) -> int:
         return self._kept_bytes
+
+    def snapshot(self) -> DeltaStats:
+        """The counters as they are now (a copy)."""
+        with self._lock:
+            return dataclasses.replace(self.stats)
 
     def encode(
         self,

@@ -1,0 +1,217 @@
+"""Sparse updates, measured: update_into with XOR deltas against without them and a full load_into, in one run.
+
+A `weightstream serve --allow-publish` process holds revision A of a Llama-shaped bfloat16 checkpoint of
+--gb GB, published (so in its memory). Revision B is A with a share of the elements of every tensor
+changed at random places (an optimizer step: --fractions, default 0.005, 0.02 and 1.0), published too.
+A module holding A is then updated to B, per transport (--transports, default tcp and grpc):
+
+- full load_into: the baseline, the whole model over the same transport;
+- update_into(deltas=False): chunk skipping only (every 1 MiB block holds a change, so all of it);
+- update_into, first: the server computes the deltas (what the first engine of a fleet pays);
+- update_into, kept: the deltas come from the server's delta cache (every later engine and rank).
+
+Between runs the module is set back to A locally (not timed). Reported: medians of --runs of the
+update's seconds, its ratio to the full load, bytes on the wire (the server's /status), their ratio
+to the model, and the server's CPU seconds for the update (/proc). Then four modules update from A
+to B at once (tcp): wall time, and how many deltas the server computed against how many it served.
+
+Usage (from the repository root): python benchmarks/sparse_updates.py [--gb 1] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import free_port, serve_weightstream, write_checkpoint
+from weightstream.client import WeightStreamClient
+from weightstream.protocol import wire
+from weightstream.samples import ParameterTree
+
+MODEL = "sparse-llama"
+
+
+def status(http_port: int) -> dict[str, object]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def served(http_port: int) -> int:
+    return int(status(http_port)["bytes_served_total"])  # type: ignore[call-overload]
+
+
+def deltas(http_port: int) -> dict[str, float]:
+    return status(http_port)["revisions"]["deltas"]  # type: ignore[index,no-any-return]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stepped(state: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """state with fraction of the elements of every tensor changed at random places."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in state.items():
+        flat = tensor.clone().view(-1)
+        if fraction >= 1.0:
+            out[name] = (flat.float() * 1.01 + 0.01).to(tensor.dtype).view(tensor.shape)
+            continue
+        count = max(1, int(fraction * flat.numel()))
+        places = torch.randint(0, flat.numel(), (count,), generator=generator)
+        flat[places] = (flat[places].float() * 1.01 + 0.01).to(tensor.dtype)
+        out[name] = flat.view(tensor.shape)
+    return out
+
+
+def reset(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            parameter.copy_(state[name])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size (default 1)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per case (default 3)")
+    parser.add_argument("--fractions", default="0.005,0.02,1.0", help="shares of the elements changed")
+    parser.add_argument("--transports", default="tcp,grpc", help="transports to measure (tcp, grpc, shm)")
+    args = parser.parse_args()
+    fractions = [float(f) for f in args.fractions.split(",")]
+    transports = args.transports.split(",")
+    rows: list[tuple[str, str, float, float, int, float]] = []
+    with tempfile.TemporaryDirectory(prefix="weightstream-sparse-") as tmp:
+        root = Path(tmp) / "root"
+        total, shapes = write_checkpoint(Path(tmp) / "files", args.gb)
+        root.mkdir()
+        http_port = free_port()
+        # A stays kept while every B of the run is published (each update is from A).
+        extra = ["--allow-publish", "--http-port", str(http_port), "--keep-revisions", str(len(fractions) + 2)]
+        extra += ["--publish-max-bytes", str(int((len(fractions) + 3) * total))]
+        if "shm" in transports:
+            extra += ["--shm-dir", "/dev/shm"]
+        with serve_weightstream(root, wire.DEFAULT_CHUNK_BYTES, extra) as (proc, port):
+            loader = ParameterTree(shapes)
+            with WeightStreamClient(f"127.0.0.1:{port}", progress=False) as client:
+                from safetensors.torch import load_file
+
+                a: dict[str, torch.Tensor] = {}
+                for path in sorted((Path(tmp) / "files").glob("*.safetensors")):
+                    a.update(load_file(str(path)))
+                revision_a = client.publish(MODEL, a, revision="a")
+            for fraction in fractions:
+                b = stepped(a, fraction, seed=int(fraction * 1000) + 1)
+                with WeightStreamClient(f"127.0.0.1:{port}", progress=False) as client:
+                    revision_b = client.publish(MODEL, b, revision=f"b-{fraction}")
+                for transport in transports:
+                    options: dict[str, object] = {"progress": False, "transport": transport}
+                    if transport == "shm":
+                        options["shm_dir"] = "/dev/shm"
+                    with WeightStreamClient(f"127.0.0.1:{port}", **options) as client:  # type: ignore[arg-type]
+                        loads = []
+                        for _ in range(args.runs):
+                            loads.append(client.load_into(loader, MODEL, revision=revision_b).seconds)
+                        full = statistics.median(loads)
+                        rows.append((f"{fraction:.1%}", f"{transport}: full load_into", full, 1.0, total, 0.0))
+                        for label, use, count in (
+                            ("update_into, no deltas", False, args.runs),
+                            ("update_into, first (computes)", True, 1),
+                            ("update_into, kept deltas", True, args.runs),
+                        ):
+                            times, sent, cpu = [], [], []
+                            for _ in range(count):
+                                reset(loader, a)
+                                before, cpu_before = served(http_port), cpu_seconds(proc.pid)
+                                report = client.update_into(loader, MODEL, since=revision_a, deltas=use)
+                                cpu.append(cpu_seconds(proc.pid) - cpu_before)
+                                sent.append(served(http_port) - before)
+                                times.append(report.seconds)
+                                assert report.revision == revision_b and not report.delta_fallbacks
+                            seconds = statistics.median(times)
+                            rows.append(
+                                (
+                                    f"{fraction:.1%}",
+                                    f"{transport}: {label}",
+                                    seconds,
+                                    seconds / full,
+                                    int(statistics.median(sent)),
+                                    statistics.median(cpu),
+                                )
+                            )
+                    check(loader, b)
+            fleet = _fleet(port, http_port, shapes, a, revision_a)
+            print(f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors; medians of {args.runs}")
+            print("| changed elements | case | seconds | x full load | bytes on the wire | x model | server CPU s |")
+            print("|---|---|---|---|---|---|---|")
+            for fraction_label, label, seconds, ratio, nbytes, cpu_s in rows:
+                print(
+                    f"| {fraction_label} | {label} | {seconds:.3f} | {ratio:.3f}x | {nbytes:,d} | "
+                    f"{nbytes / total:.3f} | {cpu_s:.2f} |"
+                )
+            print(fleet)
+    return 0
+
+
+def check(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    for name, parameter in module.named_parameters():
+        if not torch.equal(parameter.view(torch.int16), state[name].view(torch.int16)):
+            raise SystemExit(f"{name}: not bit-exact after the update")
+
+
+def _fleet(port: int, http_port: int, shapes: dict, a: dict[str, torch.Tensor], revision_a: str) -> str:
+    """Four modules update from A to a new B at once over tcp: wall time, deltas computed and served."""
+    b = stepped(a, 0.02, seed=4242)
+    with WeightStreamClient(f"127.0.0.1:{port}", progress=False) as client:
+        client.publish(MODEL, b, revision="b-fleet")
+    modules = [ParameterTree(shapes) for _ in range(4)]
+    for module in modules:
+        reset(module, a)
+    before = deltas(http_port)
+    sent_before = served(http_port)
+    seconds: list[float] = [0.0] * 4
+    errors: list[BaseException] = []
+
+    def update(index: int) -> None:
+        try:
+            with WeightStreamClient(f"127.0.0.1:{port}", progress=False, transport="tcp") as own:
+                seconds[index] = own.update_into(modules[index], MODEL, since=revision_a).seconds
+        except BaseException as exc:
+            errors.append(exc)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=update, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    for module in modules:
+        check(module, b)
+    after = deltas(http_port)
+    computed = after["computed_total"] - before["computed_total"]
+    reused = after["reused_total"] - before["reused_total"]
+    cpu = after["compute_seconds_total"] - before["compute_seconds_total"]
+    return (
+        f"4 engines updating at once (2% of the elements changed, tcp): {wall:.3f} s wall (each "
+        f"{min(seconds):.3f}..{max(seconds):.3f} s), {served(http_port) - sent_before:,d} bytes on the wire in all; "
+        f"the server computed {computed:.0f} deltas ({cpu:.2f} CPU s) and served {reused:.0f} more from those kept"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
