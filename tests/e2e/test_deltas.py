@@ -304,3 +304,25 @@ def test_dense_chunks_are_given_up_at_the_samples() -> None:
     assert payload is None
     assert sum(sampled) <= server_deltas.SAMPLES * server_deltas.SAMPLE_BYTES
     assert pb.CHUNK_ENCODING_XOR_ZSTD == server_deltas.XOR_ZSTD
+
+
+def test_status_and_metrics_count_deltas_by_form(tmp_path: Path) -> None:
+    from tests.support.servers import running
+
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    with running(tmp_path, allow_publish=True) as r, client_of(r.server) as client:
+        revision_a = client.publish(MODEL, a)
+        module = module_of(a)
+        client.load_into(module, MODEL)
+        client.publish(MODEL, b)
+        report = client.update_into(module, MODEL, since=revision_a)
+        deltas = r.get("/status").json()["revisions"]["deltas"]
+        metrics = r.get("/metrics").text
+    assert deltas["delta_chunks_total"] == report.delta_chunks > 0
+    assert deltas["delta_bytes_total"] == report.delta_bytes
+    assert deltas["covered_bytes_total"] == model_bytes(b)
+    assert deltas["computed_total"] == report.delta_chunks and deltas["reused_total"] == 0
+    assert 0 < deltas["kept_bytes"] <= report.delta_bytes
+    assert f'weightstream_delta_chunks_total{{form="delta"}} {float(report.delta_chunks)}' in metrics
+    assert f"weightstream_delta_bytes_total {float(report.delta_bytes)}" in metrics
