@@ -18,7 +18,6 @@ from tests.support.ports import free_ports
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient
 from weightstream.samples import ParameterTree
-from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server import WeightStreamServer
 from weightstream_server.serving import deltas as server_deltas
 from weightstream_server.serving.chunks import ServedChunk
@@ -83,6 +82,17 @@ def client_of(server: WeightStreamServer, transport: str = "grpc") -> WeightStre
     return WeightStreamClient(f"127.0.0.1:{server.port}", **options)  # type: ignore[arg-type]
 
 
+def holding_a_then_b(
+    client: WeightStreamClient, modules: list[torch.nn.Module], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
+) -> str:
+    """Publish a, load it into modules, publish b; a's revision (what the modules hold)."""
+    revision_a = client.publish(MODEL, a)
+    for module in modules:
+        client.load_into(module, MODEL)
+    client.publish(MODEL, b)
+    return revision_a
+
+
 def served(server: WeightStreamServer) -> int:
     return server.stats.snapshot().bytes_served_total
 
@@ -119,9 +129,7 @@ def test_deltas_off_on_the_client_send_the_changed_chunks_whole(server: WeightSt
     b = stepped(a, 0.02, seed=1)
     module = module_of(a)
     with client_of(server) as client:
-        revision_a = client.publish(MODEL, a)
-        client.load_into(module, MODEL)
-        client.publish(MODEL, b)
+        revision_a = holding_a_then_b(client, [module], a, b)
         before = served(server)
         report = client.update_into(module, MODEL, since=revision_a, deltas=False)
         sent = served(server) - before
@@ -162,8 +170,8 @@ def test_damaged_deltas_are_caught_and_the_chunks_come_whole(
     compute = deltas._compute
     made = {"count": 0}
 
-    def damaged(base: object, slice_: object, chunk: ServedChunk) -> bytes | None:
-        payload = compute(base, slice_, chunk)  # type: ignore[arg-type]
+    def damaged(base: object, slice_: object, chunk: ServedChunk, work: object) -> bytes | None:
+        payload = compute(base, slice_, chunk, work)  # type: ignore[arg-type]
         if payload is None:
             return None
         made["count"] += 1
@@ -180,9 +188,7 @@ def test_damaged_deltas_are_caught_and_the_chunks_come_whole(
     b = stepped(a, 0.02, seed=1)
     module = module_of(a)
     with client_of(server, "tcp") as client:
-        revision_a = client.publish(MODEL, a)
-        client.load_into(module, MODEL)
-        client.publish(MODEL, b)
+        revision_a = holding_a_then_b(client, [module], a, b)
         report = client.update_into(module, MODEL, since=revision_a)
     assert_holds(module, b)
     assert made["count"] >= 5
@@ -221,10 +227,7 @@ def test_four_engines_updating_at_once_cost_one_computation_per_chunk(server: We
     b = stepped(a, 0.02, seed=1)
     modules = [module_of(a) for _ in range(4)]
     with client_of(server, "tcp") as client:
-        revision_a = client.publish(MODEL, a)
-        for module in modules:
-            client.load_into(module, MODEL)
-        client.publish(MODEL, b)
+        revision_a = holding_a_then_b(client, modules, a, b)
         reports: list[object] = [None] * 4
         errors: list[BaseException] = []
 
@@ -280,30 +283,27 @@ def test_the_delta_cache_stays_within_its_budget() -> None:
     assert deltas.stats.computed + deltas.stats.reused == 8 * 64
 
 
-def test_dense_chunks_are_given_up_at_the_samples() -> None:
-    """A chunk whose every byte changed is sent whole after a few sampled XORs, not compressed."""
-
-    class Base:
-        def __init__(self, data: np.ndarray) -> None:
-            self.data = data
-
+def test_dense_chunks_are_given_up_at_the_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk whose every byte changed is sent whole after a few sampled XORs, not compressed. The
+    base's bytes come from an array here (what _xor_base would read from a held revision)."""
     old = np.random.default_rng(0).integers(0, 255, 4 * 1024 * 1024, dtype=np.uint8)
     new = np.random.default_rng(1).integers(0, 255, old.size, dtype=np.uint8)
     sampled: list[int] = []
-    real = server_deltas._xor_base
 
     def xor_base(base: object, tensor: str, slice_: object, offset: int, chunk: np.ndarray, out: np.ndarray) -> None:
         sampled.append(chunk.size)
         np.bitwise_xor(chunk, old[offset : offset + chunk.size], out=out[: chunk.size])
 
-    server_deltas._xor_base = xor_base  # type: ignore[assignment]
-    try:
-        payload = Deltas()._compute(None, None, ServedChunk(ChunkPlace("t", 0, new.size), 0, new))  # type: ignore[arg-type]
-    finally:
-        server_deltas._xor_base = real
-    assert payload is None
+    monkeypatch.setattr(server_deltas, "_xor_base", xor_base)
+    chunk = ServedChunk(ChunkPlace("t", 0, new.size), 0, new)
+    assert Deltas()._compute(None, None, chunk, server_deltas._Work()) is None  # type: ignore[arg-type]
     assert sum(sampled) <= server_deltas.SAMPLES * server_deltas.SAMPLE_BYTES
-    assert pb.CHUNK_ENCODING_XOR_ZSTD == server_deltas.XOR_ZSTD
+    # A sparse one is not given up: 1% of its bytes changed.
+    sparse = old.copy()
+    sparse[::100] ^= 1
+    chunk = ServedChunk(ChunkPlace("t", 0, sparse.size), 0, sparse)
+    payload = Deltas()._compute(None, None, chunk, server_deltas._Work())  # type: ignore[arg-type]
+    assert payload is not None and len(payload) < 0.1 * sparse.size
 
 
 def test_status_and_metrics_count_deltas_by_form(tmp_path: Path) -> None:
@@ -312,10 +312,8 @@ def test_status_and_metrics_count_deltas_by_form(tmp_path: Path) -> None:
     a = state_of(0)
     b = stepped(a, 0.02, seed=1)
     with running(tmp_path, allow_publish=True) as r, client_of(r.server) as client:
-        revision_a = client.publish(MODEL, a)
         module = module_of(a)
-        client.load_into(module, MODEL)
-        client.publish(MODEL, b)
+        revision_a = holding_a_then_b(client, [module], a, b)
         report = client.update_into(module, MODEL, since=revision_a)
         deltas = r.get("/status").json()["revisions"]["deltas"]
         metrics = r.get("/metrics").text

@@ -85,7 +85,6 @@ class Deltas:
         self._kept: OrderedDict[DeltaKey, bytes | None] = OrderedDict()
         self._kept_bytes = 0
         self._flights: dict[DeltaKey, threading.Event] = {}
-        self._local = threading.local()
 
     @property
     def kept_bytes(self) -> int:
@@ -113,6 +112,7 @@ class Deltas:
             and base.by_name[name].dtype == revision.by_name[name].dtype
             and base.by_name[name].shape == revision.by_name[name].shape
         }
+        work = _Work()
         for chunk in chunks:
             name = chunk.place.tensor
             if name not in same or not chunk.place.length:
@@ -128,7 +128,7 @@ class Deltas:
                 chunk.place.offset,
                 chunk.place.length,
             )
-            payload = self._delta(key, functools.partial(self._compute, base, slice_, chunk))
+            payload = self._delta(key, functools.partial(self._compute, base, slice_, chunk, work))
             with self._lock:
                 if payload is None:
                     self.stats.raw_chunks += 1
@@ -189,11 +189,11 @@ class Deltas:
             _, dropped = self._kept.popitem(last=False)
             self._kept_bytes -= len(dropped) if dropped is not None else 0
 
-    def _compute(self, base: Manifest, slice_: TensorSlice | None, chunk: ServedChunk) -> bytes | None:
+    def _compute(self, base: Manifest, slice_: TensorSlice | None, chunk: ServedChunk, work: _Work) -> bytes | None:
         """The delta payload of chunk against base, or None when the chunk should go whole."""
         place = chunk.place
         length = place.length
-        xor = self._scratch(length)
+        xor = work.scratch(length)
         # A few samples first: a chunk whose every element changed is known for dense at a small cost.
         sample = min(SAMPLE_BYTES, length)
         starts = sorted({(length - sample) * i // max(1, SAMPLES - 1) for i in range(SAMPLES)})
@@ -206,21 +206,27 @@ class Deltas:
         _xor_base(base, place.tensor, slice_, place.offset, chunk.data, xor)
         if np.count_nonzero(xor[:length]) > DENSE * length:
             return None
-        payload = self._compressor().compress(xor[:length].data)
+        payload = work.compressor().compress(xor[:length].data)
         return payload if len(payload) <= WORTH * length else None
 
-    def _scratch(self, length: int) -> np.ndarray:
-        scratch: np.ndarray | None = getattr(self._local, "scratch", None)
-        if scratch is None or scratch.size < length:
-            scratch = self._local.scratch = np.empty(max(length, wire.DEFAULT_CHUNK_BYTES), dtype=np.uint8)
-        return scratch
 
-    def _compressor(self) -> zstandard.ZstdCompressor:
-        # A compressor is not safe to share between threads; each stream's thread keeps its own.
-        compressor: zstandard.ZstdCompressor | None = getattr(self._local, "compressor", None)
-        if compressor is None:
-            compressor = self._local.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
-        return compressor
+class _Work:
+    """One stream's scratch buffer and compressor (a compressor is not safe to share between threads);
+    made when its first delta is computed, gone with the stream."""
+
+    def __init__(self) -> None:
+        self._scratch: np.ndarray | None = None
+        self._compressor: zstandard.ZstdCompressor | None = None
+
+    def scratch(self, length: int) -> np.ndarray:
+        if self._scratch is None or self._scratch.size < length:
+            self._scratch = np.empty(max(length, wire.DEFAULT_CHUNK_BYTES), dtype=np.uint8)
+        return self._scratch
+
+    def compressor(self) -> zstandard.ZstdCompressor:
+        if self._compressor is None:
+            self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+        return self._compressor
 
 
 # Kept entries at most, whatever their size (a raw decision holds no payload but a key).
