@@ -170,18 +170,19 @@ def test_damaged_deltas_are_caught_and_the_chunks_come_whole(
     compute = deltas._compute
     made = {"count": 0}
 
-    def damaged(base: object, slice_: object, chunk: ServedChunk, work: object) -> bytes | None:
-        payload = compute(base, slice_, chunk, work)  # type: ignore[arg-type]
-        if payload is None:
+    def damaged(base: object, slice_: object, chunk: ServedChunk, work: object) -> tuple[int, bytes] | None:
+        delta = compute(base, slice_, chunk, work)  # type: ignore[arg-type]
+        if delta is None:
             return None
+        encoding, payload = delta
         made["count"] += 1
         if made["count"] % 5 == 0:
-            return payload[: len(payload) // 2]
+            return encoding, payload[: len(payload) // 2]
         if made["count"] % 3 == 0:
             spoiled = bytearray(payload)
             spoiled[len(spoiled) // 2] ^= 0x40
-            return bytes(spoiled)
-        return payload
+            return encoding, bytes(spoiled)
+        return delta
 
     monkeypatch.setattr(deltas, "_compute", damaged)
     a = state_of(0)
@@ -262,10 +263,10 @@ def test_the_delta_cache_stays_within_its_budget() -> None:
     computed: dict[tuple[object, ...], int] = {}
     lock = threading.Lock()
 
-    def compute_for(key: tuple[object, ...]) -> bytes:
+    def compute_for(key: tuple[object, ...]) -> tuple[int, bytes]:
         with lock:
             computed[key] = computed.get(key, 0) + 1
-        return bytes(16 * 1024)
+        return server_deltas.XOR_ZSTD, bytes(16 * 1024)
 
     def ask(worker: int) -> None:
         for pair in range(64):
@@ -302,8 +303,14 @@ def test_dense_chunks_are_given_up_at_the_samples(monkeypatch: pytest.MonkeyPatc
     sparse = old.copy()
     sparse[::100] ^= 1
     chunk = ServedChunk(ChunkPlace("t", 0, sparse.size), 0, sparse)
-    payload = Deltas()._compute(None, None, chunk, server_deltas._Work())  # type: ignore[arg-type]
-    assert payload is not None and len(payload) < 0.1 * sparse.size
+    delta = Deltas()._compute(None, None, chunk, server_deltas._Work())  # type: ignore[arg-type]
+    assert delta is not None and delta[0] == server_deltas.SPARSE_XOR_ZSTD and len(delta[1]) < 0.1 * sparse.size
+    # Changes close together (a tenth of the chunk, all of it changed) go in the dense form.
+    clustered = old.copy()
+    clustered[: old.size // 10] ^= 0x55
+    chunk = ServedChunk(ChunkPlace("t", 0, clustered.size), 0, clustered)
+    delta = Deltas()._compute(None, None, chunk, server_deltas._Work())  # type: ignore[arg-type]
+    assert delta is not None and delta[0] == server_deltas.XOR_ZSTD and len(delta[1]) < 0.05 * clustered.size
 
 
 def test_status_and_metrics_count_deltas_by_form(tmp_path: Path) -> None:
@@ -324,3 +331,27 @@ def test_status_and_metrics_count_deltas_by_form(tmp_path: Path) -> None:
     assert 0 < deltas["kept_bytes"] <= report.delta_bytes
     assert f'weightstream_delta_chunks_total{{form="delta"}} {float(report.delta_chunks)}' in metrics
     assert f"weightstream_delta_bytes_total {float(report.delta_bytes)}" in metrics
+
+
+@pytest.mark.parametrize("transport", ("tcp", "shm"))
+def test_clustered_changes_travel_in_the_dense_form_and_land_bit_exact(
+    server: WeightStreamServer, transport: str
+) -> None:
+    """A tenth of each tensor rewritten in one run: too many words for the sparse form, few enough
+    bytes for the dense one."""
+    a = state_of(0)
+    generator = torch.Generator().manual_seed(5)
+    b = {}
+    for name, tensor in a.items():
+        rows = max(1, tensor.shape[0] // 10)
+        b[name] = tensor.clone()
+        b[name][:rows] = torch.randn((rows, tensor.shape[1]), generator=generator).to(torch.bfloat16)
+    module = module_of(a)
+    with client_of(server, transport) as client:
+        revision_a = holding_a_then_b(client, [module], a, b)
+        report = client.update_into(module, MODEL, since=revision_a)
+    assert_holds(module, b)
+    assert server.deltas is not None
+    stats = server.deltas.snapshot()
+    assert report.delta_chunks > 0 and stats.sparse_chunks == 0 and report.delta_fallbacks == 0
+    assert report.delta_bytes < 0.2 * model_bytes(a)

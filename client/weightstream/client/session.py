@@ -26,6 +26,7 @@ import grpc
 from tqdm import tqdm
 
 from weightstream.client.channels import Channels
+from weightstream.client.deltas import ENCODINGS as DELTA_ENCODINGS
 from weightstream.client.deltas import DeltaUnusable, apply_delta
 from weightstream.client.errors import (
     FailedPreconditionError,
@@ -381,7 +382,7 @@ class _Stream:
         None when the result failed its check (then the tensor's missing bytes are asked for whole)."""
         end = chunk.offset + chunk.length
         if (
-            chunk.encoding != pb.CHUNK_ENCODING_XOR_ZSTD
+            chunk.encoding not in DELTA_ENCODINGS
             or chunk.tensor not in self.session.delta_tensors
             or chunk.tensor in self.whole
             or chunk.received != chunk.encoded_length
@@ -398,7 +399,7 @@ class _Stream:
         if not dest.landed.overlaps(chunk.offset, end):
             try:
                 dest.written = True
-                crc = apply_delta(dest, chunk.offset, chunk.length, chunk.address, chunk.encoded_length)
+                crc = apply_delta(dest, chunk.offset, chunk.length, chunk.address, chunk.encoded_length, chunk.encoding)
             except DeltaUnusable as exc:
                 logger.warning("model %r: tensor %r: a delta did not decode (%s)", self.model, chunk.tensor, exc)
         if crc != chunk.crc32c:

@@ -8,7 +8,7 @@ name length, offset, length, CRC32C; little-endian), then the tensor's name in U
 payload. A CHUNK frame carries `length` bytes of tensor `name` from byte `offset` (of the slice,
 for a slice), with their CRC32C. A DELTA frame stands for `length` bytes of the tensor too, with
 their CRC32C, but its payload is encoded (weightstream.v1 CHUNK_ENCODING_XOR_ZSTD): after the name
-come DELTA_LENGTH (the payload's size) and the payload. The END frame closes the stream and
+come DELTA_HEADER (the payload's size and its ChunkEncoding) and the payload. The END frame closes the stream and
 carries, in offset and length, how many chunks and payload bytes (as sent: an encoded payload's
 size) came before it. The server sends END only after every chunk was sent; a connection that ends
 without one was cut, and the call's status says why.
@@ -40,7 +40,7 @@ CHUNK = 1
 END = 2
 DELTA = 3
 HEADER = struct.Struct("<BHQQI")
-DELTA_LENGTH = struct.Struct("<I")
+DELTA_HEADER = struct.Struct("<IB")
 # Longer names are refused by the server's catalog long before they could reach a frame.
 MAX_NAME_BYTES = 4096
 
@@ -70,9 +70,9 @@ def chunk_header(name: bytes, offset: int, length: int, crc32c: int) -> bytes:
     return HEADER.pack(CHUNK, len(name), offset, length, crc32c) + name
 
 
-def delta_header(name: bytes, offset: int, length: int, crc32c: int, payload_bytes: int) -> bytes:
-    """The header, name and payload size of a DELTA frame standing for length bytes; its payload follows."""
-    return HEADER.pack(DELTA, len(name), offset, length, crc32c) + name + DELTA_LENGTH.pack(payload_bytes)
+def delta_header(name: bytes, offset: int, length: int, crc32c: int, payload_bytes: int, encoding: int) -> bytes:
+    """The header, name, payload size and encoding of a DELTA frame standing for length bytes; its payload follows."""
+    return HEADER.pack(DELTA, len(name), offset, length, crc32c) + name + DELTA_HEADER.pack(payload_bytes, encoding)
 
 
 def end_frame(chunks: int, payload_bytes: int, crc32c: int = 0) -> bytes:

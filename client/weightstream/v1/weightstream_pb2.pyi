@@ -30,6 +30,7 @@ class ChunkEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CHUNK_ENCODING_UNSPECIFIED: _ClassVar[ChunkEncoding]
     CHUNK_ENCODING_XOR_ZSTD: _ClassVar[ChunkEncoding]
+    CHUNK_ENCODING_SPARSE_XOR_ZSTD: _ClassVar[ChunkEncoding]
 
 class ModelFileKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -54,6 +55,7 @@ DATA_TYPE_FLOAT8_E4M3FN: DataType
 DATA_TYPE_FLOAT8_E5M2: DataType
 CHUNK_ENCODING_UNSPECIFIED: ChunkEncoding
 CHUNK_ENCODING_XOR_ZSTD: ChunkEncoding
+CHUNK_ENCODING_SPARSE_XOR_ZSTD: ChunkEncoding
 MODEL_FILE_KIND_UNSPECIFIED: ModelFileKind
 MODEL_FILE_KIND_WEIGHTS: ModelFileKind
 MODEL_FILE_KIND_COMPANION: ModelFileKind

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
+from weightstream.protocol import deltas as delta_layout
 from weightstream.protocol import wire
 from weightstream.protocol.wire import TensorSlice
 from weightstream.v1 import weightstream_pb2 as pb
@@ -43,6 +44,7 @@ from weightstream_server.serving.read_plan import plan_reads
 logger = logging.getLogger(__name__)
 
 XOR_ZSTD = pb.CHUNK_ENCODING_XOR_ZSTD
+SPARSE_XOR_ZSTD = pb.CHUNK_ENCODING_SPARSE_XOR_ZSTD
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 ZSTD_LEVEL = 1
 # A chunk is sampled at this many places, this many bytes each, before it is XORed whole.
@@ -52,12 +54,16 @@ SAMPLE_BYTES = 16 * 1024
 DENSE = 0.25
 # A delta is sent only when its payload is at most this share of the chunk's bytes.
 WORTH = 0.75
+# The sparse form is used when its words and gaps, before compression, are at most this share of the chunk.
+SPARSE = 0.25
 # How long a stream waits for another one's computation of the same delta before doing it itself.
 FLIGHT_WAIT_S = 30.0
 
 # (model, base revision, revision, tensor, slice (dim, start, stop) or None, offset, length)
 DeltaKey = tuple[str, str, str, str, tuple[int, int, int] | None, int, int]
-_Compute = Callable[[], bytes | None]
+# (encoding, payload) of a delta; None: the chunk goes whole.
+Delta = tuple[int, bytes] | None
+_Compute = Callable[[], Delta]
 
 
 @dataclass
@@ -67,6 +73,8 @@ class DeltaStats:
     computed: int = 0
     reused: int = 0
     delta_chunks: int = 0
+    # Of those, in the sparse form.
+    sparse_chunks: int = 0
     raw_chunks: int = 0
     # Payload bytes of the deltas sent, and the chunk bytes they stood for.
     delta_bytes: int = 0
@@ -82,7 +90,7 @@ class Deltas:
         self.budget_bytes = budget_bytes
         self.stats = DeltaStats()
         self._lock = threading.Lock()
-        self._kept: OrderedDict[DeltaKey, bytes | None] = OrderedDict()
+        self._kept: OrderedDict[DeltaKey, Delta] = OrderedDict()
         self._kept_bytes = 0
         self._flights: dict[DeltaKey, threading.Event] = {}
 
@@ -128,21 +136,23 @@ class Deltas:
                 chunk.place.offset,
                 chunk.place.length,
             )
-            payload = self._delta(key, functools.partial(self._compute, base, slice_, chunk, work))
+            delta = self._delta(key, functools.partial(self._compute, base, slice_, chunk, work))
             with self._lock:
-                if payload is None:
+                if delta is None:
                     self.stats.raw_chunks += 1
                     self.stats.raw_bytes += chunk.place.length
                 else:
                     self.stats.delta_chunks += 1
-                    self.stats.delta_bytes += len(payload)
+                    self.stats.sparse_chunks += delta[0] == SPARSE_XOR_ZSTD
+                    self.stats.delta_bytes += len(delta[1])
                     self.stats.covered_bytes += chunk.place.length
-            if payload is None:
+            if delta is None:
                 yield chunk
             else:
-                yield ServedChunk(chunk.place, chunk.crc32c, np.frombuffer(payload, dtype=np.uint8), XOR_ZSTD)
+                encoding, payload = delta
+                yield ServedChunk(chunk.place, chunk.crc32c, np.frombuffer(payload, dtype=np.uint8), encoding)
 
-    def _delta(self, key: DeltaKey, compute: _Compute) -> bytes | None:
+    def _delta(self, key: DeltaKey, compute: _Compute) -> Delta:
         """The kept delta of key, computed here (once for every stream asking at the same time) if it is not kept."""
         with self._lock:
             if key in self._kept:
@@ -170,7 +180,7 @@ class Deltas:
                 self._flights.pop(key, None)
             flight.set()
 
-    def _timed(self, compute: _Compute) -> bytes | None:
+    def _timed(self, compute: _Compute) -> Delta:
         started = time.thread_time()
         try:
             return compute()
@@ -179,18 +189,18 @@ class Deltas:
                 self.stats.computed += 1
                 self.stats.compute_seconds += time.thread_time() - started
 
-    def _keep(self, key: DeltaKey, payload: bytes | None) -> None:
-        size = len(payload) if payload is not None else 0
+    def _keep(self, key: DeltaKey, delta: Delta) -> None:
+        size = len(delta[1]) if delta is not None else 0
         if size > self.budget_bytes:
             return
-        self._kept[key] = payload
+        self._kept[key] = delta
         self._kept_bytes += size
         while self._kept_bytes > self.budget_bytes or len(self._kept) > MAX_KEPT:
             _, dropped = self._kept.popitem(last=False)
-            self._kept_bytes -= len(dropped) if dropped is not None else 0
+            self._kept_bytes -= len(dropped[1]) if dropped is not None else 0
 
-    def _compute(self, base: Manifest, slice_: TensorSlice | None, chunk: ServedChunk, work: _Work) -> bytes | None:
-        """The delta payload of chunk against base, or None when the chunk should go whole."""
+    def _compute(self, base: Manifest, slice_: TensorSlice | None, chunk: ServedChunk, work: _Work) -> Delta:
+        """The delta of chunk against base (its encoding and payload), or None when the chunk should go whole."""
         place = chunk.place
         length = place.length
         xor = work.scratch(length)
@@ -206,8 +216,22 @@ class Deltas:
         _xor_base(base, place.tensor, slice_, place.offset, chunk.data, xor)
         if np.count_nonzero(xor[:length]) > DENSE * length:
             return None
-        payload = work.compressor().compress(xor[:length].data)
-        return payload if len(payload) <= WORTH * length else None
+        word = delta_layout.word_bytes(place.offset, length)
+        words = xor[:length].view(np.uint16 if word == 2 else np.uint8)
+        where = np.flatnonzero(words)
+        if delta_layout.sparse_bytes(where.size, word) <= SPARSE * length:
+            gaps = np.diff(where, prepend=0).astype("<u4")
+            raw = b"".join(
+                (
+                    delta_layout.COUNT.pack(where.size),
+                    gaps.tobytes(),
+                    words[where].astype(words.dtype.newbyteorder("<")).tobytes(),
+                )
+            )
+            encoding, payload = SPARSE_XOR_ZSTD, work.compressor().compress(raw)
+        else:
+            encoding, payload = XOR_ZSTD, work.compressor().compress(xor[:length].data)
+        return (encoding, payload) if len(payload) <= WORTH * length else None
 
 
 class _Work:

@@ -246,7 +246,7 @@ def _receive(
                 raise IntegrityError(f"model {model!r}: a chunk's tensor name is not UTF-8") from None
             chunks += 1
             if frame.kind == tcp.DELTA:
-                (size,) = tcp.DELTA_LENGTH.unpack(reader.exactly(tcp.DELTA_LENGTH.size))
+                size, encoding = tcp.DELTA_HEADER.unpack(reader.exactly(tcp.DELTA_HEADER.size))
                 if size > wire.MAX_CHUNK_BYTES:
                     raise tcp.FrameError(f"delta frame with {size} payload bytes")
                 payload += size
@@ -254,7 +254,7 @@ def _receive(
                 yield [
                     ChunkRef(
                         tensor, frame.offset, frame.crc32c, frame.length, buffer.address, size, buffer.region,
-                        encoding=pb.CHUNK_ENCODING_XOR_ZSTD, encoded_length=size,
+                        encoding=encoding, encoded_length=size,
                     )
                 ]  # fmt: skip
                 continue

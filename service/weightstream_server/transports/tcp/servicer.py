@@ -269,7 +269,7 @@ class FrameSender:
         """One chunk from memory: a CHUNK frame of its bytes, or a DELTA frame of an encoded payload (encoding set)."""
         name = place.tensor.encode()
         if encoding:
-            header = tcp.delta_header(name, place.offset, place.length, crc32c, data.size)
+            header = tcp.delta_header(name, place.offset, place.length, crc32c, data.size, encoding)
         else:
             header = tcp.chunk_header(name, place.offset, place.length, crc32c)
         with self._sending():
