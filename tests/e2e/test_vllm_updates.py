@@ -90,7 +90,14 @@ def changed_bytes(folder: Path) -> int:
 
 
 def run_update(
-    server: Running, config_dir: Path, new: Path, mode: str, tp: int, model_dir: Path, publish_to: str
+    server: Running,
+    config_dir: Path,
+    new: Path,
+    mode: str,
+    tp: int,
+    model_dir: Path,
+    publish_to: str,
+    deltas: bool = False,
 ) -> tuple[dict[str, object], str]:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
     if tp > 1:
@@ -106,6 +113,7 @@ def run_update(
         str(tp),
         str(model_dir),
         publish_to,
+        *(["deltas"] if deltas else []),
     ]
     result = subprocess.run(
         args, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env, cwd=config_dir.parent, check=False
@@ -149,6 +157,54 @@ def test_a_running_vllm_pulls_only_what_changed_and_generates_what_a_fresh_engin
     print(
         f"\nvLLM update ({mode}, TP={tp}, {through}): {update_sent} bytes sent for {changed} changed, "
         f"{result['update_seconds']:.3f} s in the engine; a fresh engine on B: {fresh.init_seconds:.1f} s"
+    )
+
+
+def test_a_sparse_step_reaches_vllm_as_deltas_at_tp2(tmp_path: Path) -> None:
+    """init_info deltas: each rank keeps a host copy of its slices and updates it with XOR deltas
+    against the revision it holds (published, so in the server's memory). B changes 2% of the
+    elements of every tensor: every block changed, a few percent of the bytes travel."""
+    ensure_vllm_venv()
+    root = tmp_path / "root"
+    config = vllm_llama_config()
+    write_vllm_llama(root / MODEL, config)
+    a: dict[str, torch.Tensor] = {}
+    for file in sorted((root / MODEL).glob("*.safetensors")):
+        a.update(load_file(str(file)))
+    generator = torch.Generator().manual_seed(11)
+    b = {}
+    for name, tensor in a.items():
+        flat = tensor.clone().view(-1)
+        places = torch.randperm(flat.numel(), generator=generator)[: max(1, flat.numel() // 50)]
+        flat[places] = flat[places] * 1.5 + 0.01
+        b[name] = flat.view(tensor.shape)
+    new = tmp_path / "B" / MODEL
+    save_sharded(b, new, shards=2)
+    write_config_folder(new, config)
+    total = sum(t.numel() * t.element_size() for t in a.values())
+    config_dir = tmp_path / "config" / MODEL
+    with running(root, allow_publish=True) as server:
+        with WeightStreamClient(server.target, progress=False) as client:
+            client.fetch(MODEL, config_dir, metadata_only=True)
+            client.publish(MODEL, a)  # the engine loads A from the server's memory, as in an RL loop
+        before = int(server.get("/status").json()["bytes_served_total"])
+        result, logs = run_update(server, config_dir, new, "publish", 2, root / MODEL, server.target, deltas=True)
+        served = int(server.get("/status").json()["bytes_served_total"]) - before
+        deltas = server.get("/status").json()["revisions"]["deltas"]
+    fresh = run_engine(new, "safetensors", tp=2)
+
+    assert result["after"] == fresh.token_ids, "the updated engine must generate what one loaded from B does"
+    assert result["before"] != result["after"], "B changes the tokens: the update did something"
+    copies = [line for line in logs.splitlines() if "weightstream: host copy" in line]
+    assert len(copies) == 4, copies  # per rank: filled at init, then updated
+    # The first load and the host copies each took the whole model once (every rank its slices).
+    update_sent = served - 2 * total
+    assert deltas["delta_chunks_total"] > 0
+    assert 0 < update_sent <= 0.2 * total, (update_sent, total)
+    print(
+        f"\nvLLM update with deltas (TP=2): {update_sent} bytes sent for a {total}-byte model, "
+        f"{deltas['delta_chunks_total']} chunks as deltas, {deltas['whole_chunks_total']} whole; "
+        f"{result['update_seconds']:.3f} s in the engine"
     )
 
 

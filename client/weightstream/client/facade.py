@@ -306,7 +306,7 @@ class WeightStreamClient:
         model: str,
         *,
         strict: bool = True,
-        shard: ShardSpec | None = None,
+        shard: ShardSpec | Mapping[str, TensorSlice] | None = None,
         revision: str = "",
     ) -> LoadReport:
         """Write model's tensors (of its current revision, or the kept one named) into module's existing
@@ -315,8 +315,9 @@ class WeightStreamClient:
         Names, shapes and dtypes are checked against the module before any byte is written; with
         strict (the default) every module tensor must be in the checkpoint and every checkpoint
         tensor in the module. An error raised after writing began has partially_written=True and
-        says how much of the module was written. With shard, module is one tensor-parallel rank:
-        its split tensors have the shapes of that rank's slices, and only those bytes are sent.
+        says how much of the module was written. With shard (a ShardSpec, or a slice per tensor name),
+        module is one tensor-parallel rank: its split tensors have the shapes of that rank's slices,
+        and only those bytes are sent.
         """
         started = time.perf_counter()
         manifest = self.manifest(model, revision=revision)
@@ -481,7 +482,7 @@ class WeightStreamClient:
         since: str,
         revision: str = "",
         strict: bool = True,
-        shard: ShardSpec | None = None,
+        shard: ShardSpec | Mapping[str, TensorSlice] | None = None,
         deltas: bool = True,
     ) -> LoadReport:
         """Write only what changed in model since revision `since` (which module holds) into its

@@ -72,6 +72,14 @@ class WeightStreamInitInfo(WeightTransferInitInfo):
     ca_file: str | None = None
     shm_dir: str | None = None
     transport: str | None = None
+    # Keep a host copy of this rank's slices (in the checkpoint's format) and update it with XOR
+    # deltas, feeding the model what changed from there: a sparse step then moves a few percent of
+    # the bytes. Costs host memory of the rank's share of the checkpoint; off by default.
+    deltas: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.deltas, bool):
+            raise ValueError(f'init_info["deltas"] must be true or false, not {self.deltas!r}')
 
 
 @dataclass
@@ -106,9 +114,13 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         self._tensors = 0
         self._bytes = 0
         self._since = ""
+        # With init_info deltas: the rank's checkpoint-format slices on the host, and their revision.
+        self._deltas = False
+        self._mirror: dict[str, torch.Tensor] | None = None
+        self._mirror_revision = ""
 
     def init_transfer_engine(self, init_info: WeightStreamInitInfo) -> None:
-        extra = {key: value for key, value in asdict(init_info).items() if value is not None}
+        extra = {key: value for key, value in asdict(init_info).items() if value is not None and key != "deltas"}
         settings = LoaderSettings.resolve(extra, self.model_config.model)
         if self._client is not None:
             self._client.close()
@@ -123,11 +135,22 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         )
         self._model_id = settings.model
         self._target = settings.target
+        self._deltas = init_info.deltas
+        self._mirror, self._mirror_revision = None, ""
         loaded = self._loaded()
         if loaded is not None:
             # Tell the server which revision this engine holds: it keeps that revision's block
             # CRC32Cs from now on, so that the next update finds what changed even in rewritten files.
             self._client.changes(settings.model, since=loaded.revision, revision=loaded.revision)
+            if self._deltas:
+                try:
+                    self._pull_mirror(loaded.revision)
+                except (NotFoundError, FailedPreconditionError) as exc:
+                    logger.warning(
+                        "weightstream: revision %s is gone (%s): the first update fills the host copy",
+                        loaded.revision,
+                        exc,
+                    )
         logger.info(
             "weightstream: weight transfer from %s, model %s, holding revision %s",
             settings.target,
@@ -176,12 +199,24 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         nbytes = sum(manifest[name].nbytes for name in names if name not in slices)
         nbytes += sum(_slice_bytes(manifest[name].shape, manifest[name].nbytes, s) for name, s in slices.items())
 
+        if self._deltas:
+            self._pull_mirror(manifest.revision)
+            assert self._mirror is not None
+            mirror = self._mirror
+            received: Iterator[tuple[str, torch.Tensor]] = (
+                # A copy: the model must not keep (or alias) the host copy, which the next update rewrites.
+                (name, mirror[name].to(self.device, copy=True))
+                for name in names
+            )
+        else:
+            received = client.iter_tensors(
+                self._model_id, names=names, device=self.device, slices=slices, revision=manifest.revision
+            )
+
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             if not names:
                 return
-            for name, tensor in client.iter_tensors(
-                self._model_id, names=names, device=self.device, slices=slices, revision=manifest.revision
-            ):
+            for name, tensor in received:
                 piece = slices.get(name)
                 if piece is None:
                     yield name, tensor
@@ -222,6 +257,40 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         )
         self._pending = None
 
+    def _pull_mirror(self, revision: str) -> None:
+        """Make the host copy hold revision: whole the first time, then only what changed (as XOR deltas
+        where the server holds the copy's revision in memory)."""
+        client = self._check_ready()
+        if self._mirror is not None and self._mirror_revision == revision:
+            return
+        loaded = self._loaded()
+        planned = {n: s for n, s in (loaded.slices if loaded is not None else {}).items() if s is not None}
+        if self._mirror is None:
+            manifest = client.manifest(self._model_id, revision=revision)
+            self._mirror = {
+                t.name: torch.empty(_slice_shape(t.shape, planned.get(t.name)), dtype=t.dtype) for t in manifest.tensors
+            }
+            self._mirror_revision = ""
+        if self._mirror_revision:
+            report = client.update_into(
+                self._mirror, self._model_id, since=self._mirror_revision, revision=revision, shard=planned
+            )
+        else:
+            report = client.load_into(self._mirror, self._model_id, revision=revision, shard=planned)
+        self._mirror_revision = revision
+        logger.info(
+            "weightstream: host copy of %s at %s: %d tensors, %d bytes changed, %d chunks as deltas (%d bytes), "
+            "%d fell back, in %.3f s",
+            self._model_id,
+            revision,
+            report.tensors,
+            report.bytes,
+            report.delta_chunks,
+            report.delta_bytes,
+            report.delta_fallbacks,
+            report.seconds,
+        )
+
     def shutdown(self) -> None:
         if self._client is not None:
             self._client.close()
@@ -235,6 +304,12 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         if self._client is None:
             raise RuntimeError("weightstream: init_weight_transfer_engine comes first")
         return self._client
+
+
+def _slice_shape(shape: tuple[int, ...], piece: TensorSlice | None) -> tuple[int, ...]:
+    if piece is None:
+        return shape
+    return (*shape[: piece.dim], piece.stop - piece.start, *shape[piece.dim + 1 :])
 
 
 def _slice_bytes(shape: tuple[int, ...], nbytes: int, piece: TensorSlice) -> int:

@@ -184,6 +184,10 @@ class Deltas:
         started = time.thread_time()
         try:
             return compute()
+        except Exception:
+            # A whole chunk is always right: a delta that cannot be made costs bytes, not the stream.
+            logger.exception("a delta could not be computed; the chunk goes whole")
+            return None
         finally:
             with self._lock:
                 self.stats.computed += 1
@@ -260,13 +264,27 @@ MAX_KEPT = 65536
 def _xor_base(
     base: Manifest, tensor: str, slice_: TensorSlice | None, offset: int, new: np.ndarray, out: np.ndarray
 ) -> None:
-    """out[: new.size] = new XOR base's bytes of tensor (its slice) from offset, read from base's memory."""
-    plan = plan_reads(base, [(tensor, [(offset, offset + new.size)], slice_)], wire.MAX_CHUNK_BYTES)
+    """out[: new.size] = new XOR base's bytes of tensor (its slice) from offset, read from base's memory.
+
+    A slice gathered out of whole rows may come in units wider than the range: only the range is taken.
+    """
+    end = offset + new.size
+    plan = plan_reads(base, [(tensor, [(offset, end)], slice_)], wire.MAX_CHUNK_BYTES)
     units = base.source.read_units(base.files, plan)
     if units is None:
         raise RuntimeError(f"model {base.model!r}: revision {base.revision} is not held in memory")
+    covered = 0
     for file_id, index, data in units:
         unit = plan.files[file_id].places[index]
         piece = unit_output(unit, data.numpy())
-        start = unit.place.offset - offset
-        np.bitwise_xor(new[start : start + piece.size], piece, out=out[start : start + piece.size])
+        lo, hi = max(offset, unit.place.offset), min(end, unit.place.offset + piece.size)
+        if lo >= hi:
+            continue
+        np.bitwise_xor(
+            new[lo - offset : hi - offset],
+            piece[lo - unit.place.offset : hi - unit.place.offset],
+            out=out[lo - offset : hi - offset],
+        )
+        covered += hi - lo
+    if covered != new.size:
+        raise RuntimeError(f"tensor {tensor!r}: the base's bytes at {offset}..{end} came to {covered} bytes")

@@ -1,6 +1,7 @@
 """Run in the vLLM environment (.venv-vllm): an engine loaded through weightstream, updated in place.
 
-Usage: python tests/support/vllm_scripts/update.py CONFIG_DIR TARGET MODEL_ID NEW_DIR MODE TP STORAGE_DIR [PUBLISH_TO]
+Usage: python tests/support/vllm_scripts/update.py CONFIG_DIR TARGET MODEL_ID NEW_DIR MODE TP STORAGE_DIR
+    [PUBLISH_TO [deltas]]
 
 Builds an LLM on CONFIG_DIR with load_format="weightstream" and the weightstream weight-transfer
 backend, generates greedily, then makes NEW_DIR's safetensors the model's next revision: MODE
@@ -8,7 +9,8 @@ backend, generates greedily, then makes NEW_DIR's safetensors the model's next r
 sidecar's upstream, say), MODE "storage" moves them over the
 files in STORAGE_DIR (the model folder of TARGET or of its upstream) and takes the revision that
 TARGET's watch then reports, and pulls it into the running engine through
-vLLM's weight-transfer API (start, update, finish), and generates again. Prints one line
+vLLM's weight-transfer API (start, update, finish), and generates again. With "deltas" the engine's
+init_info asks for XOR deltas (a host copy of each rank's slices). Prints one line
 `RESULT {"before": [[...]], "after": [[...]], "update_seconds": S, "revision": R}`; the engine's
 own log lines (stderr) say what each rank received.
 """
@@ -30,6 +32,7 @@ def main() -> None:
     config_dir, target, model_id, new_dir, mode, tp = sys.argv[1:7]
     storage_dir = Path(sys.argv[7])
     publish_to = sys.argv[8] if len(sys.argv) > 8 else target
+    deltas = len(sys.argv) > 9 and sys.argv[9] == "deltas"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
@@ -51,7 +54,7 @@ def main() -> None:
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     before = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    llm.init_weight_transfer_engine({"init_info": {"target": target, "model": model_id}})
+    llm.init_weight_transfer_engine({"init_info": {"target": target, "model": model_id, "deltas": deltas}})
     files = sorted(Path(new_dir).glob("*.safetensors"))
     if mode == "publish":
         tensors = {name: t for f in files for name, t in load_file(str(f)).items()}
