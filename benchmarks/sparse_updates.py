@@ -3,7 +3,8 @@
 A `weightstream serve --allow-publish` process holds revision A of a Llama-shaped bfloat16 checkpoint of
 --gb GB, published (so in its memory). Revision B is A with a share of the elements of every tensor
 changed at random places (an optimizer step: --fractions, default 0.005, 0.02 and 1.0), published too.
-A module holding A is then updated to B, per transport (--transports, default tcp and grpc):
+A module holding A is then updated to B, per transport (--transports, default tcp and grpc) and per
+number of client streams (--streams, default 1; 2 decodes deltas on two threads):
 
 - full load_into: the baseline, the whole model over the same transport;
 - update_into(deltas=False): chunk skipping only (every 1 MiB block holds a change, so all of it);
@@ -15,7 +16,7 @@ update's seconds, its ratio to the full load, bytes on the wire (the server's /s
 to the model, and the server's CPU seconds for the update (/proc). Then four modules update from A
 to B at once (tcp): wall time, and how many deltas the server computed against how many it served.
 
-Usage (from the repository root): python benchmarks/sparse_updates.py [--gb 1] [--runs 3]
+Usage (from the repository root): python benchmarks/sparse_updates.py [--gb 1] [--runs 3] [--streams 1,2]
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per case (default 3)")
     parser.add_argument("--fractions", default="0.005,0.02,1.0", help="shares of the elements changed")
     parser.add_argument("--transports", default="tcp,grpc", help="transports to measure (tcp, grpc, shm)")
+    parser.add_argument("--streams", default="1", help="client streams to measure each transport with (e.g. 1,2)")
     args = parser.parse_args()
     fractions = [float(f) for f in args.fractions.split(",")]
-    transports = args.transports.split(",")
+    transports = [(t, int(n)) for t in args.transports.split(",") for n in args.streams.split(",")]
     rows: list[tuple[str, str, float, float, int, float]] = []
     with tempfile.TemporaryDirectory(prefix="weightstream-sparse-") as tmp:
         root = Path(tmp) / "root"
@@ -101,7 +103,7 @@ def main() -> int:
         # A stays kept while every B of the run is published (each update is from A).
         extra = ["--allow-publish", "--http-port", str(http_port), "--keep-revisions", str(len(fractions) + 2)]
         extra += ["--publish-max-bytes", str(int((len(fractions) + 3) * total))]
-        if "shm" in transports:
+        if any(t == "shm" for t, _ in transports):
             extra += ["--shm-dir", "/dev/shm"]
         with serve_weightstream(root, wire.DEFAULT_CHUNK_BYTES, extra) as (proc, port):
             loader = ParameterTree(shapes)
@@ -116,8 +118,8 @@ def main() -> int:
                 b = stepped(a, fraction, seed=int(fraction * 1000) + 1)
                 with WeightStreamClient(f"127.0.0.1:{port}", progress=False) as client:
                     revision_b = client.publish(MODEL, b, revision=f"b-{fraction}")
-                for transport in transports:
-                    options: dict[str, object] = {"progress": False, "transport": transport}
+                for transport, streams in transports:
+                    options: dict[str, object] = {"progress": False, "transport": transport, "streams": streams}
                     if transport == "shm":
                         options["shm_dir"] = "/dev/shm"
                     with WeightStreamClient(f"127.0.0.1:{port}", **options) as client:  # type: ignore[arg-type]
@@ -125,7 +127,8 @@ def main() -> int:
                         for _ in range(args.runs):
                             loads.append(client.load_into(loader, MODEL, revision=revision_b).seconds)
                         full = statistics.median(loads)
-                        rows.append((f"{fraction:.1%}", f"{transport}: full load_into", full, 1.0, total, 0.0))
+                        via = f"{transport}" if streams == 1 else f"{transport} x{streams}"
+                        rows.append((f"{fraction:.1%}", f"{via}: full load_into", full, 1.0, total, 0.0))
                         for label, use, count in (
                             ("update_into, no deltas", False, args.runs),
                             ("update_into, first (computes)", True, 1),
@@ -144,7 +147,7 @@ def main() -> int:
                             rows.append(
                                 (
                                     f"{fraction:.1%}",
-                                    f"{transport}: {label}",
+                                    f"{via}: {label}",
                                     seconds,
                                     seconds / full,
                                     int(statistics.median(sent)),

@@ -3,8 +3,10 @@
 A client updating from revision A to B marks the tensors whose destinations hold A's bytes
 (TensorRequest.delta) and names A (StreamTensorsRequest.delta_base). While the server keeps A's
 bytes in memory (a published revision), each chunk of those tensors goes out in the cheapest of:
-- a delta: a zstd frame of the XOR of B's bytes with A's bytes at the same place (the same tensor,
-  slice and offset), when that frame is at most WORTH of the chunk's bytes;
+- a delta: the XOR of B's bytes with A's bytes at the same place (the same tensor, slice and
+  offset), compressed with zstd, when that is at most WORTH of the chunk's bytes: sparse (the
+  nonzero words and the gaps between them, weightstream.protocol.deltas) when that is at most
+  SPARSE of the chunk before compression, else dense (the whole XOR);
 - the bytes themselves: when A's layout of the tensor differs, or the XOR is dense (more than
   DENSE of its bytes nonzero in SAMPLES spread samples, then in the whole chunk), so that a chunk
   whose every element changed costs a few small XORs, not a compression that gives up;
@@ -16,7 +18,8 @@ A (model, A, B, tensor, slice, offset, length) delta is computed once and kept (
 flight, at most budget_bytes of payloads, least recently used first out), so a fleet of engines
 and ranks updating between the same revisions costs one computation per chunk. A base that the
 server does not hold in memory (a storage revision, one no longer kept) gets every chunk whole, no
-error. Concurrency: Deltas is shared by every stream; encode runs on the stream's thread.
+error, and so does a chunk whose delta cannot be made. Concurrency: Deltas is shared by every
+stream; encode runs on the stream's thread, with the stream's own scratch buffer and compressor.
 """
 
 from __future__ import annotations
