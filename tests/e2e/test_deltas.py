@@ -291,7 +291,9 @@ def test_dense_chunks_are_given_up_at_the_samples(monkeypatch: pytest.MonkeyPatc
     new = np.random.default_rng(1).integers(0, 255, old.size, dtype=np.uint8)
     sampled: list[int] = []
 
-    def xor_base(base: object, tensor: str, slice_: object, offset: int, chunk: np.ndarray, out: np.ndarray) -> None:
+    def xor_base(
+        base: object, tensor: str, slice_: object, offset: int, chunk: np.ndarray, out: np.ndarray, work: object
+    ) -> None:
         sampled.append(chunk.size)
         np.bitwise_xor(chunk, old[offset : offset + chunk.size], out=out[: chunk.size])
 
@@ -381,3 +383,29 @@ def test_a_rank_gets_deltas_of_its_own_slices(server: WeightStreamServer, dim: i
         assert torch.equal(held[name].view(torch.int16), tensor.contiguous().view(torch.int16)), name
     assert report.delta_chunks > 0 and report.delta_fallbacks == 0
     assert sent <= 0.15 * model_bytes(b) / 4, sent
+
+
+def test_a_storage_revision_in_the_ram_cache_is_a_delta_base(tmp_path: Path) -> None:
+    """A is a storage revision a full load left in the RAM cache; its file is then rewritten with B
+    (2% of the elements changed). The server still holds A's units in the cache, so the update comes
+    as deltas (without a cache: whole chunks, the test of a base the server does not hold)."""
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    (tmp_path / MODEL).mkdir()
+    path = tmp_path / MODEL / "model.safetensors"
+    save_file(a, str(path))
+    settings = loopback_settings(model_root=tmp_path, cache_bytes=64 * 1024 * 1024, data_port=free_ports(1)[0])
+    with serving(settings) as server, client_of(server, "tcp") as client:
+        module = module_of(a)
+        revision_a = client.load_into(module, MODEL).revision
+        client.changes(MODEL, since=revision_a, revision=revision_a)  # A's block CRC32Cs, before the rewrite
+        staged = path.with_suffix(".incoming")
+        save_file(b, str(staged))
+        staged.replace(path)
+        assert client.manifest(MODEL).revision != revision_a
+        before = served(server)
+        report = client.update_into(module, MODEL, since=revision_a)
+        sent = served(server) - before
+        assert_holds(module, b)
+        assert report.delta_chunks > 0 and report.delta_fallbacks == 0
+        assert sent <= 0.15 * model_bytes(b), sent

@@ -115,6 +115,14 @@ class UnitCache:
             self._in_flight[key] = future
             return Claim(key, None, future, True)
 
+    def peek(self, key: UnitKey) -> CachedUnit | None:
+        """The unit of key if it is kept now (no claim, no read; not counted as a hit or a miss)."""
+        with self._lock:
+            unit = self._units.get(key)
+            if unit is not None:
+                self._units.move_to_end(key)
+            return unit
+
     def publish(self, claim: Claim, unit: CachedUnit) -> None:
         """Hand a claimed unit's bytes to its waiters and keep them, evicting older units to fit."""
         assert claim.leader and claim.future is not None

@@ -78,7 +78,7 @@ def _through_cache(
     claims: list[tuple[UnitPlace, Claim]] = []
     for file_plan in plan.files:
         for index, unit in enumerate(file_plan.places):
-            claims.append((unit, cache.claim(_key(manifest, file_plan, index))))
+            claims.append((unit, cache.claim(unit_key(manifest, file_plan, index))))
     leading = [(unit, claim) for unit, claim in claims if claim.leader]
     # Each claim lets go of its unit once the unit is sent: a stream must not keep every unit it
     # sent alive until it ends (a whole model, however small the cache).
@@ -107,7 +107,8 @@ def _through_cache(
                 cache.abandon(claim, RuntimeError("the stream that read this unit ended first"))
 
 
-def _key(manifest: Manifest, file_plan: FilePlan, index: int) -> UnitKey:
+def unit_key(manifest: Manifest, file_plan: FilePlan, index: int) -> UnitKey:
+    """The cache's key of read unit index of file_plan: the file's version and the unit's byte range."""
     f = manifest.files[file_plan.file_index]
     return (f.path, f.size, f.fingerprint, file_plan.offsets[index], file_plan.sizes[index])
 

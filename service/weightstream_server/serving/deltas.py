@@ -1,8 +1,10 @@
 """Sparse updates: a chunk sent as a compressed XOR against a revision the client already holds.
 
 A client updating from revision A to B marks the tensors whose destinations hold A's bytes
-(TensorRequest.delta) and names A (StreamTensorsRequest.delta_base). While the server keeps A's
-bytes in memory (a published revision), each chunk of those tensors goes out in the cheapest of:
+(TensorRequest.delta) and names A (StreamTensorsRequest.delta_base). While the server holds A's
+bytes in memory (a published revision; or a storage revision's read units in the RAM cache, as a
+full load of them left them, for whole tensors and slices along their first dimension), each chunk
+of those tensors goes out in the cheapest of:
 - a delta: the XOR of B's bytes with A's bytes at the same place (the same tensor, slice and
   offset), compressed with zstd, when that is at most WORTH of the chunk's bytes: sparse (the
   nonzero words and the gaps between them, weightstream.protocol.deltas) when that is at most
@@ -17,8 +19,8 @@ not hold A there (written since) fails the check and is asked for again, whole.
 A (model, A, B, tensor, slice, offset, length) delta is computed once and kept (Deltas: single
 flight, at most budget_bytes of payloads, least recently used first out), so a fleet of engines
 and ranks updating between the same revisions costs one computation per chunk. A base that the
-server does not hold in memory (a storage revision, one no longer kept) gets every chunk whole, no
-error, and so does a chunk whose delta cannot be made. Concurrency: Deltas is shared by every
+server does not hold (a revision no longer kept, units evicted from the cache) gets those chunks
+whole, no error, and so does a chunk whose delta cannot be made. Concurrency: Deltas is shared by every
 stream; encode runs on the stream's thread, with the stream's own scratch buffer and compressor.
 """
 
@@ -40,9 +42,10 @@ from weightstream.protocol import deltas as delta_layout
 from weightstream.protocol import wire
 from weightstream.protocol.wire import TensorSlice
 from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Manifest
-from weightstream_server.serving.chunks import ServedChunk, unit_output
-from weightstream_server.serving.read_plan import plan_reads
+from weightstream_server.serving.chunks import ServedChunk, unit_key, unit_output
+from weightstream_server.serving.read_plan import ChunkPlace, UnitPlace, plan_reads, slice_layout
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +115,12 @@ class Deltas:
         revision: Manifest,
         base: Manifest,
         wanted: Mapping[str, TensorSlice | None],
+        cache: UnitCache | None = None,
+        chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
     ) -> Iterator[ServedChunk]:
         """chunks of revision, those of the wanted tensors (name: the slice asked, or None) as deltas
-        against base where that is cheaper. base's bytes must be in memory (its source in_memory)."""
+        against base where that is cheaper. base's bytes are read from its memory (a source in_memory),
+        else from cache's units (as a load with chunk_bytes read them); a chunk they do not cover goes whole."""
         same = {
             name
             for name in wanted
@@ -123,7 +129,7 @@ class Deltas:
             and base.by_name[name].dtype == revision.by_name[name].dtype
             and base.by_name[name].shape == revision.by_name[name].shape
         }
-        work = _Work()
+        work = _Work(cache, chunk_bytes)
         for chunk in chunks:
             name = chunk.place.tensor
             if name not in same or not chunk.place.length:
@@ -187,6 +193,9 @@ class Deltas:
         started = time.thread_time()
         try:
             return compute()
+        except BaseNotHeld as exc:
+            logger.debug("no delta: %s", exc)
+            return None
         except Exception:
             # A whole chunk is always right: a delta that cannot be made costs bytes, not the stream.
             logger.exception("a delta could not be computed; the chunk goes whole")
@@ -216,11 +225,13 @@ class Deltas:
         starts = sorted({(length - sample) * i // max(1, SAMPLES - 1) for i in range(SAMPLES)})
         nonzero = 0
         for start in starts:
-            _xor_base(base, place.tensor, slice_, place.offset + start, chunk.data[start : start + sample], xor[start:])
+            _xor_base(
+                base, place.tensor, slice_, place.offset + start, chunk.data[start : start + sample], xor[start:], work
+            )
             nonzero += int(np.count_nonzero(xor[start : start + sample]))
         if nonzero > DENSE * sample * len(starts):
             return None
-        _xor_base(base, place.tensor, slice_, place.offset, chunk.data, xor)
+        _xor_base(base, place.tensor, slice_, place.offset, chunk.data, xor, work)
         if np.count_nonzero(xor[:length]) > DENSE * length:
             return None
         word = delta_layout.word_bytes(place.offset, length)
@@ -245,9 +256,12 @@ class _Work:
     """One stream's scratch buffer and compressor (a compressor is not safe to share between threads);
     made when its first delta is computed, gone with the stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: UnitCache | None = None, chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES) -> None:
         self._scratch: np.ndarray | None = None
         self._compressor: zstandard.ZstdCompressor | None = None
+        # Where a storage base's bytes may be found, and the chunk size its units were read for.
+        self.cache = cache
+        self.chunk_bytes = chunk_bytes
 
     def scratch(self, length: int) -> np.ndarray:
         if self._scratch is None or self._scratch.size < length:
@@ -264,22 +278,42 @@ class _Work:
 MAX_KEPT = 65536
 
 
+class BaseNotHeld(Exception):
+    """The base revision's bytes of a chunk are not in this server's memory (the chunk goes whole)."""
+
+
 def _xor_base(
-    base: Manifest, tensor: str, slice_: TensorSlice | None, offset: int, new: np.ndarray, out: np.ndarray
+    base: Manifest,
+    tensor: str,
+    slice_: TensorSlice | None,
+    offset: int,
+    new: np.ndarray,
+    out: np.ndarray,
+    work: _Work,
 ) -> None:
-    """out[: new.size] = new XOR base's bytes of tensor (its slice) from offset, read from base's memory.
+    """out[: new.size] = new XOR base's bytes of tensor (its slice) from offset, read from base's memory
+    (or the cache's units of base's files); BaseNotHeld where they are not there.
 
     A slice gathered out of whole rows may come in units wider than the range: only the range is taken.
     """
     end = offset + new.size
-    plan = plan_reads(base, [(tensor, [(offset, end)], slice_)], wire.MAX_CHUNK_BYTES)
-    units = base.source.read_units(base.files, plan)
-    if units is None:
-        raise RuntimeError(f"model {base.model!r}: revision {base.revision} is not held in memory")
+    if getattr(base.source, "in_memory", False):
+        plan = plan_reads(base, [(tensor, [(offset, end)], slice_)], wire.MAX_CHUNK_BYTES)
+        units = base.source.read_units(base.files, plan)
+        if units is None:
+            raise BaseNotHeld(f"model {base.model!r}: revision {base.revision} is not held in memory")
+        pieces: Iterator[tuple[UnitPlace, np.ndarray]] = (
+            (plan.files[f].places[i], unit_output(plan.files[f].places[i], d.numpy())) for f, i, d in units
+        )
+    else:
+        pieces = _cached_pieces(base, tensor, slice_, work)
+        if slice_ is not None:  # a plain range of the tensor's bytes (dim 0): in the tensor's numbering
+            first = slice_layout(base.tensor(tensor), slice_)[2]
+            pieces = (
+                (UnitPlace(ChunkPlace(u.place.tensor, u.place.offset - first, u.place.length)), p) for u, p in pieces
+            )
     covered = 0
-    for file_id, index, data in units:
-        unit = plan.files[file_id].places[index]
-        piece = unit_output(unit, data.numpy())
+    for unit, piece in pieces:
         lo, hi = max(offset, unit.place.offset), min(end, unit.place.offset + piece.size)
         if lo >= hi:
             continue
@@ -290,4 +324,21 @@ def _xor_base(
         )
         covered += hi - lo
     if covered != new.size:
-        raise RuntimeError(f"tensor {tensor!r}: the base's bytes at {offset}..{end} came to {covered} bytes")
+        raise BaseNotHeld(f"tensor {tensor!r}: the base's bytes at {offset}..{end} came to {covered} bytes")
+
+
+def _cached_pieces(
+    base: Manifest, tensor: str, slice_: TensorSlice | None, work: _Work
+) -> Iterator[tuple[UnitPlace, np.ndarray]]:
+    """The read units of base's tensor that the cache keeps, as a whole load of it read them."""
+    cache = work.cache
+    if cache is None:
+        raise BaseNotHeld(f"model {base.model!r}: revision {base.revision} is not held (no cache)")
+    if slice_ is not None and slice_layout(base.tensor(tensor), slice_)[0] != 1:
+        raise BaseNotHeld(f"tensor {tensor!r}: a gathered slice of a storage revision")
+    plan = plan_reads(base, [(tensor, [], None)], work.chunk_bytes)
+    for file_plan in plan.files:
+        for index, unit in enumerate(file_plan.places):
+            cached = cache.peek(unit_key(base, file_plan, index))
+            if cached is not None:
+                yield unit, cached.data

@@ -228,9 +228,11 @@ class StreamSession:
             if t.delta
         }
         kept = lookup.find(self.manifest.model, request.delta_base) if wanted else None
-        if kept is None or not kept.servable or not getattr(kept.manifest.source, "in_memory", False):
+        in_memory = kept is not None and getattr(kept.manifest.source, "in_memory", False)
+        # A storage revision's bytes may lie in the RAM cache (even once its files were rewritten).
+        if kept is None or (not in_memory and self._streams.cache is None):
             logger.debug(
-                "model %r: no deltas against %s: this server does not hold its bytes in memory",
+                "model %r: no deltas against %s: this server does not hold its bytes",
                 self.model_id,
                 request.delta_base[:200],
             )
@@ -265,7 +267,9 @@ class StreamSession:
         deltas = self._streams.deltas
         if self._delta_base is None or deltas is None:
             return chunks
-        return deltas.encode(chunks, self.manifest, self._delta_base, self._delta_tensors)
+        return deltas.encode(
+            chunks, self.manifest, self._delta_base, self._delta_tensors, self._streams.cache, self.plan.chunk_bytes
+        )
 
     def read_file(self, request: pb.ReadModelFileRequest) -> Iterator[FilePiece]:
         """The checks a file read starts with, then the pieces of the file from request.offset.
