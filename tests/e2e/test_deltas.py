@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tests.support.ports import free_ports
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient
+from weightstream.protocol import deltas as delta_forms
 from weightstream.samples import ParameterTree
 from weightstream_server import WeightStreamServer
 from weightstream_server.serving import deltas as server_deltas
@@ -266,7 +267,7 @@ def test_the_delta_cache_stays_within_its_budget() -> None:
     def compute_for(key: tuple[object, ...]) -> tuple[int, bytes]:
         with lock:
             computed[key] = computed.get(key, 0) + 1
-        return server_deltas.XOR_ZSTD, bytes(16 * 1024)
+        return delta_forms.XOR_ZSTD, bytes(16 * 1024)
 
     def ask(worker: int) -> None:
         for pair in range(64):
@@ -306,13 +307,13 @@ def test_dense_chunks_are_given_up_at_the_samples(monkeypatch: pytest.MonkeyPatc
     sparse[::100] ^= 1
     chunk = ServedChunk(ChunkPlace("t", 0, sparse.size), 0, sparse)
     delta = Deltas()._compute(None, None, chunk, server_deltas._Work())  # type: ignore[arg-type]
-    assert delta is not None and delta[0] == server_deltas.SPARSE_XOR_ZSTD and len(delta[1]) < 0.1 * sparse.size
+    assert delta is not None and delta[0] == delta_forms.SPARSE_XOR_ZSTD and len(delta[1]) < 0.1 * sparse.size
     # Changes close together (a tenth of the chunk, all of it changed) go in the dense form.
     clustered = old.copy()
     clustered[: old.size // 10] ^= 0x55
     chunk = ServedChunk(ChunkPlace("t", 0, clustered.size), 0, clustered)
     delta = Deltas()._compute(None, None, chunk, server_deltas._Work())  # type: ignore[arg-type]
-    assert delta is not None and delta[0] == server_deltas.XOR_ZSTD and len(delta[1]) < 0.05 * clustered.size
+    assert delta is not None and delta[0] == delta_forms.XOR_ZSTD and len(delta[1]) < 0.05 * clustered.size
 
 
 def test_status_and_metrics_count_deltas_by_form(tmp_path: Path) -> None:

@@ -1,20 +1,48 @@
-"""The delta encodings' layout, written once for both sides (weightstream.v1 ChunkEncoding).
+"""XOR deltas, written once for every side that makes or applies them (weightstream.v1 ChunkEncoding).
 
-CHUNK_ENCODING_XOR_ZSTD: a zstd frame (its content size written) of the XOR of a chunk's bytes with
-the base revision's bytes at the same place. CHUNK_ENCODING_SPARSE_XOR_ZSTD: a zstd frame of the
-same XOR's nonzero words only: COUNT (how many), then that many gaps (uint32, little-endian: the
-first word's index, then each one's distance from the one before, never 0), then the words
-(little-endian). A word is word_bytes(offset, length) bytes, and the whole is never longer than the
-chunk (else the dense form is smaller). The sparse form costs the client work only where the chunk
-changed; the dense one compresses better where changes are close together.
+A delta stands for a chunk's new bytes as the XOR of them with a base revision's bytes at the same
+place. CHUNK_ENCODING_XOR_ZSTD: a zstd frame (its content size written) of the whole XOR.
+CHUNK_ENCODING_SPARSE_XOR_ZSTD: a zstd frame of the XOR's nonzero words only: COUNT (how many),
+then that many gaps (uint32, little-endian: the first word's index, then each one's distance from
+the one before, never 0), then the words (little-endian). A word is word_bytes(offset, length)
+bytes, and the whole is never longer than the chunk (else the dense form is smaller).
+
+encode picks the cheapest form for an XOR (or None: send the bytes themselves); xor_into applies
+a payload to the bytes a destination holds, checking that it decodes to what its form promises
+(DeltaUnusable otherwise, the destination untouched). The server encodes what it sends to
+updating clients and applies what publishers send; clients apply and publishers encode. Both use
+torch ops (no per-element Python). The caller checks the result against the chunk's CRC32C.
+
+Concurrency: a Codec (a zstd compressor, decompressor and scratch buffer) belongs to one thread.
 """
 
 from __future__ import annotations
 
+import ctypes
 import struct
 
+import torch
+import zstandard
+
+from weightstream.protocol import wire
+from weightstream.v1 import weightstream_pb2 as pb
+
+XOR_ZSTD = pb.CHUNK_ENCODING_XOR_ZSTD
+SPARSE_XOR_ZSTD = pb.CHUNK_ENCODING_SPARSE_XOR_ZSTD
+ENCODINGS = frozenset((XOR_ZSTD, SPARSE_XOR_ZSTD))
 COUNT = struct.Struct("<I")
 GAP_BYTES = 4
+ZSTD_LEVEL = 1
+# An XOR with more than this share of nonzero bytes is not worth compressing: the chunk goes whole.
+DENSE = 0.25
+# A delta is sent only when its payload is at most this share of the chunk's bytes.
+WORTH = 0.75
+# The sparse form is used when its words and gaps, before compression, are at most this share of the chunk.
+SPARSE = 0.25
+
+
+class DeltaUnusable(ValueError):
+    """A delta payload that does not decode to what its form promises (corrupt on the way, or not zstd)."""
 
 
 def word_bytes(offset: int, length: int) -> int:
@@ -25,3 +53,123 @@ def word_bytes(offset: int, length: int) -> int:
 def sparse_bytes(count: int, word: int) -> int:
     """The decoded size of a sparse delta of count words of word bytes."""
     return COUNT.size + count * (GAP_BYTES + word)
+
+
+class Codec:
+    """One thread's zstd contexts and scratch buffer, made on first use."""
+
+    def __init__(self) -> None:
+        self._compressor: zstandard.ZstdCompressor | None = None
+        self._decompressor: zstandard.ZstdDecompressor | None = None
+        self._scratch: torch.Tensor | None = None
+
+    def encode(self, xor: torch.Tensor, offset: int) -> tuple[int, bytes] | None:
+        """The cheapest delta of a chunk at offset whose XOR with its base is xor (flat uint8, on the host):
+        (encoding, payload), or None when the chunk's bytes themselves are cheaper."""
+        length = xor.numel()
+        if not length or int(torch.count_nonzero(xor)) > DENSE * length:
+            return None
+        word = word_bytes(offset, length)
+        words = xor.view(torch.int16 if word == 2 else torch.uint8)
+        where = torch.nonzero(words).flatten()
+        if sparse_bytes(where.numel(), word) <= SPARSE * length:
+            gaps = torch.diff(where, prepend=where.new_zeros(1)).to(torch.int32)
+            raw = b"".join((COUNT.pack(where.numel()), _bytes_of(gaps), _bytes_of(words[where])))
+            encoding, payload = SPARSE_XOR_ZSTD, self._compress(raw)
+        else:
+            encoding, payload = XOR_ZSTD, self._compress(_view_of(xor))
+        return (encoding, payload) if len(payload) <= WORTH * length else None
+
+    def xor_into(self, view: torch.Tensor, offset: int, address: int, payload_bytes: int, encoding: int) -> None:
+        """view (the destination's bytes of a chunk at offset, flat uint8) ^= the delta at address."""
+        length = view.numel()
+        if encoding == SPARSE_XOR_ZSTD:
+            self._xor_sparse(view, offset, address, payload_bytes)
+        elif encoding == XOR_ZSTD:
+            xor = self.decompress(address, payload_bytes, exactly=length)
+            if view.device.type != "cpu":
+                view.bitwise_xor_(xor.to(view.device))
+                return
+            # Piece by piece: a piece this size is below torch's grain for splitting an operation
+            # over threads, which on a busy host cost more than the XOR itself.
+            words = torch.int64 if view.data_ptr() % 8 == 0 and length % 8 == 0 else torch.uint8
+            for start in range(0, length, wire.CACHE_PIECE_BYTES):
+                end = min(length, start + wire.CACHE_PIECE_BYTES)
+                view[start:end].view(words).bitwise_xor_(xor[start:end].view(words))
+        else:
+            raise DeltaUnusable(f"encoding {encoding} is not a delta")
+
+    def _xor_sparse(self, view: torch.Tensor, offset: int, address: int, payload_bytes: int) -> None:
+        length = view.numel()
+        word = word_bytes(offset, length)
+        words = length // word
+        raw = self.decompress(address, payload_bytes, most=min(sparse_bytes(words, word), length))
+        if raw.numel() < COUNT.size:
+            raise DeltaUnusable("a sparse delta shorter than its count")
+        (count,) = COUNT.unpack(_bytes_of(raw[: COUNT.size]))
+        if count > words or raw.numel() != sparse_bytes(count, word):
+            raise DeltaUnusable(f"a sparse delta of {raw.numel()} bytes does not hold {count} words of {word} bytes")
+        if not count:
+            return
+        start = COUNT.size
+        gaps = raw[start : start + GAP_BYTES * count].view(torch.int32).to(torch.int64)
+        if int(gaps[0]) < 0 or (count > 1 and not bool((gaps[1:] > 0).all())):
+            raise DeltaUnusable("a sparse delta's words are not in order")
+        places = gaps.cumsum_(0)
+        if int(places[-1]) >= words:
+            raise DeltaUnusable(f"a sparse delta's word {int(places[-1])} lies beyond the chunk's {words}")
+        kind = torch.int16 if word == 2 else torch.uint8
+        values = raw[start + GAP_BYTES * count :].view(kind)
+        target = view.view(kind)
+        if target.device.type != "cpu":
+            places, values = places.to(target.device), values.to(target.device)
+        target[places] = target[places] ^ values
+
+    def decompress(self, address: int, payload_bytes: int, *, exactly: int = -1, most: int = 0) -> torch.Tensor:
+        """What a zstd frame at address holds, in the scratch buffer (valid until its next use): exactly
+        that many bytes, or at most `most`; DeltaUnusable otherwise."""
+        payload = memoryview((ctypes.c_char * payload_bytes).from_address(address)).cast("B") if payload_bytes else b""
+        try:
+            stated = zstandard.frame_content_size(payload)
+        except zstandard.ZstdError as exc:
+            raise DeltaUnusable(f"not a zstd frame: {exc}") from None
+        if stated < 0 or (exactly >= 0 and stated != exactly) or stated > max(exactly, most):
+            raise DeltaUnusable(f"the frame holds {stated} bytes, not what the chunk takes")
+        out = self._scratch_of(stated)
+        target = memoryview((ctypes.c_char * stated).from_address(out.data_ptr())).cast("B") if stated else None
+        got = 0
+        if self._decompressor is None:
+            self._decompressor = zstandard.ZstdDecompressor()
+        try:
+            with self._decompressor.stream_reader(payload) as reader:
+                while target is not None and got < stated:
+                    n = reader.readinto(target[got:])
+                    if not n:
+                        break
+                    got += n
+                extra = reader.read(1)
+        except zstandard.ZstdError as exc:
+            raise DeltaUnusable(f"the frame does not decode: {exc}") from None
+        if got != stated or extra:
+            raise DeltaUnusable(f"the frame decoded to {'more than ' if extra else ''}{got} bytes, not {stated}")
+        return out
+
+    def _compress(self, data: bytes | memoryview) -> bytes:
+        if self._compressor is None:
+            self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+        return self._compressor.compress(data)
+
+    def _scratch_of(self, length: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < length:
+            self._scratch = torch.empty(max(length, wire.DEFAULT_CHUNK_BYTES), dtype=torch.uint8)
+        return self._scratch[:length]
+
+
+def _view_of(tensor: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's bytes, without a copy (valid while the tensor is)."""
+    size = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B") if size else memoryview(b"")
+
+
+def _bytes_of(tensor: torch.Tensor) -> bytes:
+    return bytes(_view_of(tensor.contiguous()))

@@ -6,9 +6,8 @@ bytes in memory (a published revision; or a storage revision's read units in the
 full load of them left them, for whole tensors and slices along their first dimension), each chunk
 of those tensors goes out in the cheapest of:
 - a delta: the XOR of B's bytes with A's bytes at the same place (the same tensor, slice and
-  offset), compressed with zstd, when that is at most WORTH of the chunk's bytes: sparse (the
-  nonzero words and the gaps between them, weightstream.protocol.deltas) when that is at most
-  SPARSE of the chunk before compression, else dense (the whole XOR);
+  offset), sparse or dense, compressed with zstd, when that is cheaper (weightstream.protocol.deltas:
+  the forms, the thresholds, the one encoder for every side);
 - the bytes themselves: when A's layout of the tensor differs, or the XOR is dense (more than
   DENSE of its bytes nonzero in SAMPLES spread samples, then in the whole chunk), so that a chunk
   whose every element changed costs a few small XORs, not a compression that gives up;
@@ -36,12 +35,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import zstandard
+import torch
 
-from weightstream.protocol import deltas as delta_layout
+from weightstream.protocol import deltas as delta_forms
 from weightstream.protocol import wire
 from weightstream.protocol.wire import TensorSlice
-from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Manifest
 from weightstream_server.serving.chunks import ServedChunk, unit_key, unit_output
@@ -49,19 +47,12 @@ from weightstream_server.serving.read_plan import ChunkPlace, UnitPlace, plan_re
 
 logger = logging.getLogger(__name__)
 
-XOR_ZSTD = pb.CHUNK_ENCODING_XOR_ZSTD
-SPARSE_XOR_ZSTD = pb.CHUNK_ENCODING_SPARSE_XOR_ZSTD
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
-ZSTD_LEVEL = 1
 # A chunk is sampled at this many places, this many bytes each, before it is XORed whole.
 SAMPLES = 4
 SAMPLE_BYTES = 16 * 1024
-# An XOR with more than this share of nonzero bytes is not worth compressing: the chunk goes whole.
-DENSE = 0.25
-# A delta is sent only when its payload is at most this share of the chunk's bytes.
-WORTH = 0.75
-# The sparse form is used when its words and gaps, before compression, are at most this share of the chunk.
-SPARSE = 0.25
+# Kept entries at most, whatever their size (a whole-chunk decision holds no payload but a key).
+MAX_KEPT = 65536
 # How long a stream waits for another one's computation of the same delta before doing it itself.
 FLIGHT_WAIT_S = 30.0
 
@@ -152,7 +143,7 @@ class Deltas:
                     self.stats.raw_bytes += chunk.place.length
                 else:
                     self.stats.delta_chunks += 1
-                    self.stats.sparse_chunks += delta[0] == SPARSE_XOR_ZSTD
+                    self.stats.sparse_chunks += delta[0] == delta_forms.SPARSE_XOR_ZSTD
                     self.stats.delta_bytes += len(delta[1])
                     self.stats.covered_bytes += chunk.place.length
             if delta is None:
@@ -229,36 +220,19 @@ class Deltas:
                 base, place.tensor, slice_, place.offset + start, chunk.data[start : start + sample], xor[start:], work
             )
             nonzero += int(np.count_nonzero(xor[start : start + sample]))
-        if nonzero > DENSE * sample * len(starts):
+        if nonzero > delta_forms.DENSE * sample * len(starts):
             return None
         _xor_base(base, place.tensor, slice_, place.offset, chunk.data, xor, work)
-        if np.count_nonzero(xor[:length]) > DENSE * length:
-            return None
-        word = delta_layout.word_bytes(place.offset, length)
-        words = xor[:length].view(np.uint16 if word == 2 else np.uint8)
-        where = np.flatnonzero(words)
-        if delta_layout.sparse_bytes(where.size, word) <= SPARSE * length:
-            gaps = np.diff(where, prepend=0).astype("<u4")
-            raw = b"".join(
-                (
-                    delta_layout.COUNT.pack(where.size),
-                    gaps.tobytes(),
-                    words[where].astype(words.dtype.newbyteorder("<")).tobytes(),
-                )
-            )
-            encoding, payload = SPARSE_XOR_ZSTD, work.compressor().compress(raw)
-        else:
-            encoding, payload = XOR_ZSTD, work.compressor().compress(xor[:length].data)
-        return (encoding, payload) if len(payload) <= WORTH * length else None
+        return work.codec.encode(torch.from_numpy(xor[:length]), place.offset)
 
 
 class _Work:
-    """One stream's scratch buffer and compressor (a compressor is not safe to share between threads);
+    """One stream's scratch buffer and codec (zstd contexts are not safe to share between threads),
     made when its first delta is computed, gone with the stream."""
 
     def __init__(self, cache: UnitCache | None = None, chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES) -> None:
         self._scratch: np.ndarray | None = None
-        self._compressor: zstandard.ZstdCompressor | None = None
+        self.codec = delta_forms.Codec()
         # Where a storage base's bytes may be found, and the chunk size its units were read for.
         self.cache = cache
         self.chunk_bytes = chunk_bytes
@@ -267,15 +241,6 @@ class _Work:
         if self._scratch is None or self._scratch.size < length:
             self._scratch = np.empty(max(length, wire.DEFAULT_CHUNK_BYTES), dtype=np.uint8)
         return self._scratch
-
-    def compressor(self) -> zstandard.ZstdCompressor:
-        if self._compressor is None:
-            self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
-        return self._compressor
-
-
-# Kept entries at most, whatever their size (a raw decision holds no payload but a key).
-MAX_KEPT = 65536
 
 
 class BaseNotHeld(Exception):
