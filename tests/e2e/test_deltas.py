@@ -410,3 +410,110 @@ def test_a_storage_revision_in_the_ram_cache_is_a_delta_base(tmp_path: Path) -> 
         assert_holds(module, b)
         assert report.delta_chunks > 0 and report.delta_fallbacks == 0
         assert sent <= 0.15 * model_bytes(b), sent
+
+
+def received(server: WeightStreamServer) -> int:
+    assert server.publisher is not None
+    return server.publisher.received_bytes
+
+
+def assert_published(client: WeightStreamClient, state: dict[str, torch.Tensor]) -> None:
+    got = client.load_state_dict(MODEL)
+    for name, tensor in state.items():
+        assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("transport", ("tcp", "grpc"))
+def test_a_publisher_sends_only_what_changed_since_its_last_publish(server: WeightStreamServer, transport: str) -> None:
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    with client_of(server, transport) as trainer:
+        trainer.publish(MODEL, a, deltas=True)
+        before = received(server)
+        trainer.publish(MODEL, b, deltas=True)
+        sent = received(server) - before
+        assert_published(trainer, b)
+        # The same content again: nothing changed, nothing but the announcement travels.
+        before = received(server)
+        trainer.publish(MODEL, b, deltas=True, revision="b-again")
+        again = received(server) - before
+        assert trainer.manifest(MODEL).revision == "b-again"
+        assert_published(trainer, b)
+    assert 0 < sent <= 0.1 * model_bytes(b), sent
+    assert again == 0
+
+
+def test_a_delta_publish_whose_base_is_gone_goes_whole(server: WeightStreamServer) -> None:
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    with client_of(server, "tcp") as trainer, client_of(server, "tcp") as other:
+        trainer.publish(MODEL, a, deltas=True)
+        other.publish(MODEL, stepped(a, 0.02, seed=3))
+        other.publish(MODEL, stepped(a, 0.02, seed=4))  # two kept: the trainer's base is gone
+        before = received(server)
+        trainer.publish(MODEL, b, deltas=True)
+        sent = received(server) - before
+        assert_published(trainer, b)
+    assert sent == model_bytes(b)
+
+
+def test_hostile_delta_publishes_are_refused_and_leave_the_current_revision(server: WeightStreamServer) -> None:
+    """Raw PublishTensors calls, as no client of ours sends them: a base not kept, a delta of a tensor
+    the base does not hold, a delta whose result fails its CRC32C, a payload that is not zstd. Each is
+    refused with its code and the model keeps its revision; then a good one lands."""
+    import grpc
+
+    from weightstream.client.revisions import publish_start
+    from weightstream.protocol import deltas as forms
+    from weightstream.protocol import wire
+    from weightstream.v1 import weightstream_pb2 as pb
+    from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+
+    a = state_of(0)
+    with client_of(server) as client:
+        revision_a = client.publish(MODEL, a)
+    name = "layers.0.weight"
+    new = a[name].clone().view(-1)
+    new[::97] = (new[::97].float() + 1).to(torch.bfloat16)
+    xor = (new.view(torch.uint8) ^ a[name].view(-1).view(torch.uint8)).contiguous()
+    delta = forms.Codec().encode(xor, 0)
+    assert delta is not None
+    encoding, payload = delta
+    new_bytes = new.view(torch.uint8)
+    good_crc = wire.crc32c_at(new_bytes.data_ptr(), new_bytes.numel())
+
+    def publish(base: str, chunk: pb.TensorChunk, layout: dict[str, torch.Tensor] = a) -> grpc.StatusCode:
+        start = publish_start(
+            MODEL, list(layout.items()), revision="", part=0, parts=1, new_layout=True, delta_base=base
+        )
+        requests = [pb.PublishRequest(start=start), pb.PublishRequest(chunks=[chunk]), pb.PublishRequest(commit=True)]
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            try:
+                next(iter(pb_grpc.WeightStreamServiceStub(channel).PublishTensors(iter(requests))))
+            except grpc.RpcError as exc:
+                return exc.code()  # type: ignore[attr-defined,no-any-return]
+        return grpc.StatusCode.OK
+
+    def chunk(tensor: str = name, crc: int = good_crc, data: bytes = payload) -> pb.TensorChunk:
+        return pb.TensorChunk(
+            tensor=tensor,
+            offset=0,
+            length=xor.numel(),
+            crc32c=crc,
+            encoding=encoding,  # type: ignore[arg-type]
+            encoded_length=len(data),
+            data=data,
+        )
+
+    renamed = {("extra.weight" if n == name else n): t for n, t in a.items()}
+    assert publish("no-such-revision", chunk()) == grpc.StatusCode.NOT_FOUND
+    assert publish(revision_a, chunk(crc=good_crc ^ 1)) == grpc.StatusCode.DATA_LOSS
+    assert publish(revision_a, chunk(data=b"not zstd at all")) == grpc.StatusCode.DATA_LOSS
+    assert publish(revision_a, chunk(tensor="extra.weight"), renamed) == grpc.StatusCode.INVALID_ARGUMENT
+    with client_of(server) as client:
+        assert client.manifest(MODEL).revision == revision_a
+    assert publish(revision_a, chunk()) == grpc.StatusCode.OK
+    with client_of(server) as client:
+        got = client.load_state_dict(MODEL)
+    assert torch.equal(got[name].view(-1).view(torch.int16), new.view(torch.int16))
+    assert torch.equal(got["embed.weight"].view(torch.int16), a["embed.weight"].view(torch.int16))

@@ -160,6 +160,8 @@ class WeightStreamClient:
             watchdog=self._watchdog,
             current_manifest=self.manifest,
         )
+        # What publish(deltas=True) published last, per (model, part): the base of the next one.
+        self._published: dict[tuple[str, int], revisions.HeldPublish] = {}
 
     def __enter__(self) -> WeightStreamClient:
         return self
@@ -379,6 +381,7 @@ class WeightStreamClient:
         part: int = 0,
         parts: int = 1,
         new_layout: bool = False,
+        deltas: bool = False,
     ) -> str:
         """Publish named_tensors (full, unsharded, the checkpoint's names; CPU or CUDA) as model's next
         revision, held in the server's memory; the revision's name once it is current.
@@ -390,31 +393,34 @@ class WeightStreamClient:
         must be the current revision's. Errors: PermissionDeniedError (the server takes no
         publishes, or the token is not a publisher's), AbortedError (another revision of the model
         is being published), InvalidArgumentError (a tensor that differs, named).
+
+        With deltas, this client keeps a host copy of what it published (memory of the tensors'
+        size) and the next publish of the model (the same part) sends only what changed since:
+        chunks equal to the copy are skipped, the others go as XOR deltas where that is smaller;
+        the server starts the revision from the one it holds. Where the server no longer keeps that
+        revision, the publish goes whole.
         """
         started = time.perf_counter()
         tensors = revisions.named_list(named_tensors)
-
-        def requests() -> Iterator[pb.PublishRequest]:
-            return revisions.publish_requests(
-                model,
-                tensors,
-                revision=revision or "",
-                part=part,
-                parts=parts,
-                new_layout=new_layout,
-                chunk_bytes=self._session_config.chunk_bytes,
-            )
-
+        key = (model, part)
+        held = self._published.get(key) if deltas else None
+        chunk_bytes = self._session_config.chunk_bytes
         with translated(self.target):
-            response = self._publish_over_data_port(next(requests()).start, tensors)
-            how = "the data port"
-            if response is None:
-                response = next(iter(self.stub.PublishTensors(requests(), metadata=self._channels.metadata)))
-                how = "gRPC"
+            try:
+                response, how = self._publish_part(model, tensors, revision, part, parts, new_layout, held, chunk_bytes)
+            except grpc.RpcError as exc:
+                if held is None or exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                logger.warning("publish of %s: the server no longer keeps %s; publishing whole", model, held.revision)
+                response, how = self._publish_part(model, tensors, revision, part, parts, new_layout, None, chunk_bytes)
+        if deltas:
+            self._published[key] = revisions.HeldPublish.after(held, str(response.revision), tensors)
+        else:
+            self._published.pop(key, None)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         seconds = time.perf_counter() - started
         logger.info(
-            "published %s revision %s: %d tensors, %d bytes in %.3f s (%.2f GB/s) over %s",
+            "published %s revision %s: %d tensors, %d bytes in %.3f s (%.2f GB/s) over %s%s",
             model,
             response.revision,
             len(tensors),
@@ -422,11 +428,40 @@ class WeightStreamClient:
             seconds,
             nbytes / seconds / 1e9 if seconds else 0.0,
             how,
+            f", what changed since {held.revision}" if held is not None else "",
         )
         return str(response.revision)
 
+    def _publish_part(
+        self,
+        model: str,
+        tensors: list[tuple[str, torch.Tensor]],
+        revision: str | None,
+        part: int,
+        parts: int,
+        new_layout: bool,
+        held: revisions.HeldPublish | None,
+        chunk_bytes: int,
+    ) -> tuple[pb.PublishResponse, str]:
+        """One publish of tensors (whole, or what changed since held); the answer and how it went."""
+        start = revisions.publish_start(
+            model,
+            tensors,
+            revision=revision or "",
+            part=part,
+            parts=parts,
+            new_layout=new_layout,
+            delta_base=held.revision if held is not None else "",
+        )
+        base = held.tensors if held is not None else None
+        response = self._publish_over_data_port(start, revisions.publish_chunks(tensors, chunk_bytes, base))
+        if response is not None:
+            return response, "the data port"
+        requests = revisions.publish_requests(start, revisions.publish_chunks(tensors, chunk_bytes, base))
+        return next(iter(self.stub.PublishTensors(requests, metadata=self._channels.metadata))), "gRPC"
+
     def _publish_over_data_port(
-        self, start: pb.PublishStart, tensors: list[tuple[str, torch.Tensor]]
+        self, start: pb.PublishStart, chunks: Iterator[revisions.OutChunk]
     ) -> pb.PublishResponse | None:
         """The publish over the data port (transport "auto" or "tcp"); None: it goes over gRPC."""
         transport = self._channels.data_port()
@@ -437,8 +472,7 @@ class WeightStreamClient:
                 self.stub,
                 transport,
                 start,
-                tensors,
-                chunk_bytes=self._session_config.chunk_bytes,
+                chunks,
                 metadata=self._channels.metadata,
             )
         except DataPortUnusable as exc:

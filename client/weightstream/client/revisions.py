@@ -1,21 +1,26 @@
 """Revisions from the client's side: publishing a trainer's tensors, asking what changed, watching a model.
 
-publish_requests turns (name, tensor) pairs into the PublishTensors messages: the announcement,
-then each tensor's bytes in chunks of chunk_bytes with their CRC32C, then commit. Tensors on a
-device are copied to host memory one at a time, as they are sent, so a publish holds one tensor's
-host copy at most. update_ranges turns a GetChanges answer into what an update asks for: the
+publish_start and publish_chunks turn (name, tensor) pairs into a publish: the announcement, then
+each tensor's bytes in chunks of chunk_bytes with their CRC32C (publish_requests frames them for
+gRPC, transports/tcp_publish for the data port). Tensors on a device are copied to host memory one
+at a time, as they are sent, so a publish holds one tensor's host copy at most. Against a delta
+base (a publish's host copies of what it published last), a chunk that did not change is not sent
+and one that did goes as an XOR delta where that is smaller (weightstream.protocol.deltas).
+update_ranges turns a GetChanges answer into what an update asks for: the
 tensors that changed and, for those written straight into their targets, the ranges that did not
 (already landed: the load asks only for the rest).
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from weightstream.client.manifest import TensorInfo
+from weightstream.protocol import deltas as delta_forms
 from weightstream.protocol import dtypes, wire
 from weightstream.v1 import weightstream_pb2 as pb
 
@@ -56,7 +61,20 @@ def event_from_proto(response: pb.WatchModelResponse) -> RevisionEvent:
     return RevisionEvent(response.model, response.revision, response.origin, response.total_bytes, tuple(response.kept))
 
 
-def publish_requests(
+@dataclass(frozen=True)
+class OutChunk:
+    """A chunk of a publish: length bytes of tensor from offset with their CRC32C, and what carries them:
+    the bytes themselves (encoding 0) or a delta against the publish's base."""
+
+    tensor: str
+    offset: int
+    length: int
+    crc32c: int
+    encoding: int
+    payload: memoryview
+
+
+def publish_start(
     model: str,
     tensors: list[tuple[str, torch.Tensor]],
     *,
@@ -64,25 +82,94 @@ def publish_requests(
     part: int,
     parts: int,
     new_layout: bool,
-    chunk_bytes: int,
-) -> Iterator[pb.PublishRequest]:
-    """The messages of one publish of tensors (one part of parts), ending with commit."""
-    start = pb.PublishStart(model=model, revision=revision, part=part, parts=parts, new_layout=new_layout)
+    delta_base: str = "",
+) -> pb.PublishStart:
+    """The announcement of one publish of tensors (one part of parts)."""
+    start = pb.PublishStart(
+        model=model, revision=revision, part=part, parts=parts, new_layout=new_layout, delta_base=delta_base
+    )
     for name, tensor in tensors:
         start.tensors.append(pb.PublishedTensor(name=name, dtype=wire_dtype(name, tensor), shape=list(tensor.shape)))
-    yield pb.PublishRequest(start=start)
+    return start
+
+
+def publish_chunks(
+    tensors: list[tuple[str, torch.Tensor]], chunk_bytes: int, base: Mapping[str, torch.Tensor] | None = None
+) -> Iterator[OutChunk]:
+    """The chunks of tensors, each payload valid until the next chunk is taken. With base (host copies of
+    the delta base's tensors, by name), a tensor base holds with the same dtype and shape goes as what
+    changed: chunks equal to the base's are skipped, the others sent as deltas where that is smaller."""
+    codec = delta_forms.Codec()
     for name, tensor in tensors:
         host = tensor.detach()
         if host.device.type != "cpu":
             host = host.to("cpu")
-        data = host.contiguous().view(-1).view(torch.uint8).numpy() if host.numel() else None
-        if data is None:
+        if not host.numel():
             continue
-        for offset in range(0, data.size, chunk_bytes):
-            piece = data[offset : offset + chunk_bytes].tobytes()
-            chunk = pb.TensorChunk(tensor=name, offset=offset, length=len(piece), crc32c=wire.crc32c(piece), data=piece)
-            yield pb.PublishRequest(chunks=[chunk])
+        data = host.contiguous().view(-1).view(torch.uint8)
+        held = base.get(name) if base is not None else None
+        old = held.view(-1).view(torch.uint8) if held is not None and _same_layout(held, tensor) else None
+        address = int(data.data_ptr())
+        for offset in range(0, data.numel(), chunk_bytes):
+            length = min(chunk_bytes, data.numel() - offset)
+            piece = data[offset : offset + length]
+            crc = wire.crc32c_at(address + offset, length)
+            if old is not None:
+                xor = torch.bitwise_xor(piece, old[offset : offset + length])
+                if not bool(xor.any()):
+                    continue  # unchanged: the server keeps the base's bytes
+                delta = codec.encode(xor, offset)
+                if delta is not None:
+                    yield OutChunk(name, offset, length, crc, delta[0], memoryview(delta[1]))
+                    continue
+            yield OutChunk(name, offset, length, crc, 0, _bytes_view(piece))
+
+
+def publish_requests(start: pb.PublishStart, chunks: Iterator[OutChunk]) -> Iterator[pb.PublishRequest]:
+    """The messages of one publish over gRPC: start, each chunk, then commit."""
+    yield pb.PublishRequest(start=start)
+    for c in chunks:
+        chunk = pb.TensorChunk(
+            tensor=c.tensor,
+            offset=c.offset,
+            length=c.length,
+            crc32c=c.crc32c,
+            encoding=c.encoding,  # type: ignore[arg-type]
+            encoded_length=len(c.payload) if c.encoding else 0,
+            data=bytes(c.payload),
+        )
+        yield pb.PublishRequest(chunks=[chunk])
     yield pb.PublishRequest(commit=True)
+
+
+@dataclass(frozen=True)
+class HeldPublish:
+    """What a client published last of a model (one part): the revision, and host copies of its tensors."""
+
+    revision: str
+    tensors: dict[str, torch.Tensor]
+
+    @classmethod
+    def after(cls, held: HeldPublish | None, revision: str, tensors: list[tuple[str, torch.Tensor]]) -> HeldPublish:
+        """The copies once revision (tensors) is published: held's updated in place where the layout is the same."""
+        copies = held.tensors if held is not None else {}
+        kept: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors:
+            copy = copies.get(name)
+            if copy is None or not _same_layout(copy, tensor):
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype)
+            copy.copy_(tensor.detach())
+            kept[name] = copy
+        return cls(revision, kept)
+
+
+def _same_layout(held: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return held.dtype == tensor.dtype and held.shape == tensor.shape and held.is_contiguous()
+
+
+def _bytes_view(piece: torch.Tensor) -> memoryview:
+    """A contiguous uint8 host tensor's bytes, without a copy (valid while the tensor is)."""
+    return memoryview((ctypes.c_char * piece.numel()).from_address(piece.data_ptr())).cast("B")
 
 
 def wire_dtype(name: str, tensor: torch.Tensor) -> pb.DataType:

@@ -297,7 +297,7 @@ class StreamTensorsBulkResponse(_message.Message):
     def __init__(self, data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class PublishStart(_message.Message):
-    __slots__ = ("model", "revision", "tensors", "part", "parts", "new_layout", "data_port")
+    __slots__ = ("model", "revision", "tensors", "part", "parts", "new_layout", "data_port", "delta_base")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +305,7 @@ class PublishStart(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     NEW_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     tensors: _containers.RepeatedCompositeFieldContainer[PublishedTensor]
@@ -312,7 +313,8 @@ class PublishStart(_message.Message):
     parts: int
     new_layout: bool
     data_port: bool
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[PublishedTensor, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., new_layout: _Optional[bool] = ..., data_port: _Optional[bool] = ...) -> None: ...
+    delta_base: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[PublishedTensor, _Mapping]]] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., new_layout: _Optional[bool] = ..., data_port: _Optional[bool] = ..., delta_base: _Optional[str] = ...) -> None: ...
 
 class PublishedTensor(_message.Message):
     __slots__ = ("name", "dtype", "shape")

@@ -113,6 +113,9 @@ class RevisionsStatus(BaseModel):
     publishes_total: int = Field(description="publishes completed since the server started")
     published_bytes_total: int = Field(description="tensor bytes of the completed publishes")
     published_bytes_held: int = Field(description="memory the kept published revisions hold (--publish-max-bytes)")
+    publish_received_bytes_total: int = Field(
+        default=0, description="payload bytes publishers sent (a delta publish: what changed only)"
+    )
     changes_total: int = Field(description="GetChanges answered: what updates asked")
     changed_bytes_total: int = Field(description="changed bytes those answers named (what the updates then fetch)")
     digested_bytes_total: int = Field(description="bytes of storage files read to learn their block CRC32Cs")
@@ -270,6 +273,7 @@ def _revisions(server: WeightStreamServer) -> RevisionsStatus | None:
         publishes_total=store.publishes,
         published_bytes_total=store.published_bytes,
         published_bytes_held=store.held_bytes(),
+        publish_received_bytes_total=server.publisher.received_bytes if server.publisher is not None else 0,
         changes_total=changes.asked,
         changed_bytes_total=changes.changed_bytes,
         digested_bytes_total=changes.bytes_digested,

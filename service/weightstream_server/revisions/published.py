@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from weightstream.allocator import PopulateAhead
+from weightstream.protocol import deltas as delta_forms
 from weightstream.protocol import dtypes, wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import (
@@ -51,6 +52,7 @@ from weightstream_server.errors import (
     PublishTooLarge,
     RangeOutOfBounds,
     RequestTimeout,
+    RevisionNotKept,
     ServerError,
 )
 from weightstream_server.revisions.persist import upload_in_background, write_in_background
@@ -99,6 +101,9 @@ class _Part:
     buffer: torch.Tensor
     received: dict[str, int] = field(default_factory=dict)
     blocks: dict[str, Blocks] = field(default_factory=dict)
+    # Tensors that start as the delta base's bytes (PublishStart.delta_base), and where each one's
+    # chunks have reached: they come in order but may skip what did not change.
+    based: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -207,6 +212,8 @@ class Publisher:
         self._message_timeout = message_timeout
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
+        # Payload bytes publishers sent for the parts taken (what changed only, for a delta publish).
+        self.received_bytes = 0
 
     def pending_bytes(self) -> int:
         with self._lock:
@@ -238,13 +245,29 @@ class Publisher:
         total = sum(t.nbytes for t in announced.values())
         total += -total % ALIGN
         self._check_layout(start, announced)
+        base = self._delta_base(start)
         pending = self._join(start, parts, total, peer)
         try:
             part = _Part(start.part, announced, torch.empty(max(total, 1), dtype=torch.uint8))
+            if base is not None:
+                _start_from(part, base)
         except BaseException:
             self._fail(pending, start.part, "")
             raise
         return PartInFlight(self, pending, part, self._message_timeout)
+
+    def _delta_base(self, start: pb.PublishStart) -> Manifest | None:
+        """The published revision a part names as its delta base; RevisionNotKept when it is not kept here."""
+        if not start.delta_base:
+            return None
+        kept = self._store.find(start.model, start.delta_base)
+        if kept is None or kept.origin != PUBLISHED or not kept.servable:
+            names = ", ".join(self._store.kept(start.model)) or "none"
+            raise RevisionNotKept(
+                f"publish of model {start.model!r}: delta base {start.delta_base[:200]!r} is not a published revision "
+                f"this server keeps (it keeps {names}); publish whole instead"
+            )
+        return kept.manifest
 
     def relay(
         self,
@@ -439,6 +462,19 @@ class Publisher:
         return Revision(pending.model, name, PUBLISHED, manifest, blocks=blocks, memory=memory)
 
 
+def _start_from(part: _Part, base: Manifest) -> None:
+    """Fill the part's tensors that base holds with the same dtype and shape with base's bytes."""
+    assert isinstance(base.source, PublishedSource)
+    for tensor in part.tensors.values():
+        entry = base.by_name.get(tensor.name)
+        if entry is None or entry.dtype != tensor.dtype or entry.shape != tensor.shape:
+            continue
+        held = base.source.part_buffer(entry.file_index)[entry.file_offset : entry.file_offset + entry.nbytes]
+        part.buffer[tensor.offset : tensor.offset + tensor.nbytes].copy_(held)
+        part.received[tensor.name] = tensor.nbytes
+        part.based[tensor.name] = 0
+
+
 class PartInFlight:
     """One part of a publish whose bytes are landing in its buffer: from PublishRequest chunks
     (receive) or frames on the data port (land, one chunk at a time), then finish (or fail).
@@ -455,6 +491,7 @@ class PartInFlight:
         self.model = pending.model
         self._message_timeout = message_timeout
         self._base = int(part.buffer.numpy().ctypes.data)
+        self._codec = delta_forms.Codec()
         self.chunks = 0
         self.bytes = 0
         # Fresh memory: its pages faulted in on a helper thread ahead of the bytes (a trap per 4 KiB
@@ -485,6 +522,11 @@ class PartInFlight:
                 data = chunk.data  # each read of the field is a copy of its bytes: read once
                 length = len(data)
                 source = int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if length else 0
+                if chunk.encoding:
+                    self.land_delta(
+                        chunk.tensor, chunk.offset, chunk.length, chunk.crc32c, chunk.encoding, source, length
+                    )
+                    continue
                 # One pass: copied into the part and checksummed where it landed.
                 self.land(chunk.tensor, chunk.offset, length, chunk.crc32c, functools.partial(_copy, source, length))
             if message.commit:
@@ -495,34 +537,75 @@ class PartInFlight:
 
     def land(self, name: str, offset: int, length: int, crc32c: int, write: Callable[[int], int]) -> None:
         """One chunk: checked, then written by write(address), which returns the CRC32C of what it wrote."""
+        tensor = self._placed(name, offset, length)
+        self._check(tensor, offset, length, crc32c, write)
+        if tensor.name in self.part.based:
+            self.part.based[tensor.name] = offset + length
+        else:
+            self.part.received[tensor.name] = offset + length
+        self.chunks += 1
+        self.bytes += length
+
+    def land_delta(
+        self, name: str, offset: int, length: int, crc32c: int, encoding: int, address: int, payload_bytes: int
+    ) -> None:
+        """One chunk as a delta against the part's base (payload_bytes at address): XORed into the base's
+        bytes and checked against crc32c (the new bytes')."""
+        if name not in self.part.based:
+            raise InvalidRequest(
+                f"publish of model {self.model!r}: tensor {name[:200]!r}: a delta, but the tensor is not in the "
+                "delta base with this dtype and shape"
+            )
+        tensor = self._placed(name, offset, length)
+
+        def apply(at: int) -> int:
+            view = self.part.buffer[at - self._base : at - self._base + length]
+            try:
+                self._codec.xor_into(view, offset, address, payload_bytes, encoding)
+            except delta_forms.DeltaUnusable as exc:
+                raise CorruptCheckpoint(
+                    f"publish of model {self.model!r}: tensor {tensor.name!r}: the delta at byte {offset}: {exc}"
+                ) from None
+            return wire.crc32c_at(at, length)
+
+        self._check(tensor, offset, length, crc32c, apply)
+        self.part.based[tensor.name] = offset + length
+        self.chunks += 1
+        self.bytes += payload_bytes
+
+    def _placed(self, name: str, offset: int, length: int) -> _Announced:
+        """The announced tensor of a chunk at offset of length bytes, checked to come next and to fit."""
         part, model = self.part, self.model
         tensor = part.tensors.get(name)
         if tensor is None:
             raise InvalidRequest(f"publish of model {model!r}: chunk of tensor {name[:200]!r}, not announced")
-        expected = part.received.get(tensor.name, 0)
-        if offset != expected:
+        based = part.based.get(tensor.name)
+        expected = part.received.get(tensor.name, 0) if based is None else based
+        # A tensor starting as the base's bytes may skip ranges (unchanged); others come whole, in order.
+        out_of_order = offset < expected if based is not None else offset != expected
+        if out_of_order:
             raise InvalidRequest(
                 f"publish of model {model!r}: tensor {tensor.name!r}: chunk at byte {offset}, expected "
-                f"{expected} (a tensor's chunks come in order)"
+                f"{'at least ' if based is not None else ''}{expected} (a tensor's chunks come in order)"
             )
         if offset + length > tensor.nbytes:
             raise RangeOutOfBounds(
                 f"publish of model {model!r}: tensor {tensor.name!r}: chunk ends at byte {offset + length}, the "
                 f"tensor has {tensor.nbytes} ({tensor.dtype.safetensors} {list(tensor.shape)})"
             )
+        return tensor
+
+    def _check(self, tensor: _Announced, offset: int, length: int, crc32c: int, write: Callable[[int], int]) -> None:
         if not length:
             if crc32c != 0:
                 raise CorruptCheckpoint(
-                    f"publish of model {model!r}: tensor {tensor.name!r}: an empty chunk with a CRC32C"
+                    f"publish of model {self.model!r}: tensor {tensor.name!r}: an empty chunk with a CRC32C"
                 )
         elif write(self._base + tensor.offset + offset) != crc32c:
             raise CorruptCheckpoint(
-                f"publish of model {model!r}: tensor {tensor.name!r}: the chunk at byte {offset} does not match "
+                f"publish of model {self.model!r}: tensor {tensor.name!r}: the chunk at byte {offset} does not match "
                 "its CRC32C"
             )
-        part.received[tensor.name] = expected + length
-        self.chunks += 1
-        self.bytes += length
 
     def check_complete(self) -> None:
         """Every announced byte arrived: compute the block CRC32Cs (InvalidRequest names a tensor short)."""
@@ -541,6 +624,8 @@ class PartInFlight:
         """Hand the complete part over; the answer once its revision is complete (PublishConflict if it failed)."""
         publisher, pending, part = self._publisher, self._pending, self.part
         self._ahead.close()
+        with publisher._lock:
+            publisher.received_bytes += self.bytes
         publisher._take(pending, part)
         if not pending.done.wait(max(0.0, ASSEMBLY_TIMEOUT_S - (time.monotonic() - pending.started))):
             publisher._fail(

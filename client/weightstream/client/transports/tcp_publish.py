@@ -22,11 +22,11 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import grpc
-import torch
 
 from weightstream.client.errors import UnavailableError
+from weightstream.client.revisions import OutChunk
 from weightstream.client.transports.tcp import TcpTransport, ended_with_error, raise_if_no_data_port
-from weightstream.protocol import tcp, wire
+from weightstream.protocol import tcp
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
@@ -35,9 +35,8 @@ def publish_over_data_port(
     stub: pb_grpc.WeightStreamServiceStub,
     transport: TcpTransport,
     start: pb.PublishStart,
-    tensors: Sequence[tuple[str, torch.Tensor]],
+    chunks: Iterator[OutChunk],
     *,
-    chunk_bytes: int,
     metadata: Sequence[tuple[str, str]],
 ) -> pb.PublishResponse:
     """Publish one part over the data port; DataPortUnusable when the server has none (or it cannot be
@@ -61,7 +60,7 @@ def publish_over_data_port(
         conn = transport.connect(announcement.data_host, announcement.data_port, announcement.ticket)
         with contextlib.closing(conn):
             try:
-                _send_frames(conn, tensors, chunk_bytes)
+                _send_frames(conn, chunks)
             except OSError as exc:
                 # The server broke the connection: the call says why.
                 if ended_with_error(call):
@@ -73,23 +72,17 @@ def publish_over_data_port(
         call.cancel()
 
 
-def _send_frames(conn: socket.socket, tensors: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int) -> None:
-    chunk_bytes = min(chunk_bytes, wire.MAX_CHUNK_BYTES)
-    chunks = sent = 0
-    for name, tensor in tensors:
-        host = tensor.detach()
-        if host.device.type != "cpu":
-            host = host.to("cpu")
-        if not host.numel():
-            continue
-        data = host.contiguous().view(-1).view(torch.uint8).numpy()
-        name_bytes = name.encode()
-        address = int(data.ctypes.data)
-        for offset in range(0, data.size, chunk_bytes):
-            length = min(chunk_bytes, data.size - offset)
-            crc = wire.crc32c_at(address + offset, length)
-            conn.sendall(tcp.chunk_header(name_bytes, offset, length, crc))
-            conn.sendall(data[offset : offset + length].data)
-            chunks += 1
-            sent += length
-    conn.sendall(tcp.end_frame(chunks, sent))
+def _send_frames(conn: socket.socket, chunks: Iterator[OutChunk]) -> None:
+    count = sent = 0
+    for chunk in chunks:
+        name = chunk.tensor.encode()
+        payload = len(chunk.payload)
+        if chunk.encoding:
+            header = tcp.delta_header(name, chunk.offset, chunk.length, chunk.crc32c, payload, chunk.encoding)
+        else:
+            header = tcp.chunk_header(name, chunk.offset, chunk.length, chunk.crc32c)
+        conn.sendall(header)
+        conn.sendall(chunk.payload)
+        count += 1
+        sent += payload
+    conn.sendall(tcp.end_frame(count, sent))

@@ -20,6 +20,8 @@ import functools
 import socket
 import ssl
 
+import numpy as np
+
 from weightstream.protocol import tcp, wire
 from weightstream_server.errors import DataConnectionLost, InvalidRequest
 from weightstream_server.revisions.published import PartInFlight
@@ -32,9 +34,10 @@ def receive_part(conn: socket.socket, part: PartInFlight, stall_timeout: float) 
     """Land every frame of conn into part, up to END; raises what a bad frame or connection is."""
     conn.settimeout(stall_timeout)
     reader = _Reader(conn, part.model, stall_timeout)
+    payload: np.ndarray | None = None  # a DELTA frame's payload, made at the first one
     while True:
         try:
-            frame = tcp.decode_header(reader.exactly(tcp.HEADER.size))
+            frame = tcp.decode_header(reader.exactly(tcp.HEADER.size), deltas=True)
         except tcp.FrameError as exc:
             raise InvalidRequest(f"publish of model {part.model!r}: a bad frame on the data port: {exc}") from None
         if frame.kind == tcp.END:
@@ -49,6 +52,16 @@ def receive_part(conn: socket.socket, part: PartInFlight, stall_timeout: float) 
             name = reader.exactly(frame.name_bytes).decode()
         except UnicodeDecodeError:
             raise InvalidRequest(f"publish of model {part.model!r}: a chunk's tensor name is not UTF-8") from None
+        if frame.kind == tcp.DELTA:
+            size, encoding = tcp.DELTA_HEADER.unpack(reader.exactly(tcp.DELTA_HEADER.size))
+            if size > wire.MAX_CHUNK_BYTES:
+                raise InvalidRequest(f"publish of model {part.model!r}: a delta frame of {size} payload bytes")
+            if payload is None:
+                payload = np.empty(wire.MAX_CHUNK_BYTES, dtype=np.uint8)
+            address = int(payload.ctypes.data)
+            reader.into(address, size)
+            part.land_delta(name, frame.offset, frame.length, frame.crc32c, encoding, address, size)
+            continue
         part.land(name, frame.offset, frame.length, frame.crc32c, functools.partial(reader.into, size=frame.length))
 
 
