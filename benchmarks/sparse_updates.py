@@ -16,6 +16,8 @@ Between runs the module is set back to A locally (not timed). Reported: medians 
 update's seconds, its ratio to the full load, bytes on the wire (the server's /status), their ratio
 to the model, and the server's CPU seconds for the update (/proc). Then four modules update from A
 to B at once (tcp): wall time, and how many deltas the server computed against how many it served.
+Last, on a server of its own, a trainer publishes A then B, whole and with publish(deltas=True):
+the publish's time and the bytes the server received.
 
 Usage (from the repository root): python benchmarks/sparse_updates.py [--gb 1] [--runs 3] [--streams 1,2]
 """
@@ -162,16 +164,57 @@ def main() -> int:
                             )
                     check(loader, b)
             fleet = _fleet(port, http_port, shapes, a, revision_a)
-            print(f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors; medians of {args.runs}")
-            print("| changed elements | case | seconds | x full load | bytes on the wire | x model | server CPU s |")
-            print("|---|---|---|---|---|---|---|")
-            for fraction_label, label, seconds, ratio, nbytes, cpu_s in rows:
-                print(
-                    f"| {fraction_label} | {label} | {seconds:.3f} | {ratio:.3f}x | {nbytes:,d} | "
-                    f"{nbytes / total:.3f} | {cpu_s:.2f} |"
-                )
-            print(fleet)
+        publishes = _publishes(root, total, a, fractions, args.runs)
+        print(f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors; medians of {args.runs}")
+        print("| changed elements | case | seconds | x full load | bytes on the wire | x model | server CPU s |")
+        print("|---|---|---|---|---|---|---|")
+        for fraction_label, label, seconds, ratio, nbytes, cpu_s in rows:
+            print(
+                f"| {fraction_label} | {label} | {seconds:.3f} | {ratio:.3f}x | {nbytes:,d} | "
+                f"{nbytes / total:.3f} | {cpu_s:.2f} |"
+            )
+        print(fleet)
+        print()
+        print("publishing B after A (tcp): whole, and with deltas=True (the trainer's host copy of A)")
+        print("| changed elements | publish | seconds | x whole | bytes the server received | x model |")
+        print("|---|---|---|---|---|---|")
+        for fraction_label, label, seconds, ratio, nbytes in publishes:
+            share = nbytes / total
+            print(f"| {fraction_label} | {label} | {seconds:.3f} | {ratio:.3f}x | {nbytes:,d} | {share:.3f} |")
     return 0
+
+
+def _publishes(
+    root: Path, total: int, a: dict[str, torch.Tensor], fractions: list[float], runs: int
+) -> list[tuple[str, str, float, float, int]]:
+    """A trainer publishes A, then B, whole and with deltas, on a server of its own (medians of runs)."""
+    http_port = free_port()
+    extra = ["--allow-publish", "--http-port", str(http_port), "--publish-max-bytes", str(int(4 * total))]
+    rows: list[tuple[str, str, float, float, int]] = []
+    with serve_weightstream(root, wire.DEFAULT_CHUNK_BYTES, extra) as (_proc, port):
+        for fraction in fractions:
+            b = stepped(a, fraction, seed=int(fraction * 1000) + 7)
+            results: dict[bool, tuple[float, int]] = {}
+            for deltas in (False, True):
+                times, sizes = [], []
+                for _ in range(runs):
+                    with WeightStreamClient(f"127.0.0.1:{port}", progress=False) as trainer:
+                        trainer.publish(MODEL, a, deltas=deltas)
+                        before = received(http_port)
+                        started = time.perf_counter()
+                        trainer.publish(MODEL, b, deltas=deltas)
+                        times.append(time.perf_counter() - started)
+                        sizes.append(received(http_port) - before)
+                results[deltas] = (statistics.median(times), int(statistics.median(sizes)))
+            whole = results[False][0]
+            for deltas, label in ((False, "whole"), (True, "deltas")):
+                seconds, nbytes = results[deltas]
+                rows.append((f"{fraction:.1%}", label, seconds, seconds / whole, nbytes))
+    return rows
+
+
+def received(http_port: int) -> int:
+    return int(status(http_port)["revisions"]["publish_received_bytes_total"])  # type: ignore[index]
 
 
 def check(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

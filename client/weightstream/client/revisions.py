@@ -100,6 +100,7 @@ def publish_chunks(
     the delta base's tensors, by name), a tensor base holds with the same dtype and shape goes as what
     changed: chunks equal to the base's are skipped, the others sent as deltas where that is smaller."""
     codec = delta_forms.Codec()
+    scratch = torch.empty(chunk_bytes if base is not None else 0, dtype=torch.uint8)
     for name, tensor in tensors:
         host = tensor.detach()
         if host.device.type != "cpu":
@@ -115,8 +116,8 @@ def publish_chunks(
             piece = data[offset : offset + length]
             crc = wire.crc32c_at(address + offset, length)
             if old is not None:
-                xor = torch.bitwise_xor(piece, old[offset : offset + length])
-                if not bool(xor.any()):
+                xor = torch.bitwise_xor(piece, old[offset : offset + length], out=scratch[:length])
+                if torch.equal(piece, old[offset : offset + length]):
                     continue  # unchanged: the server keeps the base's bytes
                 delta = codec.encode(xor, offset)
                 if delta is not None:

@@ -65,13 +65,16 @@ class Codec:
 
     def encode(self, xor: torch.Tensor, offset: int) -> tuple[int, bytes] | None:
         """The cheapest delta of a chunk at offset whose XOR with its base is xor (flat uint8, on the host):
-        (encoding, payload), or None when the chunk's bytes themselves are cheaper."""
+        (encoding, payload), or None when the chunk's bytes themselves are cheaper. A few samples of xor
+        decide first whether it is worth the work: an XOR mostly nonzero costs them only."""
         length = xor.numel()
-        if not length or int(torch.count_nonzero(xor)) > DENSE * length:
+        if not length or _sampled_share(xor) > DENSE:
             return None
         word = word_bytes(offset, length)
         words = xor.view(torch.int16 if word == 2 else torch.uint8)
-        where = torch.nonzero(words).flatten()
+        where = _nonzero(words)
+        if where.numel() * word > DENSE * length:
+            return None
         if sparse_bytes(where.numel(), word) <= SPARSE * length:
             gaps = torch.diff(where, prepend=where.new_zeros(1)).to(torch.int32)
             raw = b"".join((COUNT.pack(where.numel()), _bytes_of(gaps), _bytes_of(words[where])))
@@ -163,6 +166,31 @@ class Codec:
         if self._scratch is None or self._scratch.numel() < length:
             self._scratch = torch.empty(max(length, wire.DEFAULT_CHUNK_BYTES), dtype=torch.uint8)
         return self._scratch[:length]
+
+
+# An XOR is sampled at this many places, this many bytes each, before it is encoded.
+SAMPLES = 4
+SAMPLE_BYTES = 16 * 1024
+
+
+def _sampled_share(xor: torch.Tensor) -> float:
+    """The share of nonzero bytes in SAMPLES windows spread over xor."""
+    length = xor.numel()
+    sample = min(SAMPLE_BYTES, length)
+    starts = sorted({(length - sample) * i // max(1, SAMPLES - 1) for i in range(SAMPLES)})
+    nonzero = sum(int(torch.count_nonzero(xor[start : start + sample])) for start in starts)
+    return nonzero / (sample * len(starts))
+
+
+def _nonzero(words: torch.Tensor) -> torch.Tensor:
+    """The indices of words' nonzero elements, ascending. Eight bytes are looked at together first,
+    then the words of the groups that hold any: torch's nonzero costs per element it scans."""
+    per = 8 // words.element_size()
+    if words.numel() % per or words.data_ptr() % 8:
+        return torch.nonzero(words).flatten()
+    groups = torch.nonzero(words.view(torch.int64)).flatten()
+    inner = torch.nonzero(words.view(-1, per)[groups])
+    return groups[inner[:, 0]] * per + inner[:, 1]
 
 
 def _view_of(tensor: torch.Tensor) -> memoryview:

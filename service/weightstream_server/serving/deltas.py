@@ -49,8 +49,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 # A chunk is sampled at this many places, this many bytes each, before it is XORed whole.
-SAMPLES = 4
-SAMPLE_BYTES = 16 * 1024
+SAMPLES = delta_forms.SAMPLES
+SAMPLE_BYTES = delta_forms.SAMPLE_BYTES
 # Kept entries at most, whatever their size (a whole-chunk decision holds no payload but a key).
 MAX_KEPT = 65536
 # How long a stream waits for another one's computation of the same delta before doing it itself.

@@ -7,7 +7,9 @@ frames and the END frame (weightstream.protocol.tcp) the other way, client to se
 header and name come first and are checked (revisions.published.PartInFlight.land) before its
 payload is received, straight into its place in the part's buffer: one kernel copy, no buffer in
 between, its CRC32C computed piece by piece where it landed (while each piece is in the core's
-cache). END carries the chunk and byte counts, which must match what came.
+cache). A DELTA frame (a publish against a delta base) is received into a buffer of its own and
+XORed into the part (PartInFlight.land_delta). END carries the chunk and payload byte counts, which
+must match what came.
 
 A connection that sends nothing for --stall-timeout seconds ends the publish UNAVAILABLE, as one
 that breaks does; either drops the part (and its revision), as on gRPC.
