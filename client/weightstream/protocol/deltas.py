@@ -11,7 +11,7 @@ encode picks the cheapest form for an XOR (or None: send the bytes themselves); 
 a payload to the bytes a destination holds, checking that it decodes to what its form promises
 (DeltaUnusable otherwise, the destination untouched). The server encodes what it sends to
 updating clients and applies what publishers send; clients apply and publishers encode. Both use
-torch ops (no per-element Python). The caller checks the result against the chunk's CRC32C.
+torch and numpy ops (no per-element Python). The caller checks the result against the chunk's CRC32C.
 
 Concurrency: a Codec (a zstd compressor, decompressor and scratch buffer) belongs to one thread.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import struct
 
+import numpy as np
 import torch
 import zstandard
 
@@ -115,18 +116,24 @@ class Codec:
         if not count:
             return
         start = COUNT.size
-        gaps = raw[start : start + GAP_BYTES * count].view(torch.int32).to(torch.int64)
-        if int(gaps[0]) < 0 or (count > 1 and not bool((gaps[1:] > 0).all())):
+        # numpy on the host: its gather and scatter run on this thread, where torch's would wake its
+        # thread pool for every chunk (slower here than the work, on a host whose cores are busy).
+        host = view.device.type == "cpu"
+        gaps = raw[start : start + GAP_BYTES * count].numpy().view(np.uint32)
+        if (count > 1 and not bool(gaps[1:].all())) or int(gaps[0]) >= words:
             raise DeltaUnusable("a sparse delta's words are not in order")
-        places = gaps.cumsum_(0)
+        places = np.cumsum(gaps, dtype=np.int64)
         if int(places[-1]) >= words:
             raise DeltaUnusable(f"a sparse delta's word {int(places[-1])} lies beyond the chunk's {words}")
-        kind = torch.int16 if word == 2 else torch.uint8
-        values = raw[start + GAP_BYTES * count :].view(kind)
-        target = view.view(kind)
-        if target.device.type != "cpu":
-            places, values = places.to(target.device), values.to(target.device)
-        target[places] = target[places] ^ values
+        kind = np.int16 if word == 2 else np.uint8
+        values = raw[start + GAP_BYTES * count :].numpy().view(kind)
+        if host:
+            target = view.numpy().view(kind)
+            target[places] = np.bitwise_xor(target[places], values)
+            return
+        on = view.view(torch.int16 if word == 2 else torch.uint8)
+        at = torch.from_numpy(places).to(view.device)
+        on[at] = on[at] ^ torch.from_numpy(values).to(view.device)
 
     def decompress(self, address: int, payload_bytes: int, *, exactly: int = -1, most: int = 0) -> torch.Tensor:
         """What a zstd frame at address holds, in the scratch buffer (valid until its next use): exactly
