@@ -76,8 +76,8 @@ def server(tmp_path: Path, shm_dir: Path) -> Iterator[WeightStreamServer]:
         yield s
 
 
-def client_of(server: WeightStreamServer, transport: str = "grpc") -> WeightStreamClient:
-    options: dict[str, object] = {"progress": False, "transport": transport}
+def client_of(server: WeightStreamServer, transport: str = "grpc", **more: object) -> WeightStreamClient:
+    options: dict[str, object] = {"progress": False, "transport": transport, **more}
     if transport == "shm":
         options["shm_dir"] = server.settings.shm_dir
     return WeightStreamClient(f"127.0.0.1:{server.port}", **options)  # type: ignore[arg-type]
@@ -146,7 +146,8 @@ def test_a_module_that_does_not_hold_the_base_ends_at_the_new_revision_through_w
     a = state_of(0)
     b = stepped(a, 0.02, seed=1)
     module = module_of(a)
-    with client_of(server, transport) as client:
+    # 1 MiB chunks: embed.weight's 4 MiB come in four, each as a delta the module cannot take.
+    with client_of(server, transport, chunk_bytes=1024 * 1024) as client:
         revision_a = client.publish(MODEL, a)
         client.load_into(module, MODEL)
         with torch.no_grad():  # somebody wrote into two parameters since

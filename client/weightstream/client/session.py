@@ -236,6 +236,8 @@ class _Stream:
         # its check): the rest of them is asked for whole.
         self.whole: set[str] = set()
         self._fell_back = False
+        # The tensors the attempt in flight asked deltas of.
+        self._asked_delta: set[str] = set()
 
     def run(self) -> Iterator[Destination]:
         """Place every chunk of the stream's tensors, yield each destination once complete.
@@ -383,8 +385,7 @@ class _Stream:
         end = chunk.offset + chunk.length
         if (
             chunk.encoding not in DELTA_ENCODINGS
-            or chunk.tensor not in self.session.delta_tensors
-            or chunk.tensor in self.whole
+            or chunk.tensor not in self._asked_delta
             or chunk.received != chunk.encoded_length
             or end > info.nbytes
         ):
@@ -393,6 +394,8 @@ class _Stream:
                 f"({chunk.encoding}, {chunk.received} of {chunk.encoded_length} payload bytes for {chunk.length}) "
                 "where no delta was asked for, or does not fit the tensor"
             )
+        if chunk.tensor in self.whole:
+            return None  # its destination did not hold the base: the rest of it comes whole next
         dest = self.session.destination(chunk.tensor)
         crc: int | None = None
         # XOR twice undoes it: a range that holds checked bytes already is not touched again.
@@ -441,12 +444,13 @@ class _Stream:
                     s = info.slice
                     request.slice.CopyFrom(pb.TensorSlice(dim=s.dim, start=s.start, stop=s.stop))
                 tensors.append(request)
+        self._asked_delta = {t.name for t in tensors if t.delta}
         return pb.StreamTensorsRequest(
             model=manifest.model,
             tensors=tensors,
             max_chunk_bytes=self.session.config.chunk_bytes,
             revision=manifest.revision,
-            delta_base=self.session.delta_base if any(t.delta for t in tensors) else "",
+            delta_base=self.session.delta_base if self._asked_delta else "",
         )
 
     def _retry_delay(
