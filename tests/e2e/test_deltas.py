@@ -302,7 +302,7 @@ def test_dense_chunks_are_given_up_at_the_samples(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(server_deltas, "_xor_base", xor_base)
     chunk = ServedChunk(ChunkPlace("t", 0, new.size), 0, new)
     assert Deltas()._compute(None, None, chunk, server_deltas._Work()) is None  # type: ignore[arg-type]
-    assert sum(sampled) <= server_deltas.SAMPLES * server_deltas.SAMPLE_BYTES
+    assert sum(sampled) <= delta_forms.SAMPLES * delta_forms.SAMPLE_BYTES
     # A sparse one is not given up: 1% of its bytes changed.
     sparse = old.copy()
     sparse[::100] ^= 1

@@ -115,11 +115,11 @@ def publish_chunks(
             length = min(chunk_bytes, data.numel() - offset)
             piece = data[offset : offset + length]
             crc = wire.crc32c_at(address + offset, length)
-            if old is not None:
-                xor = torch.bitwise_xor(piece, old[offset : offset + length], out=scratch[:length])
-                if torch.equal(piece, old[offset : offset + length]):
+            was = old[offset : offset + length] if old is not None else None
+            if was is not None and not delta_forms.dense(piece, was):
+                if torch.equal(piece, was):
                     continue  # unchanged: the server keeps the base's bytes
-                delta = codec.encode(xor, offset)
+                delta = codec.encode(torch.bitwise_xor(piece, was, out=scratch[:length]), offset)
                 if delta is not None:
                     yield OutChunk(name, offset, length, crc, delta[0], memoryview(delta[1]))
                     continue

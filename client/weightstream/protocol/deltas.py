@@ -180,11 +180,23 @@ SAMPLES = 4
 SAMPLE_BYTES = 16 * 1024
 
 
+def sample_starts(length: int) -> tuple[int, list[int]]:
+    """(sample size, where each of SAMPLES samples of length bytes starts), spread evenly."""
+    sample = min(SAMPLE_BYTES, length)
+    return sample, sorted({(length - sample) * i // max(1, SAMPLES - 1) for i in range(SAMPLES)})
+
+
+def dense(new: torch.Tensor, old: torch.Tensor) -> bool:
+    """Whether new XOR old (flat uint8 host tensors of one length) is too dense for a delta, by samples
+    alone: a chunk whose every element changed costs a few small XORs, not a whole one."""
+    sample, starts = sample_starts(new.numel())
+    nonzero = sum(int(torch.count_nonzero(new[s : s + sample] != old[s : s + sample])) for s in starts)
+    return nonzero > DENSE * sample * len(starts)
+
+
 def _sampled_share(xor: torch.Tensor) -> float:
     """The share of nonzero bytes in SAMPLES windows spread over xor."""
-    length = xor.numel()
-    sample = min(SAMPLE_BYTES, length)
-    starts = sorted({(length - sample) * i // max(1, SAMPLES - 1) for i in range(SAMPLES)})
+    sample, starts = sample_starts(xor.numel())
     nonzero = sum(int(torch.count_nonzero(xor[start : start + sample])) for start in starts)
     return nonzero / (sample * len(starts))
 

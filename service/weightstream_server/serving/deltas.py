@@ -9,7 +9,7 @@ of those tensors goes out in the cheapest of:
   offset), sparse or dense, compressed with zstd, when that is cheaper (weightstream.protocol.deltas:
   the forms, the thresholds, the one encoder for every side);
 - the bytes themselves: when A's layout of the tensor differs, or the XOR is dense (more than
-  DENSE of its bytes nonzero in SAMPLES spread samples, then in the whole chunk), so that a chunk
+  DENSE of its bytes nonzero in a few spread samples, then in the whole chunk), so that a chunk
   whose every element changed costs a few small XORs, not a compression that gives up;
 and chunks that did not change at all are never asked for (GetChanges, per block CRC32C). The
 chunk's crc32c is always B's, so the client checks the result of its XOR: a destination that did
@@ -48,9 +48,6 @@ from weightstream_server.serving.read_plan import ChunkPlace, UnitPlace, plan_re
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
-# A chunk is sampled at this many places, this many bytes each, before it is XORed whole.
-SAMPLES = delta_forms.SAMPLES
-SAMPLE_BYTES = delta_forms.SAMPLE_BYTES
 # Kept entries at most, whatever their size (a whole-chunk decision holds no payload but a key).
 MAX_KEPT = 65536
 # How long a stream waits for another one's computation of the same delta before doing it itself.
@@ -212,8 +209,7 @@ class Deltas:
         length = place.length
         xor = work.scratch(length)
         # A few samples first: a chunk whose every element changed is known for dense at a small cost.
-        sample = min(SAMPLE_BYTES, length)
-        starts = sorted({(length - sample) * i // max(1, SAMPLES - 1) for i in range(SAMPLES)})
+        sample, starts = delta_forms.sample_starts(length)
         nonzero = 0
         for start in starts:
             _xor_base(
