@@ -417,9 +417,9 @@ def test_an_update_cut_midway_says_the_module_was_partly_written_and_a_retry_com
     with client_of(server) as client:
         since = client.load_into(module, MODEL).revision
         client.publish(MODEL, b)
-    # The first connection through the proxy is reset after 6 MiB of the 9 MiB the update needs
-    # (after its first 4 MiB message has landed).
-    with CuttingProxy(server.port, [(6 << 20, "reset")]) as proxy:
+    # The first connection through the proxy is reset after 6 MiB of the 9 MiB the update needs,
+    # once the client has had time to read them (its first 4 MiB message lands).
+    with CuttingProxy(server.port, [(6 << 20, "drain")]) as proxy:
         with (
             WeightStreamClient(proxy.target, progress=False, transport="grpc", retry=None) as cut,
             pytest.raises(WeightStreamError) as failed,

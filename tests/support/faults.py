@@ -24,11 +24,17 @@ _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _SETTINGS, _PING, _ACK = 0x4, 0x6, 0x1
 
 
+# How long a "drain" cut waits, relaying nothing, before its RST.
+DRAIN_S = 0.5
+
+
 class CuttingProxy:
     """A TCP relay from 127.0.0.1:port to a server; connection i (from 0) is cut per plan[i].
 
     plan[i] is (bytes, how): after that many bytes from the server, "reset" closes both sides with
-    an RST, "freeze" stops relaying both ways but keeps the sockets open; "stall" (bytes ignored)
+    an RST; "drain" does too, but only DRAIN_S after the last byte was relayed, so that the client
+    has read what came before the cut (an RST discards what its socket still holds);
+    "freeze" stops relaying both ways but keeps the sockets open; "stall" (bytes ignored)
     never reaches the server: the proxy speaks HTTP/2 itself, answers SETTINGS and PING (so
     keepalive finds the connection alive) and never answers a stream. Connections past the plan
     are relayed untouched. At most max_connections are accepted; two threads relay each one.
@@ -122,6 +128,9 @@ class CuttingProxy:
                         pair.frozen.set()
                         self._closed.wait()  # the peer must notice by itself that nothing comes any more
                         return
+                    if how == "drain":
+                        pair.frozen.set()
+                        self._closed.wait(DRAIN_S)
                     pair.reset()
                     return
         except OSError:
