@@ -518,3 +518,29 @@ def test_hostile_delta_publishes_are_refused_and_leave_the_current_revision(serv
         got = client.load_state_dict(MODEL)
     assert torch.equal(got[name].view(-1).view(torch.int16), new.view(torch.int16))
     assert torch.equal(got["embed.weight"].view(torch.int16), a["embed.weight"].view(torch.int16))
+
+
+def test_a_server_that_sends_deltas_unasked_is_an_integrity_error(
+    server: WeightStreamServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rogue server (ours, made to encode every tensor against A whatever the request says): the
+    client asked for no deltas, so an encoded chunk is refused rather than XORed into its module."""
+    from weightstream.client import IntegrityError
+    from weightstream_server.serving.stream_session import StreamSession
+
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    module = module_of(a)
+    with client_of(server, "tcp") as client:
+        revision_a = holding_a_then_b(client, [module], a, b)
+        assert server.revisions is not None
+        base = server.revisions.find(MODEL, revision_a)
+        assert base is not None
+
+        def rogue(self: StreamSession, request: object) -> None:
+            self._delta_base = base.manifest
+            self._delta_tensors = {entry.name: None for entry in self.manifest.tensors}
+
+        monkeypatch.setattr(StreamSession, "_find_delta_base", rogue)
+        with pytest.raises(IntegrityError, match="no delta was asked"):
+            client.update_into(module, MODEL, since=revision_a, deltas=False)

@@ -23,6 +23,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import LlamaConfig
 
 from tests.support.commands import clean_env, weightstream_cmd
 from tests.support.ports import LOOPBACK, free_ports
@@ -47,9 +48,8 @@ MODEL = "updated-llama"
 CHANGED = ["model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
 
 
-@pytest.fixture
-def folders(tmp_path: Path) -> tuple[Path, Path]:
-    """(the server's root holding revision A, a folder holding B with its config), and A's bytes."""
+def revision_a(tmp_path: Path) -> tuple[Path, LlamaConfig, dict[str, torch.Tensor]]:
+    """(the server's root holding revision A of a tiny vLLM Llama, its config, A's tensors)."""
     ensure_vllm_venv()
     root = tmp_path / "root"
     config = vllm_llama_config()
@@ -57,6 +57,13 @@ def folders(tmp_path: Path) -> tuple[Path, Path]:
     state: dict[str, torch.Tensor] = {}
     for file in sorted((root / MODEL).glob("*.safetensors")):
         state.update(load_file(str(file)))
+    return root, config, state
+
+
+@pytest.fixture
+def folders(tmp_path: Path) -> tuple[Path, Path]:
+    """(the server's root holding revision A, a folder holding B with its config)."""
+    root, config, state = revision_a(tmp_path)
     generator = torch.Generator().manual_seed(7)
     for name in CHANGED:
         state[name] = torch.randn(state[name].shape, generator=generator) * 0.2
@@ -164,13 +171,7 @@ def test_a_sparse_step_reaches_vllm_as_deltas_at_tp2(tmp_path: Path) -> None:
     """init_info deltas: each rank keeps a host copy of its slices and updates it with XOR deltas
     against the revision it holds (published, so in the server's memory). B changes 2% of the
     elements of every tensor: every block changed, a few percent of the bytes travel."""
-    ensure_vllm_venv()
-    root = tmp_path / "root"
-    config = vllm_llama_config()
-    write_vllm_llama(root / MODEL, config)
-    a: dict[str, torch.Tensor] = {}
-    for file in sorted((root / MODEL).glob("*.safetensors")):
-        a.update(load_file(str(file)))
+    root, config, a = revision_a(tmp_path)
     generator = torch.Generator().manual_seed(11)
     b = {}
     for name, tensor in a.items():
