@@ -50,6 +50,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightstream.client.errors import FailedPreconditionError, NotFoundError
 from weightstream.client.facade import WeightStreamClient
+from weightstream.client.sharding import sliced_manifest
 from weightstream.client.vllm_loader import LOADED, Loaded, LoaderSettings
 from weightstream.protocol.wire import TensorSlice
 
@@ -204,8 +205,9 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
             assert self._mirror is not None
             mirror = self._mirror
             received: Iterator[tuple[str, torch.Tensor]] = (
-                # A copy: the model must not keep (or alias) the host copy, which the next update rewrites.
-                (name, mirror[name].to(self.device, copy=True))
+                # A copy (a slice is copied below anyway): the model must not keep or alias the host
+                # copy, which the next update rewrites.
+                (name, mirror[name].to(self.device, copy=name not in slices))
                 for name in names
             )
         else:
@@ -266,10 +268,8 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         loaded = self._loaded()
         planned = {n: s for n, s in (loaded.slices if loaded is not None else {}).items() if s is not None}
         if self._mirror is None:
-            manifest = client.manifest(self._model_id, revision=revision)
-            self._mirror = {
-                t.name: torch.empty(_slice_shape(t.shape, planned.get(t.name)), dtype=t.dtype) for t in manifest.tensors
-            }
+            manifest = sliced_manifest(client.manifest(self._model_id, revision=revision), planned)
+            self._mirror = {t.name: torch.empty(t.shape, dtype=t.dtype) for t in manifest.tensors}
             self._mirror_revision = ""
         if self._mirror_revision:
             report = client.update_into(
@@ -304,12 +304,6 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         if self._client is None:
             raise RuntimeError("weightstream: init_weight_transfer_engine comes first")
         return self._client
-
-
-def _slice_shape(shape: tuple[int, ...], piece: TensorSlice | None) -> tuple[int, ...]:
-    if piece is None:
-        return shape
-    return (*shape[: piece.dim], piece.stop - piece.start, *shape[piece.dim + 1 :])
 
 
 def _slice_bytes(shape: tuple[int, ...], nbytes: int, piece: TensorSlice) -> int:
