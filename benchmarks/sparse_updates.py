@@ -17,9 +17,11 @@ update's seconds, its ratio to the full load, bytes on the wire (the server's /s
 to the model, and the server's CPU seconds for the update (/proc). Then four modules update from A
 to B at once (tcp): wall time, and how many deltas the server computed against how many it served.
 Last, on a server of its own, a trainer publishes A then B, whole and with publish(deltas=True):
-the publish's time and the bytes the server received.
+the publish's time and the bytes the server received. With --device cuda:0 the modules' parameters
+and the trainer's tensors live on that GPU (deltas XORed on the device, publishes copied from it);
+every update is still checked bit for bit.
 
-Usage (from the repository root): python benchmarks/sparse_updates.py [--gb 1] [--runs 3] [--streams 1,2]
+Usage (from the repository root): python benchmarks/sparse_updates.py [--gb 1] [--runs 3] [--streams 1,2] [--device cpu]
 """
 
 from __future__ import annotations
@@ -94,7 +96,14 @@ def main() -> int:
     parser.add_argument("--fractions", default="0.005,0.02,1.0", help="shares of the elements changed")
     parser.add_argument("--transports", default="tcp,grpc", help="transports to measure (tcp, grpc, shm)")
     parser.add_argument("--streams", default="1", help="client streams to measure each transport with (e.g. 1,2)")
+    parser.add_argument(
+        "--device", default="cpu", help="where the modules and the trainer's tensors live (cpu, cuda:0)"
+    )
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"no CUDA device here: nothing measured on {device}")
+        return 0
     fractions = [float(f) for f in args.fractions.split(",")]
     transports = [(t, int(n)) for t in args.transports.split(",") for n in args.streams.split(",")]
     rows: list[tuple[str, str, float, float, int, float]] = []
@@ -109,7 +118,7 @@ def main() -> int:
         if any(t == "shm" for t, _ in transports):
             extra += ["--shm-dir", "/dev/shm"]
         with serve_weightstream(root, wire.DEFAULT_CHUNK_BYTES, extra) as (proc, port):
-            loader = ParameterTree(shapes)
+            loader = ParameterTree(shapes).to(device)
             with WeightStreamClient(f"127.0.0.1:{port}", progress=False) as client:
                 from safetensors.torch import load_file
 
@@ -163,9 +172,9 @@ def main() -> int:
                                 )
                             )
                     check(loader, b)
-            fleet = _fleet(port, http_port, shapes, a, revision_a)
-        publishes = _publishes(root, total, a, fractions, args.runs)
-        print(f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors; medians of {args.runs}")
+            fleet = _fleet(port, http_port, shapes, a, revision_a, device)
+        publishes = _publishes(root, total, a, fractions, args.runs, device)
+        print(f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors on {device}; medians of {args.runs}")
         print("| changed elements | case | seconds | x full load | bytes on the wire | x model | server CPU s |")
         print("|---|---|---|---|---|---|---|")
         for fraction_label, label, seconds, ratio, nbytes, cpu_s in rows:
@@ -185,21 +194,24 @@ def main() -> int:
 
 
 def _publishes(
-    root: Path, total: int, a: dict[str, torch.Tensor], fractions: list[float], runs: int
+    root: Path, total: int, a: dict[str, torch.Tensor], fractions: list[float], runs: int, device: torch.device
 ) -> list[tuple[str, str, float, float, int]]:
     """A trainer publishes A, then B, whole and with deltas, on a server of its own (medians of runs)."""
+    on_device = {name: tensor.to(device) for name, tensor in a.items()}
     http_port = free_port()
     extra = ["--allow-publish", "--http-port", str(http_port), "--publish-max-bytes", str(int(4 * total))]
     rows: list[tuple[str, str, float, float, int]] = []
     with serve_weightstream(root, wire.DEFAULT_CHUNK_BYTES, extra) as (_proc, port):
         for fraction in fractions:
-            b = stepped(a, fraction, seed=int(fraction * 1000) + 7)
+            b = {
+                name: tensor.to(device) for name, tensor in stepped(a, fraction, seed=int(fraction * 1000) + 7).items()
+            }
             results: dict[bool, tuple[float, int]] = {}
             for deltas in (False, True):
                 times, sizes = [], []
                 for _ in range(runs):
                     with WeightStreamClient(f"127.0.0.1:{port}", progress=False) as trainer:
-                        trainer.publish(MODEL, a, deltas=deltas)
+                        trainer.publish(MODEL, on_device, deltas=deltas)
                         before = received(http_port)
                         started = time.perf_counter()
                         trainer.publish(MODEL, b, deltas=deltas)
@@ -219,16 +231,18 @@ def received(http_port: int) -> int:
 
 def check(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     for name, parameter in module.named_parameters():
-        if not torch.equal(parameter.view(torch.int16), state[name].view(torch.int16)):
+        if not torch.equal(parameter.detach().cpu().view(torch.int16), state[name].view(torch.int16)):
             raise SystemExit(f"{name}: not bit-exact after the update")
 
 
-def _fleet(port: int, http_port: int, shapes: dict, a: dict[str, torch.Tensor], revision_a: str) -> str:
+def _fleet(
+    port: int, http_port: int, shapes: dict, a: dict[str, torch.Tensor], revision_a: str, device: torch.device
+) -> str:
     """Four modules update from A to a new B at once over tcp: wall time, deltas computed and served."""
     b = stepped(a, 0.02, seed=4242)
     with WeightStreamClient(f"127.0.0.1:{port}", progress=False) as client:
         client.publish(MODEL, b, revision="b-fleet")
-    modules = [ParameterTree(shapes) for _ in range(4)]
+    modules = [ParameterTree(shapes).to(device) for _ in range(4)]
     for module in modules:
         reset(module, a)
     before = deltas(http_port)
