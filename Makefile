@@ -9,8 +9,9 @@ RUNTIME_STAMP := $(VENV)/.weightstream-runtime
 STAMP := $(VENV)/.weightstream-installed
 VLLM_VENV ?= .venv-vllm
 VLLM_TORCH_SPEC ?= torch==2.13.0
-# The S3-protocol server the tests start (npm); moto, the other one, comes with the dev extra.
-S3RVER := tests/s3/node_modules/s3rver/bin/s3rver.js
+# The store emulators the tests start, from npm: s3rver (S3) and Azurite (Azure Blob). moto (S3) and
+# gcp-storage-emulator (Google Cloud Storage) come with the dev extra.
+EMULATORS := tests/s3/node_modules/.weightstream-installed
 
 .PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv
 
@@ -28,11 +29,11 @@ $(STAMP): $(RUNTIME_STAMP)
 demo: $(RUNTIME_STAMP)
 	$(BIN)/weightstream demo
 
-$(S3RVER): tests/s3/package.json
+$(EMULATORS): tests/s3/package.json
 	npm install --prefix tests/s3 --no-audit --no-fund --no-package-lock
-	touch $(S3RVER)
+	touch $(EMULATORS)
 
-test: $(STAMP) $(S3RVER) vllm-venv lint typecheck check-proto check-deploy
+test: $(STAMP) $(EMULATORS) vllm-venv lint typecheck check-proto check-deploy
 	$(BIN)/python -m pytest
 
 # The one-minute loop: the tests not marked slow (no vLLM, no S3 server, no `weightstream serve`

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -9,6 +11,7 @@ import resource
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -40,6 +43,7 @@ from weightstream_server.serving.stream_session import Streams, StreamSlots
 from weightstream_server.settings import ServerSettings, split_host_port
 from weightstream_server.storage.disk_cache import DiskCache
 from weightstream_server.storage.local import LocalSource
+from weightstream_server.storage.objects import ObjectSource
 from weightstream_server.storage.sources import Source
 from weightstream_server.storage.tiers import TieredSource, Tiers
 from weightstream_server.transports import revisions as revisions_servicer
@@ -212,10 +216,11 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     catalog = Catalog(sources, revisions)
     tiers = Tiers(next((s.cache for s in tiered if s.cache is not None), None), tuple(tiered))
     s3_credentials = None
+    if settings.object_buckets:
+        configure_s3(settings)  # the GCS backend reads the streamer's request timeout too
     if settings.s3_buckets:
-        configure_s3(settings)
         s3_credentials = S3Credentials(endpoint=settings.s3_endpoint, region_name=settings.s3_region)
-    pool = StreamerPool(settings.max_streams, s3_credentials)
+    pool = StreamerPool(settings.max_streams, s3_credentials, settings.storage_timeout)
     stats = ServerStats()
     tokens = TokenFile(settings.token_file) if settings.token_file is not None else None
     publish_tokens = TokenFile(settings.publish_token_file) if settings.publish_token_file is not None else None
@@ -377,17 +382,12 @@ def build_sources(settings: ServerSettings) -> tuple[list[Source], list[TieredSo
             raise ValueError(f"model root {settings.model_root} is not a readable directory")
         sources.append(local)
     disk_cache = DiskCache(settings.disk_cache, settings.disk_cache_bytes) if settings.disk_cache is not None else None
-    if settings.s3_buckets:
-        from weightstream_server.storage.s3 import S3Source, make_client
-
-        client, probe_client = make_client(settings), make_client(settings, probe=True)
-        for bucket in settings.s3_buckets:
-            s3 = S3Source(bucket, client, probe_client)
-            if disk_cache is None:
-                sources.append(s3)
-            else:
-                tiered.append(TieredSource(s3, disk_cache))
-                sources.append(tiered[-1])
+    for source in object_sources(settings):
+        if disk_cache is None:
+            sources.append(source)
+        else:
+            tiered.append(TieredSource(source, disk_cache))
+            sources.append(tiered[-1])
     if settings.upstream is not None:
         from weightstream_server.storage.upstream import UpstreamSource
 
@@ -395,6 +395,45 @@ def build_sources(settings: ServerSettings) -> tuple[list[Source], list[TieredSo
         tiered.append(TieredSource(UpstreamSource(settings), disk_cache))
         sources.append(tiered[-1])
     return sources, tiered
+
+
+def object_sources(settings: ServerSettings) -> list[ObjectSource]:
+    """A source per bucket and container settings name, on one SDK client per store; the streamer's
+    backend for each store configured from the same settings. ValueError names what is missing."""
+    sources: list[ObjectSource] = []
+    if settings.s3_buckets:
+        from weightstream_server.storage.s3 import S3Store, make_client
+
+        s3 = S3Store(make_client(settings), make_client(settings, probe=True))
+        sources += [ObjectSource(bucket, s3) for bucket in settings.s3_buckets]
+    if settings.gcs_buckets:
+        gcs = _extra("gcs", "weightstream_server.storage.gcs", "runai_model_streamer_gcs")
+        gcs.configure_gcs()
+        store = gcs.GcsStore(gcs.make_client())
+        sources += [ObjectSource(bucket, store) for bucket in settings.gcs_buckets]
+    if settings.azure_containers:
+        azure = _extra("azure", "weightstream_server.storage.azure", "runai_model_streamer_azure")
+        account = azure.account_settings()
+        azure.configure_azure(account)
+        store = azure.AzureStore(azure.make_client(account), azure.make_client(account, probe=True))
+        sources += [ObjectSource(container, store) for container in settings.azure_containers]
+    return sources
+
+
+def _extra(extra: str, module: str, backend: str) -> Any:
+    """module, imported; ValueError naming the extra to install when it or the streamer's backend is missing."""
+    scheme = {"gcs": "gs://", "azure": "az://"}[extra]
+    try:
+        imported = importlib.import_module(module)
+    except ImportError as exc:
+        missing = exc.name or str(exc)
+    else:
+        if importlib.util.find_spec(backend) is not None:
+            return imported
+        missing = backend
+    raise ValueError(
+        f"{scheme} models need the {extra} extra: pip install 'weightstream[{extra}]' ({missing} is not installed)"
+    )
 
 
 def advertised(settings: ServerSettings) -> tuple[str, int | None]:

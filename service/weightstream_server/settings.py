@@ -139,6 +139,18 @@ class ServerSettings(BaseSettings):
         default=(),
         description="serve s3://NAME/... models from this bucket (repeatable; env comma-separated); none: no S3",
     )
+    gcs_buckets: Annotated[Names, Flag("--gcs-bucket")] = Field(
+        default=(),
+        description="serve gs://NAME/... models from this Google Cloud Storage bucket (repeatable; env "
+        "comma-separated; needs weightstream[gcs]); credentials: Google's default chain, STORAGE_EMULATOR_HOST "
+        "for an emulator",
+    )
+    azure_containers: Annotated[Names, Flag("--azure-container")] = Field(
+        default=(),
+        description="serve az://NAME/... models from this Azure Blob container (repeatable; env comma-separated; "
+        "needs weightstream[azure]); account and credentials: AZURE_STORAGE_CONNECTION_STRING, or "
+        "AZURE_STORAGE_ACCOUNT_NAME with a key, SAS token or DefaultAzureCredential",
+    )
     s3_endpoint: str | None = Field(
         default=None,
         description="endpoint URL of an S3-compatible store (MinIO and friends); none: AWS_ENDPOINT_URL or AWS",
@@ -150,6 +162,11 @@ class ServerSettings(BaseSettings):
     )
     s3_ca_bundle: str | None = Field(
         default=None, description="CA bundle file for an S3 endpoint with a private authority"
+    )
+    storage_timeout: float = Field(
+        default=120.0,
+        description="seconds a stream waits for each read of an object store (S3, GCS, Azure), the store's own "
+        "retries included, before it ends UNAVAILABLE",
     )
     s3_request_timeout_ms: int = Field(
         default=30_000,
@@ -295,14 +312,16 @@ class ServerSettings(BaseSettings):
             problems.append(f"read_ahead_bytes must be at least {wire.MAX_CHUNK_BYTES}, not {self.read_ahead_bytes}")
         if self.streamer_concurrency is not None and self.streamer_concurrency < 1:
             problems.append(f"streamer_concurrency must be at least 1, not {self.streamer_concurrency}")
-        if self.model_root is None and not self.s3_buckets and self.upstream is None:
+        if self.model_root is None and not self.object_buckets and self.upstream is None:
             problems.append(
                 "nothing to serve: pass --model-root DIR (WEIGHTSTREAM_MODEL_ROOT), --s3-bucket NAME "
-                "(WEIGHTSTREAM_S3_BUCKETS) or --upstream TARGET (WEIGHTSTREAM_UPSTREAM)"
+                "(WEIGHTSTREAM_S3_BUCKETS), --gcs-bucket NAME, --azure-container NAME or --upstream TARGET "
+                "(WEIGHTSTREAM_UPSTREAM)"
             )
         if self.upstream is not None and self.model_root is not None:
             problems.append(
-                "--upstream and --model-root both claim plain model ids; pass one (S3 buckets may go with --upstream)"
+                "--upstream and --model-root both claim plain model ids; pass one (buckets and containers may go "
+                "with --upstream)"
             )
         if self.upstream is None and any(
             v is not None for v in (self.upstream_token_file, self.upstream_ca_file, self.upstream_client_cert)
@@ -314,13 +333,18 @@ class ServerSettings(BaseSettings):
             problems.append("--upstream-client-cert needs --upstream-tls")
         if self.disk_cache_bytes < 1:
             problems.append(f"disk_cache_bytes must be at least 1, not {self.disk_cache_bytes}")
-        if self.disk_cache is not None and self.upstream is None and not self.s3_buckets:
-            problems.append("--disk-cache keeps files read from S3 or --upstream; pass --s3-bucket or --upstream")
+        if self.disk_cache is not None and self.upstream is None and not self.object_buckets:
+            problems.append(
+                "--disk-cache keeps files read from object stores or --upstream; pass --s3-bucket, --gcs-bucket, "
+                "--azure-container or --upstream"
+            )
         if self.streamer_chunk_bytes is not None and self.streamer_chunk_bytes < 4096:
             problems.append(f"streamer_chunk_bytes must be at least 4096, not {self.streamer_chunk_bytes}")
         prefix = self.publish_s3_prefix
         if prefix is not None and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?", prefix):
             problems.append(f"--publish-s3-prefix must be s3://BUCKET/PREFIX, not {prefix[:200]!r}")
+        if not self.storage_timeout > 0:
+            problems.append(f"storage_timeout must be more than 0 seconds, not {self.storage_timeout}")
         if self.s3_request_timeout_ms < 100:
             problems.append(f"s3_request_timeout_ms must be at least 100, not {self.s3_request_timeout_ms}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -340,6 +364,15 @@ class ServerSettings(BaseSettings):
                 "invalid_settings", "invalid server settings: {problems}", {"problems": "; ".join(problems)}
             )
         return self
+
+    @property
+    def object_buckets(self) -> tuple[str, ...]:
+        """The model-id prefixes of every bucket and container served (s3://, gs://, az://)."""
+        return (
+            *(f"s3://{b}" for b in self.s3_buckets),
+            *(f"gs://{b}" for b in self.gcs_buckets),
+            *(f"az://{c}" for c in self.azure_containers),
+        )
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

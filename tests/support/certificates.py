@@ -29,8 +29,8 @@ class Pki:
     other_client_key: Path
 
 
-def make_pki(folder: Path, name: str = "test") -> Pki:
-    """A fresh CA under folder, and a server and two client certificates it signed."""
+def make_pki(folder: Path, name: str = "test", hosts: tuple[str, ...] = ()) -> Pki:
+    """A fresh CA under folder, a server certificate (localhost, 127.0.0.1, hosts) and two client ones it signed."""
     folder.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"weightstream {name} CA")])
@@ -57,7 +57,13 @@ def make_pki(folder: Path, name: str = "test") -> Pki:
     server_cert = (
         _builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]), ca_name, server_key)
         .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(LOOPBACK))]),
+            x509.SubjectAlternativeName(
+                [
+                    x509.DNSName("localhost"),
+                    *(x509.DNSName(host) for host in hosts),
+                    x509.IPAddress(ipaddress.ip_address(LOOPBACK)),
+                ]
+            ),
             critical=False,
         )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)

@@ -31,9 +31,14 @@ STOP_TIMEOUT_S = 20.0
 
 
 def start_serve(
-    args: Sequence[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+    args: Sequence[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    wrap: Callable[[list[str]], list[str]] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start `weightstream serve ARGS` with its output appended to log; env defaults to clean_env().
+    wrap, if given, turns the command into the one run (object_stores.namespaced, say).
 
     The data port is off (WEIGHTSTREAM_DATA_PORT=0) unless args or env set it: servers of the suite
     must not all bind its default port.
@@ -41,8 +46,9 @@ def start_serve(
     env = dict(env or clean_env())
     env.setdefault("WEIGHTSTREAM_DATA_PORT", "0")
     with log.open("ab") as sink:
+        command = [*weightstream_cmd(), "serve", *args]
         return subprocess.Popen(
-            [*weightstream_cmd(), "serve", *args],
+            wrap(command) if wrap else command,
             stdin=subprocess.DEVNULL,
             stdout=sink,
             stderr=subprocess.STDOUT,
@@ -83,11 +89,15 @@ class ServerProcess:
 
 @contextlib.contextmanager
 def serve_process(
-    args: list[str], workdir: Path, env: dict[str, str] | None = None, log: Path | None = None
+    args: list[str],
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    wrap: Callable[[list[str]], list[str]] | None = None,
 ) -> Iterator[ServerProcess]:
     """`weightstream serve ARGS` in workdir, its output in log (workdir/serve.log); always killed on the way out."""
     log = log or workdir / "serve.log"
-    proc = start_serve(args, log, env, cwd=workdir)
+    proc = start_serve(args, log, env, cwd=workdir, wrap=wrap)
     server = ServerProcess(proc, log)
     try:
         yield server

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from weightstream_server.revisions.store import Revision
 from weightstream_server.storage.index import INDEX_FILE
-from weightstream_server.storage.model_ids import S3_SCHEME, S3Location
+from weightstream_server.storage.model_ids import S3_SCHEME, ObjectLocation
 from weightstream_server.storage.s3 import translated
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def upload_in_background(client: Any, location: S3Location, revision: Revision) -> threading.Thread:
+def upload_in_background(client: Any, location: ObjectLocation, revision: Revision) -> threading.Thread:
     """upload_revision on a thread of its own; a failure is logged (and what was uploaded removed)."""
     thread = threading.Thread(
         target=_upload_logged, args=(client, location, revision), name="weightstream-upload", daemon=True
@@ -116,7 +116,7 @@ def upload_in_background(client: Any, location: S3Location, revision: Revision) 
     return thread
 
 
-def _upload_logged(client: Any, location: S3Location, revision: Revision) -> None:
+def _upload_logged(client: Any, location: ObjectLocation, revision: Revision) -> None:
     started = time.monotonic()
     try:
         where = upload_revision(client, location, revision)
@@ -133,7 +133,7 @@ def _upload_logged(client: Any, location: S3Location, revision: Revision) -> Non
     )
 
 
-def upload_revision(client: Any, location: S3Location, revision: Revision) -> str:
+def upload_revision(client: Any, location: ObjectLocation, revision: Revision) -> str:
     """Upload revision under location's prefix as MODEL/REVISION/ (model id s3://BUCKET/PREFIX/MODEL/REVISION);
     the model id uploaded.
 

@@ -59,7 +59,7 @@ from weightstream_server.revisions.persist import upload_in_background, write_in
 from weightstream_server.revisions.store import PUBLISHED, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest, TensorEntry
 from weightstream_server.serving.read_plan import ReadPlan
-from weightstream_server.storage.model_ids import S3Location, check_model_id
+from weightstream_server.storage.model_ids import ObjectLocation, check_model_id
 from weightstream_server.storage.sources import ModelFiles, SourceFile
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class Publisher:
         max_bytes: int,
         message_timeout: float,
         publish_dir: Path | None = None,
-        upload: tuple[Any, S3Location] | None = None,
+        upload: tuple[Any, ObjectLocation] | None = None,
     ) -> None:
         self._store = store
         # Where complete revisions are uploaded (an S3 client and prefix, revisions.persist); None: not.

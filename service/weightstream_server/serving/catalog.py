@@ -34,7 +34,12 @@ from weightstream_server.errors import (
 )
 from weightstream_server.storage.header import HeaderTensor, read_header
 from weightstream_server.storage.index import INDEX_FILE
-from weightstream_server.storage.model_ids import S3_SCHEME, parse_s3_model_id
+from weightstream_server.storage.model_ids import (
+    AZURE_SCHEME,
+    canonical_model_id,
+    object_scheme,
+    parse_object_model_id,
+)
 from weightstream_server.storage.open_files import OpenFiles
 from weightstream_server.storage.parse_once import ParseOnce
 from weightstream_server.storage.sources import ModelFiles, Source, SourceFile, revision
@@ -117,9 +122,13 @@ class Catalog:
         for source in self.sources:
             if source.claims(model):
                 return source
-        if model.startswith(S3_SCHEME):
-            bucket = parse_s3_model_id(model).bucket
-            raise AccessDenied(f"model {model[:200]!r}: bucket {bucket!r} is not served by this server; refused")
+        if object_scheme(canonical_model_id(model)) is not None:
+            location = parse_object_model_id(model)
+            noun = "container" if location.scheme == AZURE_SCHEME else "bucket"
+            raise AccessDenied(
+                f"model {model[:200]!r}: {noun} {location.scheme}{location.bucket} is not served by this server; "
+                "refused"
+            )
         if "://" in model:
             raise InvalidModelId(f"model {model[:200]!r}: unsupported URL scheme")
         raise AccessDenied(f"model {model[:200]!r}: this server has no model root")

@@ -27,6 +27,7 @@ import ctypes
 import functools
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,24 +52,40 @@ _parked: list[FileStreamer] = []
 _s3_used = threading.Event()
 
 
+# Seconds a stream waits for the next read of an object store by default (see StreamerPool).
+STORAGE_TIMEOUT_S = 120.0
+
+
 @dataclass
 class PooledStreamer:
-    """A FileStreamer checked out of a pool, with the S3 settings its reads use."""
+    """A FileStreamer checked out of a pool, with the S3 settings its reads use.
+
+    stuck: a read of it outlasted the storage timeout and its stream gave up on it; it is still
+    busy in the store's backend and is never used again (see _within).
+    """
 
     file_streamer: FileStreamer
     s3_credentials: S3Credentials | None
+    storage_timeout: float = STORAGE_TIMEOUT_S
+    stuck: bool = False
 
 
 class StreamerPool:
     """Up to `size` open FileStreamers, each used by one stream at a time.
 
     s3_credentials carries the endpoint and region for S3 reads; keys are left to the AWS
-    credential chain of the streamer's S3 backend.
+    credential chain of the streamer's S3 backend. storage_timeout: the seconds a stream waits for
+    each read of an object store. The stores' backends retry on their own, the GCS one for up to
+    15 minutes while the store refuses connections: past this the stream ends UNAVAILABLE and its
+    streamer is left to finish, then parked, never used again.
     """
 
-    def __init__(self, size: int, s3_credentials: S3Credentials | None = None) -> None:
+    def __init__(
+        self, size: int, s3_credentials: S3Credentials | None = None, storage_timeout: float = STORAGE_TIMEOUT_S
+    ) -> None:
         self._size = size
         self._s3_credentials = s3_credentials
+        self._storage_timeout = storage_timeout
         self._free: list[FileStreamer] = []
         self._lock = threading.Lock()
         self._in_use = 0
@@ -80,12 +97,16 @@ class StreamerPool:
                 raise TooManyStreams(f"{self._size} streams are already running; try again later")
             self._in_use += 1
             streamer = self._free.pop() if self._free else None
+        pooled = None
         try:
             if streamer is None:
                 streamer = FileStreamer()
                 streamer.__enter__()
-            yield PooledStreamer(streamer, self._s3_credentials)
+            pooled = PooledStreamer(streamer, self._s3_credentials, self._storage_timeout)
+            yield pooled
         finally:
+            if pooled is not None and pooled.stuck:
+                streamer = None  # its reader thread parks it once the backend lets go (_within)
             keep = streamer is not None and _s3_used.is_set()
             with self._lock:
                 self._in_use -= 1
@@ -233,7 +254,7 @@ def _read_units(
                 raise
             chunks = file_streamer.get_chunks()
             try:
-                for k, relative_index, data in chunks:
+                for k, relative_index, data in _within(chunks, streamer, manifest.model) if remote else chunks:
                     file_id, start, _ = window.spans[k]
                     range_index = start + relative_index
                     file_plan = plan.files[file_id]
@@ -252,10 +273,11 @@ def _read_units(
                         opened.check_unchanged(file_plan.file_index)
                     yield file_id, range_index, flat
             finally:
-                chunks.close()
-                # The window's ring goes now, not when the next window's ring is already allocated
-                # (stream_files builds the new one before it drops the old).
-                file_streamer.requests_iterator = None
+                if not streamer.stuck:
+                    chunks.close()
+                    # The window's ring goes now, not when the next window's ring is already allocated
+                    # (stream_files builds the new one before it drops the old).
+                    file_streamer.requests_iterator = None
     except ValueError as exc:
         # The streamer's errors are terse ("End of file reached", "File access error"): name the
         # model and files. Locally the usual cause is a file changed after its header was read.
@@ -266,6 +288,70 @@ def _read_units(
         raise failure(
             f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_reads} reads"
         )
+
+
+_END = object()
+
+
+def _within(
+    chunks: Iterator[tuple[int, int, torch.Tensor]], streamer: PooledStreamer, model: str
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """chunks, each taken on a thread of its own and awaited at most streamer.storage_timeout seconds.
+
+    Lockstep: the thread takes the next item only when this generator is asked for it, since each
+    is a view into the streamer's ring, valid until the next is taken. A wait past the timeout
+    raises StorageUnavailable and marks the streamer stuck: the thread, still inside the backend,
+    closes its reads and parks it when the backend lets go.
+    """
+    handoff: queue.SimpleQueue[tuple[object, object]] = queue.SimpleQueue()
+    wanted = threading.Semaphore(0)
+    done = threading.Event()
+
+    def take() -> None:
+        try:
+            while True:
+                wanted.acquire()
+                if done.is_set():
+                    return
+                try:
+                    handoff.put((None, next(chunks)))
+                except StopIteration:
+                    handoff.put((_END, None))
+                    return
+                except BaseException as exc:
+                    handoff.put((exc, None))
+                    return
+        finally:
+            if streamer.stuck:
+                with contextlib.suppress(Exception):
+                    chunks.close()  # type: ignore[attr-defined]
+                streamer.file_streamer.requests_iterator = None
+                _parked.append(streamer.file_streamer)
+                logger.info("model %r: the store answered after its stream gave up; streamer parked", model)
+
+    thread = threading.Thread(target=take, name="weightstream-store-read", daemon=True)
+    thread.start()
+    try:
+        while True:
+            wanted.release()
+            try:
+                failure, item = handoff.get(timeout=streamer.storage_timeout)
+            except queue.Empty:
+                streamer.stuck = True
+                raise StorageUnavailable(
+                    f"model {model!r}: no bytes from the store for {streamer.storage_timeout:g} s "
+                    "(--storage-timeout); try again"
+                ) from None
+            if failure is _END:
+                return
+            if isinstance(failure, BaseException):
+                raise failure
+            yield item  # type: ignore[misc]
+    finally:
+        done.set()
+        wanted.release()
+        if not streamer.stuck:
+            thread.join()
 
 
 def _check_unchanged(opened: OpenFiles, plan: ReadPlan) -> None:

@@ -1,4 +1,11 @@
-"""Model ids: a relative name under a model root, or s3://bucket/prefix; each checked before it is used."""
+"""Model ids: a relative name under a model root, or an object store's URL; each checked before it is used.
+
+Object stores: `s3://bucket/prefix` (S3 and S3-compatible stores), `gs://bucket/prefix` (Google
+Cloud Storage) and `az://container/prefix` (Azure Blob, the scheme Run:ai's Azure backend reads).
+`abfs://container/prefix` (fsspec's spelling) is the same id as `az://container/prefix`; ABFS's
+`abfs://container@account.../` form names an account, which the server takes from its settings
+instead, so it is refused with a message that says so.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,17 @@ MAX_MODEL_ID_CHARS = 512
 # this rules out "..", hidden folders, absolute paths and backslashes in one place.
 _MODEL_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*")
 S3_SCHEME = "s3://"
+GCS_SCHEME = "gs://"
+AZURE_SCHEME = "az://"
+AZURE_ALIAS = "abfs://"
+OBJECT_SCHEMES = (S3_SCHEME, GCS_SCHEME, AZURE_SCHEME)
+# Each store's own rules for a bucket's (container's) name.
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_NAMES = {
+    S3_SCHEME: (_BUCKET, "bucket"),
+    GCS_SCHEME: (re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]"), "bucket"),
+    AZURE_SCHEME: (re.compile(r"[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]"), "container"),
+}
 MAX_PREFIX_CHARS = 1024
 
 
@@ -30,20 +47,55 @@ def check_model_id(model: str) -> None:
 
 
 @dataclass(frozen=True)
-class S3Location:
+class ObjectLocation:
+    """Where an object store's model lies: its scheme (OBJECT_SCHEMES), bucket or container, and folder."""
+
+    scheme: str
     bucket: str
     prefix: str  # "" or ending in "/"
 
+    def url(self, name: str = "") -> str:
+        """The URL of the object name in this folder (the folder's own with no name)."""
+        return f"{self.scheme}{self.bucket}/{self.prefix}{name}"
 
-def parse_s3_model_id(model: str) -> S3Location:
-    """Bucket and folder prefix of an `s3://bucket/prefix` model id."""
-    if not model.startswith(S3_SCHEME):
-        raise InvalidModelId(f"model {model[:200]!r} is not an s3:// id")
-    bucket, _, prefix = model[len(S3_SCHEME) :].partition("/")
-    if not _BUCKET.fullmatch(bucket):
-        raise InvalidModelId(f"model {model[:200]!r}: {bucket[:80]!r} is not a valid bucket name")
+
+def canonical_model_id(model: str) -> str:
+    """model, with an alternative spelling of an object store's scheme replaced by the one the server uses."""
+    if model.startswith(AZURE_ALIAS):
+        container = model[len(AZURE_ALIAS) :].partition("/")[0]
+        if "@" in container:
+            raise InvalidModelId(
+                f"model {model[:200]!r}: name the container as az://CONTAINER/PREFIX; the storage account "
+                "comes from the server's settings (AZURE_STORAGE_ACCOUNT_NAME or AZURE_STORAGE_CONNECTION_STRING)"
+            )
+        return AZURE_SCHEME + model[len(AZURE_ALIAS) :]
+    return model
+
+
+def object_scheme(model: str) -> str | None:
+    """The object-store scheme model starts with (after canonical_model_id), or None."""
+    return next((scheme for scheme in OBJECT_SCHEMES if model.startswith(scheme)), None)
+
+
+def parse_object_model_id(model: str) -> ObjectLocation:
+    """Scheme, bucket (container) and folder prefix of an `s3://`, `gs://` or `az://` model id."""
+    model = canonical_model_id(model)
+    scheme = object_scheme(model)
+    if scheme is None:
+        raise InvalidModelId(f"model {model[:200]!r} is not an s3://, gs:// or az:// id")
+    bucket, _, prefix = model[len(scheme) :].partition("/")
+    pattern, noun = _NAMES[scheme]
+    if not pattern.fullmatch(bucket):
+        raise InvalidModelId(f"model {model[:200]!r}: {bucket[:80]!r} is not a valid {noun} name")
     if len(prefix) > MAX_PREFIX_CHARS or any(ord(c) < 0x20 for c in prefix):
         raise InvalidModelId(f"model {model[:200]!r}: invalid key prefix")
     if prefix and not prefix.endswith("/"):
         prefix += "/"
-    return S3Location(bucket, prefix)
+    return ObjectLocation(scheme, bucket, prefix)
+
+
+def parse_s3_model_id(model: str) -> ObjectLocation:
+    """Bucket and folder prefix of an `s3://bucket/prefix` model id."""
+    if not model.startswith(S3_SCHEME):
+        raise InvalidModelId(f"model {model[:200]!r} is not an s3:// id")
+    return parse_object_model_id(model)

@@ -1,0 +1,358 @@
+"""Models in Google Cloud Storage (gs://) and Azure Blob (az://), read through the Run:ai streamer's own backends.
+
+Real emulator processes on 127.0.0.1 (tests/support/object_stores.py says which and why):
+gcp-storage-emulator for GCS, Azurite over TLS for Azure, and `weightstream serve` processes
+pointed at them by the stores' standard variables only (STORAGE_EMULATOR_HOST;
+AZURE_STORAGE_CONNECTION_STRING, with the proxy and CA that Azurite over TLS needs).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from tests.support.checkpoints import assert_bytes_identical, llama_config, load_folder
+from tests.support.commands import clean_env
+from tests.support.object_stores import (
+    AZURITE_KEY,
+    AzuriteTls,
+    Emulator,
+    azurite_tls,
+    gcs_client,
+    gcs_emulator,
+    namespaced,
+    upload_azure,
+    upload_gcs,
+)
+from tests.support.ports import LOOPBACK, free_ports
+from tests.support.serve_processes import ServerProcess, serve_process, wait_grpc_ready
+from weightstream.client import (
+    IntegrityError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnavailableError,
+    WeightStreamClient,
+)
+
+# Emulator processes and `weightstream serve` processes.
+pytestmark = pytest.mark.slow
+
+BUCKET = "ws-models"
+OTHER = "ws-not-allowed"
+
+
+@dataclass
+class Served:
+    """A `weightstream serve` process in front of one emulator, and the store's names."""
+
+    scheme: str
+    target: str
+    http_port: int
+    server: ServerProcess
+    emulator: Emulator
+    upload: Callable[[Path, str, str], None]  # folder, bucket, prefix
+    secret: str  # what must never appear in a log or /status
+    streamer_reads: Callable[[], str]  # the emulator's record of the reads Run:ai's backend made
+
+    def model(self, path: str, bucket: str = BUCKET) -> str:
+        return f"{self.scheme}{bucket}/{path}"
+
+
+def _folders(root: Path, tiny_llama_folder: Path) -> dict[str, Path]:
+    """The folders uploaded to each store, by key prefix."""
+    config_only = root / "config-only"
+    config_only.mkdir(exist_ok=True)
+    (config_only / "config.json").write_text("{}")
+    broken_index = root / "broken-index"
+    broken_index.mkdir(exist_ok=True)
+    save_file({"a": torch.ones(4)}, str(broken_index / "model-00001-of-00002.safetensors"))
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (broken_index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    llama = root / "llama"
+    shutil.copytree(tiny_llama_folder, llama, dirs_exist_ok=True)
+    llama_config().to_json_file(str(llama / "config.json"))
+    (llama / "notes.txt").write_text("a file of the folder that is not the model's: never listed")
+    return {"llama/tiny": llama, "config-only": config_only, "broken-index": broken_index}
+
+
+@pytest.fixture(scope="module", params=["gcs", "azure"])
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_llama_folder: Path
+) -> Iterator[Served]:
+    workdir = tmp_path_factory.mktemp(request.param)
+    folders = _folders(workdir, tiny_llama_folder)
+    if request.param == "gcs":
+        with gcs_emulator(workdir) as emulator:
+            client = gcs_client(emulator)
+            for bucket in (BUCKET, OTHER):
+                for prefix, folder in folders.items():
+                    upload_gcs(client, folder, bucket, prefix)
+            env = {"STORAGE_EMULATOR_HOST": emulator.endpoint}
+            flags = ["--gcs-bucket", BUCKET, "--gcs-bucket", "ws-missing-bucket"]
+            for target, http_port, server in _serve_ready(workdir, flags, env, f"gs://{BUCKET}/llama/tiny"):
+                upload = functools.partial(upload_gcs, client)
+                yield Served(
+                    "gs://", target, http_port, server, emulator, upload, "", functools.partial(_gcs_reads, emulator)
+                )
+    else:
+        with azurite_tls(workdir) as azurite:
+            client = azurite.client()
+            for container in (BUCKET, OTHER):
+                for prefix, folder in folders.items():
+                    upload_azure(client, folder, container, prefix)
+            flags = ["--azure-container", BUCKET, "--azure-container", "ws-missing-container"]
+            wrap = _wrap(azurite)
+            for target, http_port, server in _serve_ready(
+                workdir, flags, azurite.server_env(), f"az://{BUCKET}/llama/tiny", wrap
+            ):
+                upload = functools.partial(upload_azure, client)
+                yield Served(
+                    "az://",
+                    target,
+                    http_port,
+                    server,
+                    azurite.azurite,
+                    upload,
+                    AZURITE_KEY,
+                    functools.partial(_azure_reads, azurite),
+                )
+
+
+def _gcs_reads(emulator: Emulator) -> str:
+    """The emulator's request lines of the JSON API's media reads: google-cloud-cpp's (the streamer's) form;
+    google-cloud-storage reads through /download/storage/v1/..., which these lines leave out."""
+    lines = emulator.log.read_text(errors="replace").splitlines()
+    return "\n".join(line for line in lines if '"GET /storage/v1/b/' in line and "alt=media" in line)
+
+
+def _azure_reads(azurite: AzuriteTls) -> str:
+    """Azurite's debug lines of requests from the Azure C++ SDK under Run:ai's name (the streamer's backend)."""
+    return "\n".join(line for line in azurite.requests_log().splitlines() if "azpartner-runai azsdk-cpp" in line)
+
+
+def _wrap(azurite: AzuriteTls) -> Callable[[list[str]], list[str]]:
+    return lambda command: namespaced(azurite.bundle_dir, command)
+
+
+def _serve_ready(
+    workdir: Path,
+    flags: list[str],
+    env: dict[str, str],
+    model: str,
+    wrap: Callable[[list[str]], list[str]] | None = None,
+) -> Iterator[tuple[str, int, ServerProcess]]:
+    grpc_port, http_port = free_ports(2)
+    args = ["--host", LOOPBACK, "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--log-level", "DEBUG"]
+    with serve_process(
+        [*args, *flags], workdir, clean_env(**env), log=workdir / f"serve-{grpc_port}.log", wrap=wrap
+    ) as server:
+        target = f"{LOOPBACK}:{grpc_port}"
+        wait_grpc_ready(server, target, model)
+        yield target, http_port, server
+
+
+def test_sharded_llama_is_bit_identical_with_same_logits(served: Served, tiny_llama_folder: Path) -> None:
+    reference = load_folder(tiny_llama_folder)
+    model_id = served.model("llama/tiny")
+    with WeightStreamClient(served.target, progress=False) as client:
+        manifest = client.manifest(model_id)
+        assert len(manifest.files) == 3, "the tiny Llama is sharded into three files"
+        torch.manual_seed(99)
+        model = transformers.LlamaForCausalLM(llama_config()).eval()
+        report = client.load_into(model, model_id)
+    assert report.tensors == len(reference)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor.view(torch.uint8), reference[name].view(torch.uint8)), name
+    reads = served.streamer_reads()
+    for shard in ("model-00001-of-00003", "model-00002-of-00003", "model-00003-of-00003"):
+        assert shard in reads, f"{shard} was not read by the Run:ai streamer's backend:\n{reads[-2000:]}"
+    local = transformers.LlamaForCausalLM(llama_config()).eval()
+    local.load_state_dict(reference)
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, local(tokens).logits)
+
+
+def test_listing_and_fetch_give_weights_and_companion_files(
+    served: Served, tiny_llama_folder: Path, tmp_path: Path
+) -> None:
+    model_id = served.model("llama/tiny")
+    with WeightStreamClient(served.target, progress=False) as client:
+        listed = {f.name for f in client.list_files(model_id).files}
+        report = client.fetch(model_id, tmp_path / "fetched")
+    on_disk = {p.name for p in tiny_llama_folder.iterdir() if p.is_file()} | {"config.json"}
+    assert listed == on_disk, "every weight and companion file, nothing else (notes.txt stays private)"
+    assert sorted(report.files) == sorted(on_disk)
+    for name in on_disk - {"config.json"}:
+        assert (tmp_path / "fetched" / name).read_bytes() == (tiny_llama_folder / name).read_bytes(), name
+    assert json.loads((tmp_path / "fetched" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_missing_objects_are_not_found_and_name_the_url(served: Served) -> None:
+    with WeightStreamClient(served.target, progress=False, retry=None) as client:
+        with pytest.raises(NotFoundError, match=rf"{served.scheme}{BUCKET}/config-only") as info:
+            client.manifest(served.model("config-only"))
+        assert info.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(NotFoundError, match=rf"{served.scheme}{BUCKET}/nothing-here"):
+            client.manifest(served.model("nothing-here"))
+        missing_bucket = "ws-missing-bucket" if served.scheme == "gs://" else "ws-missing-container"
+        with pytest.raises(NotFoundError, match=missing_bucket):
+            client.manifest(served.model("m", bucket=missing_bucket))
+        with pytest.raises(IntegrityError, match=r"model-00002-of-00002\.safetensors"):
+            client.manifest(served.model("broken-index"))
+
+
+def test_bucket_not_allowed_is_permission_denied(served: Served) -> None:
+    with WeightStreamClient(served.target, progress=False, retry=None) as client:
+        with pytest.raises(PermissionDeniedError, match=rf"{served.scheme}{OTHER} is not served") as info:
+            client.manifest(served.model("llama/tiny", bucket=OTHER))
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_readiness_names_each_bucket_and_no_secret_leaks(served: Served) -> None:
+    with httpx.Client(base_url=f"http://{LOOPBACK}:{served.http_port}", timeout=30) as http:
+        ready = http.get("/readyz").json()
+        status = http.get("/status").text
+        metrics = http.get("/metrics").text
+    states = {s["source"]: s["reachable"] for s in ready["sources"]}
+    missing = "ws-missing-bucket" if served.scheme == "gs://" else "ws-missing-container"
+    assert states == {f"{served.scheme}{BUCKET}": True, f"{served.scheme}{missing}": False}
+    assert f"{served.scheme}{BUCKET}" in status
+    if served.secret:
+        for text in (served.server.output(), status, metrics, json.dumps(ready)):
+            assert served.secret not in text
+
+
+def test_a_model_uploaded_later_loads_bit_for_bit(
+    served: Served, many_dtypes: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """A model uploaded after the server started is found, and tensors of every dtype come back bit for bit."""
+    folder = tmp_path / "many"
+    folder.mkdir()
+    save_file(many_dtypes, str(folder / "model.safetensors"))
+    served.upload(folder, BUCKET, "many")
+    with WeightStreamClient(served.target, progress=False) as client:
+        assert_bytes_identical(many_dtypes, client.load_state_dict(served.model("many")))
+
+
+@pytest.fixture(params=["gcs", "azure"])
+def dying(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Served]:
+    """A server and an emulator of its own, with a 64 MiB model, for a test that kills the emulator."""
+    folder = tmp_path / "big"
+    folder.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    save_file(
+        {f"w{i}": torch.randn(512, 1024, generator=generator) for i in range(32)}, str(folder / "model.safetensors")
+    )
+    flags = ["--read-ahead-bytes", str(16 * 1024 * 1024), "--storage-timeout", "5", "--s3-request-timeout-ms", "3000"]
+    if request.param == "gcs":
+        with gcs_emulator(tmp_path) as emulator:
+            client = gcs_client(emulator)
+            upload_gcs(client, folder, BUCKET, "big")
+            env = {"STORAGE_EMULATOR_HOST": emulator.endpoint}
+            for target, http_port, server in _serve_ready(
+                tmp_path, [*flags, "--gcs-bucket", BUCKET], env, f"gs://{BUCKET}/big"
+            ):
+                upload = functools.partial(upload_gcs, client)
+                yield Served(
+                    "gs://", target, http_port, server, emulator, upload, "", functools.partial(_gcs_reads, emulator)
+                )
+    else:
+        with azurite_tls(tmp_path) as azurite:
+            client = azurite.client()
+            upload_azure(client, folder, BUCKET, "big")
+            for target, http_port, server in _serve_ready(
+                tmp_path,
+                [*flags, "--azure-container", BUCKET],
+                azurite.server_env(),
+                f"az://{BUCKET}/big",
+                _wrap(azurite),
+            ):
+                upload = functools.partial(upload_azure, client)
+                reads = functools.partial(_azure_reads, azurite)
+                yield Served("az://", target, http_port, server, azurite.azurite, upload, AZURITE_KEY, reads)
+
+
+def test_emulator_killed_mid_stream_is_unavailable(dying: Served) -> None:
+    """The store dies while a stream is in flight: the client gets UNAVAILABLE naming the model, never a short model."""
+    model_id = dying.model("big")
+    received = 0
+    started = time.monotonic()
+    with WeightStreamClient(dying.target, chunk_bytes=1 << 20, progress=False, retry=None) as client:
+        with pytest.raises(UnavailableError, match=model_id) as info:
+            for _name, _tensor in client.iter_tensors(model_id):
+                received += 1
+                if received == 2:
+                    dying.emulator.stop()
+                time.sleep(0.05)
+    assert received < 32
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    print(f"{dying.scheme}: UNAVAILABLE {time.monotonic() - started:.1f} s after the stream started")
+    dying.server.assert_running()
+
+
+def test_abfs_is_az_and_gcs_is_no_scheme(served: Served) -> None:
+    with WeightStreamClient(served.target, progress=False, retry=None) as client:
+        if served.scheme == "az://":
+            assert (
+                client.manifest(f"abfs://{BUCKET}/llama/tiny").revision
+                == client.manifest(served.model("llama/tiny")).revision
+            )
+        else:
+            with pytest.raises(InvalidArgumentError, match="unsupported URL scheme"):
+                client.manifest(f"gcs://{BUCKET}/llama/tiny")
+
+
+def test_a_wrong_azure_key_is_refused_and_not_logged(tmp_path: Path, tiny_llama_folder: Path) -> None:
+    wrong = base64.b64encode(b"not the account's key, 64 bytes long......................").decode()
+    with azurite_tls(tmp_path) as azurite:
+        upload_azure(azurite.client(), tiny_llama_folder, BUCKET, "llama")
+        grpc_port, http_port = free_ports(2)
+        args = ["--host", LOOPBACK, "--grpc-port", str(grpc_port), "--http-port", str(http_port)]
+        args += ["--azure-container", BUCKET, "--log-level", "DEBUG"]
+        with serve_process(args, tmp_path, clean_env(**azurite.server_env(key=wrong)), wrap=_wrap(azurite)) as server:
+            server.wait_listening(grpc_port)
+            with WeightStreamClient(f"{LOOPBACK}:{grpc_port}", progress=False, retry=None) as client:
+                # Azurite answers a wrong signature 403 AuthorizationFailure, which is PERMISSION_DENIED;
+                # Azure's own answer, AuthenticationFailed, is UNAUTHENTICATED (test_object_store_settings).
+                with pytest.raises(
+                    PermissionDeniedError, match=rf"az://{BUCKET}/llama.*denied access \(AuthorizationFailure\)"
+                ) as info:
+                    client.manifest(f"az://{BUCKET}/llama")
+            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert wrong not in server.output() and AZURITE_KEY not in server.output()
+
+
+def test_the_disk_cache_keeps_gcs_files(tmp_path: Path, tiny_llama_folder: Path) -> None:
+    """gs:// through --disk-cache: the first load fills the cache, the second is served from it, both bit for bit."""
+    reference = load_folder(tiny_llama_folder)
+    cache = tmp_path / "cache"
+    with gcs_emulator(tmp_path) as emulator:
+        upload_gcs(gcs_client(emulator), tiny_llama_folder, BUCKET, "llama")
+        env = {"STORAGE_EMULATOR_HOST": emulator.endpoint}
+        flags = ["--gcs-bucket", BUCKET, "--disk-cache", str(cache)]
+        for target, _http_port, _server in _serve_ready(tmp_path, flags, env, f"gs://{BUCKET}/llama"):
+            with WeightStreamClient(target, progress=False) as client:
+                assert_bytes_identical(reference, client.load_state_dict(f"gs://{BUCKET}/llama"))
+                cached = [p for p in (cache / "files").iterdir() if p.suffix != ".json"]
+                assert len(cached) == 3, cached
+                reads = emulator.log.read_text().count("GET /download/storage/v1/b/ws-models/o/llama")
+                assert reads >= 3, "the cache is filled through google-cloud-storage"
+                assert_bytes_identical(reference, client.load_state_dict(f"gs://{BUCKET}/llama"))
+                assert emulator.log.read_text().count("GET /download/storage/v1/b/ws-models/o/llama") == reads, (
+                    "the second load came from the disk cache"
+                )
