@@ -11,9 +11,12 @@
 #                    only reads bytes from them on the CPU and never touches a GPU: a CPU build is enough and
 #                    keeps the image about 4 GB smaller than a CUDA one.
 #   TORCH_INDEX_URL  where TORCH_SPEC comes from: PyTorch's CPU wheel index by default.
+#   EXTRAS           the project's extras installed: the server with every store (S3, gs://, az://) by
+#                    default; "server" alone leaves out the GCS and Azure backends (about 60 MB).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+ARG EXTRAS=server,gcs,azure
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 \
@@ -28,7 +31,7 @@ COPY pyproject.toml README.md ./
 COPY client ./client
 COPY service ./service
 # A regular (not editable) install: the runtime stage copies the venv alone, without /src.
-RUN /opt/weightstream/bin/pip install ".[server]" \
+RUN /opt/weightstream/bin/pip install ".[${EXTRAS}]" \
     && /opt/weightstream/bin/weightstream --version
 
 FROM ${PYTHON_IMAGE} AS runtime

@@ -12,6 +12,7 @@ is tests/deploy/checks.py; these tests run it on the real files and on broken co
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -87,9 +88,13 @@ def test_kubernetes_validation_rejects_a_misspelt_field(built: dict[str, list[di
         kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
 
 
+# The shared service on GKE or AKS: applied instead of overlays/shared, never beside it.
+CLOUD_OVERLAYS = {"gke", "aks"}
+
+
 def cluster_of(built: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
-    """Every overlay's docs by label, as applied together to one cluster."""
-    return {f"overlay {name}": docs for name, docs in built.items()}
+    """The docs of the overlays applied together to one cluster (sidecar and shared), by label."""
+    return {f"overlay {name}": docs for name, docs in built.items() if name not in CLOUD_OVERLAYS}
 
 
 def test_manifests_use_only_what_the_server_accepts(built: dict[str, list[dict[str, Any]]]) -> None:
@@ -97,7 +102,35 @@ def test_manifests_use_only_what_the_server_accepts(built: dict[str, list[dict[s
     for name, docs in built.items():
         assert all_problems(docs, f"overlay {name}", cluster_of(built)) == []
         checked_servers += sum(c.is_server for c in pod_containers(docs, name)[0])
-    assert checked_servers == 2, "one server container in each overlay was expected"
+    assert checked_servers == len(built), "one server container in each overlay was expected"
+
+
+@pytest.mark.parametrize(
+    ("overlay", "store", "identity"),
+    [
+        ("gke", "gcs_buckets", "iam.gke.io/gcp-service-account"),
+        ("aks", "azure_containers", "azure.workload.identity/client-id"),
+    ],
+)
+def test_cloud_overlays_serve_their_store_by_workload_identity(
+    built: dict[str, list[dict[str, Any]]], overlay: str, store: str, identity: str
+) -> None:
+    """GKE and AKS: the shared service on the cloud's own store, with the cloud's workload identity and no AWS part."""
+    containers, _ = pod_containers(built[overlay], overlay)
+    server = next(c for c in containers if c.is_server)
+    settings = server_settings(server)
+    assert getattr(settings, store) == ("models",) and settings.s3_buckets == ()
+    assert not any(name.startswith("AWS_") for name in server.env), server.env
+    (account,) = (d for d in built[overlay] if d["kind"] == "ServiceAccount")
+    annotations = account["metadata"].get("annotations", {})
+    assert identity in annotations and not any(k.startswith("eks.amazonaws.com") for k in annotations)
+    text = json.dumps(built[overlay])
+    assert "aws-token" not in text and "sts.amazonaws.com" not in text
+    if overlay == "aks":
+        deployment = next(d for d in built[overlay] if d["kind"] == "Deployment")
+        assert deployment["spec"]["template"]["metadata"]["labels"].get("azure.workload.identity/use") == "true"
+        config = next(d for d in built[overlay] if d["kind"] == "ConfigMap")
+        assert config["data"]["AZURE_STORAGE_ACCOUNT_NAME"]
 
 
 def test_sidecar_is_native_and_shares_memory_with_the_engine(built: dict[str, list[dict[str, Any]]]) -> None:
