@@ -1,0 +1,218 @@
+"""Load a checkpoint from Google Cloud Storage and Azure Blob emulators on 127.0.0.1 three ways, side by side.
+
+Per store (gcp-storage-emulator for gs://, Azurite over TLS for az://; tests/support/object_stores.py
+says how each is reached):
+
+- weightstream: `weightstream serve --gcs-bucket/--azure-container` (its own process) reads the
+  objects with the Run:ai streamer's backend for the store; the client writes into a module's
+  existing parameters over loopback gRPC;
+- the Run:ai streamer reading the store directly (SafetensorsStreamer, owned=False) in a process
+  of its own set up like the server's, each tensor copied into the module's parameter: the baseline
+  of the "<= 1.2x" goal;
+- the store's SDK downloading every shard to local disk, then safetensors.torch.load_file and
+  module.load_state_dict (the usual "download, then load"): the baseline of the "<= 0.6x" goal.
+
+Every path writes into a module of the same shapes whose memory was touched before the first run.
+Prints medians and spreads of --runs runs per path, and the ratios.
+
+Usage (from the repository root, after `make test`): python benchmarks/object_store_load.py [--gb 0.5] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import write_checkpoint
+from tests.support.commands import clean_env
+from tests.support.object_stores import (
+    azurite_tls,
+    gcs_client,
+    gcs_emulator,
+    namespaced,
+    upload_azure,
+    upload_gcs,
+)
+from tests.support.ports import LOOPBACK, free_ports
+from tests.support.serve_processes import serve_process, wait_grpc_ready
+from weightstream.client import WeightStreamClient
+from weightstream.samples import ParameterTree
+
+BUCKET = "bench"
+
+# The Run:ai streamer in a process of its own: argv[1] a JSON list of object URLs, argv[2] runs; prints seconds.
+STREAMER_SCRIPT = """
+import json, sys, time
+import torch
+from runai_model_streamer import SafetensorsStreamer
+from weightstream.allocator import tune_malloc
+tune_malloc()
+urls, runs = json.loads(sys.argv[1]), int(sys.argv[2])
+params = {}
+times = []
+for run in range(runs + 1):  # the first run warms up
+    started = time.perf_counter()
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_files(urls, None, "cpu", owned=False)
+        with torch.no_grad():
+            for name, tensor in streamer.get_tensors():
+                if name not in params:
+                    params[name] = torch.empty_like(tensor)
+                    params[name].fill_(0)
+                params[name].copy_(tensor)
+    if run:
+        times.append(time.perf_counter() - started)
+print(json.dumps(times))
+"""
+
+
+@contextlib.contextmanager
+def _store(kind: str, work: Path) -> Iterator[tuple[dict[str, str], Callable[[list[str]], list[str]] | None, Any]]:
+    """The emulator of kind: the environment that points a process at it, the command wrapper it needs,
+    and (folder, prefix) -> None uploading, with (prefix) -> {name: bytes} downloading through the SDK."""
+    if kind == "gcs":
+        with gcs_emulator(work) as emulator:
+            client = gcs_client(emulator)
+
+            def download(prefix: str, into: Path) -> list[Path]:
+                paths = []
+                for blob in client.list_blobs(BUCKET, prefix=f"{prefix}/"):
+                    if blob.name.endswith(".safetensors"):
+                        paths.append(into / Path(blob.name).name)
+                        blob.download_to_filename(str(paths[-1]))
+                return paths
+
+            env = {"STORAGE_EMULATOR_HOST": emulator.endpoint, "CLOUD_STORAGE_EMULATOR_ENDPOINT": emulator.endpoint}
+            yield env, None, (lambda folder, prefix: upload_gcs(client, folder, BUCKET, prefix), download)
+    else:
+        with azurite_tls(work) as azurite:
+            client = azurite.client()
+
+            def download(prefix: str, into: Path) -> list[Path]:
+                container = client.get_container_client(BUCKET)
+                paths = []
+                for item in container.list_blobs(name_starts_with=f"{prefix}/"):
+                    if item.name.endswith(".safetensors"):
+                        paths.append(into / Path(item.name).name)
+                        with paths[-1].open("wb") as sink:
+                            container.download_blob(item.name, max_concurrency=8).readinto(sink)
+                return paths
+
+            env = azurite.server_env()
+            # What the server derives from the connection string, for a streamer used on its own.
+            env.update(
+                AZURE_STORAGE_ACCOUNT_NAME="devstoreaccount1",
+                AZURE_STORAGE_ACCOUNT_KEY=azurite.connection_string().split("AccountKey=")[1].split(";")[0],
+                AZURE_STORAGE_ENDPOINT_SUFFIX=azurite.suffix,
+            )
+
+            def wrap(command: list[str]) -> list[str]:
+                return namespaced(azurite.bundle_dir, command)
+
+            yield env, wrap, (lambda folder, prefix: upload_azure(client, folder, BUCKET, prefix), download)
+
+
+def measure(kind: str, gb: float, runs: int) -> tuple[int, dict[str, list[float]]]:
+    scheme = {"gcs": "gs://", "azure": "az://"}[kind]
+    flag = {"gcs": "--gcs-bucket", "azure": "--azure-container"}[kind]
+    results: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix=f"weightstream-{kind}-bench-") as tmp:
+        work = Path(tmp)
+        total, shapes = write_checkpoint(work / "model", gb)
+        module = ParameterTree(shapes)
+        with _store(kind, work) as (env, wrap, (upload, download)):
+            upload(work / "model", "llama")
+            shards = sorted(p.name for p in (work / "model").glob("*.safetensors"))
+            model = f"{scheme}{BUCKET}/llama"
+            grpc_port, http_port = free_ports(2)
+            args = ["--host", LOOPBACK, "--grpc-port", str(grpc_port), "--http-port", str(http_port), flag, BUCKET]
+            with serve_process(args, work, clean_env(**env), wrap=wrap) as server:
+                target = f"{LOOPBACK}:{grpc_port}"
+                wait_grpc_ready(server, target, model)
+                with WeightStreamClient(target, progress=False) as client:
+                    client.load_into(module, model)  # warm the server's streamer and the channel
+                    times = []
+                    for _ in range(runs):
+                        times.append(client.load_into(module, model).seconds)
+                    results["weightstream load_into"] = times
+
+            command = [sys.executable, "-c", STREAMER_SCRIPT, json.dumps([f"{model}/{s}" for s in shards]), str(runs)]
+            done = subprocess.run(
+                wrap(command) if wrap else command,
+                env=clean_env(**env, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
+                capture_output=True,
+                text=True,
+                timeout=1800,
+                check=False,
+            )
+            if done.returncode:
+                raise SystemExit(f"the Run:ai streamer run failed ({done.returncode}):\n{done.stderr[-4000:]}")
+            results["Run:ai streamer on its own"] = json.loads(done.stdout.strip().splitlines()[-1])
+
+            sdk = "google-cloud-storage" if kind == "gcs" else "azure-storage-blob"
+            times = []
+            for _ in range(runs):
+                into = work / "download"
+                into.mkdir(exist_ok=True)
+                started = time.perf_counter()
+                loaded: dict[str, torch.Tensor] = {}
+                for path in download("llama", into):
+                    loaded.update(load_file(str(path)))
+                module.load_state_dict(loaded)
+                times.append(time.perf_counter() - started)
+                del loaded
+                for path in into.iterdir():
+                    path.unlink()
+            results[f"{sdk} download + load_file"] = times
+    return total, results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gb", type=float, default=0.5, help="checkpoint size in GB (default 0.5)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per path (default 3)")
+    parser.add_argument("--stores", default="gcs,azure", help="stores to measure (gcs, azure)")
+    args = parser.parse_args()
+    from weightstream.allocator import tune_malloc
+
+    tune_malloc()
+    for kind in args.stores.split(","):
+        total, results = measure(kind, args.gb, args.runs)
+        medians = {name: statistics.median(times) for name, times in results.items()}
+        emulator = "gcp-storage-emulator" if kind == "gcs" else "Azurite (TLS)"
+        print(f"\n{kind}: {total / 1e9:.2f} GB bfloat16 in {emulator} on 127.0.0.1; medians of {args.runs} runs")
+        print("| path | median s | median GB/s | min..max GB/s | x weightstream |")
+        print("|---|---|---|---|---|")
+        ws = medians["weightstream load_into"]
+        for name, times in results.items():
+            rates = sorted(total / t / 1e9 for t in times)
+            print(
+                f"| {name} | {medians[name]:.2f} | {total / medians[name] / 1e9:.2f} | "
+                f"{rates[0]:.2f}..{rates[-1]:.2f} | {medians[name] / ws:.2f} |"
+            )
+        direct = medians["Run:ai streamer on its own"]
+        download = next(v for k, v in medians.items() if k.endswith("download + load_file"))
+        fastest = min(medians.values())
+        print(f"weightstream / Run:ai streamer on its own: {ws / direct:.2f}x the time (goal <= 1.2)")
+        print(f"weightstream / download-then-load:          {ws / download:.2f}x the time (goal <= 0.6)")
+        print(
+            f"weightstream / fastest path:                {ws / fastest:.2f}x the time (goal <= 1.1 where the emulator bounds every path)"
+        )
+
+
+if __name__ == "__main__":
+    main()
