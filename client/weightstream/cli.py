@@ -67,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         "DIR, bit-identical to the server's, each checked by size and CRC32C. An interrupted fetch is "
         "continued by running the same command again.",
     )
-    fetch.add_argument("model", help="model id, for example tiny-llama or s3://bucket/prefix")
+    fetch.add_argument(
+        "model",
+        help="model id, for example tiny-llama, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix",
+    )
     fetch.add_argument("directory", metavar="DIR", type=Path, help="folder to write the files into (made if needed)")
     fetch.add_argument("--target", required=True, help="server address, HOST:PORT")
     fetch.add_argument(

@@ -35,7 +35,8 @@ class Health(BaseModel):
 
 class SourceStatus(BaseModel):
     source: str = Field(
-        description="what the source is: in /readyz 'model root' or 's3://bucket'; /status adds the root's path"
+        description="what the source is: in /readyz 'model root', 's3://bucket', 'gs://bucket' or 'az://container'; "
+        "/status adds the root's path"
     )
     reachable: bool
     error: str | None = Field(
