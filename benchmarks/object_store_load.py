@@ -209,9 +209,8 @@ def main() -> None:
         fastest = min(medians.values())
         print(f"weightstream / Run:ai streamer on its own: {ws / direct:.2f}x the time (goal <= 1.2)")
         print(f"weightstream / download-then-load:          {ws / download:.2f}x the time (goal <= 0.6)")
-        print(
-            f"weightstream / fastest path:                {ws / fastest:.2f}x the time (goal <= 1.1 where the emulator bounds every path)"
-        )
+        bound = "goal <= 1.1 where the emulator bounds every path"
+        print(f"weightstream / fastest path:                {ws / fastest:.2f}x the time ({bound})")
 
 
 if __name__ == "__main__":
