@@ -39,6 +39,7 @@ from tests.support.object_stores import (
 )
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.serve_processes import ServerProcess, serve_process, wait_grpc_ready
+from tests.support.servers import loopback_settings, serving
 from weightstream.client import (
     IntegrityError,
     InvalidArgumentError,
@@ -356,3 +357,18 @@ def test_the_disk_cache_keeps_gcs_files(tmp_path: Path, tiny_llama_folder: Path)
                 assert emulator.log.read_text().count("GET /download/storage/v1/b/ws-models/o/llama") == reads, (
                     "the second load came from the disk cache"
                 )
+
+
+def test_a_sidecar_serves_the_store_through_its_upstream_and_disk_cache(
+    served: Served, tiny_llama_folder: Path, tmp_path: Path
+) -> None:
+    """gs:// and az:// ids pass through a sidecar tier (--upstream, --disk-cache) unchanged, bit for bit."""
+    reference = load_folder(tiny_llama_folder)
+    settings = loopback_settings(upstream=served.target, disk_cache=tmp_path / "cache")
+    with serving(settings) as sidecar:
+        with WeightStreamClient(f"{LOOPBACK}:{sidecar.port}", progress=False) as client:
+            assert_bytes_identical(reference, client.load_state_dict(served.model("llama/tiny")))
+            with pytest.raises(PermissionDeniedError, match=rf"{served.scheme}{OTHER} is not served"):
+                client.manifest(served.model("llama/tiny", bucket=OTHER))
+    cached = [p for p in (tmp_path / "cache" / "files").iterdir() if p.suffix != ".json"]
+    assert len(cached) == 3, "the sidecar keeps the three shards on its disk"

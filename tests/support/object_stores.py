@@ -82,6 +82,16 @@ def _start(command: list[str], port: int, log: Path, what: str) -> subprocess.Po
     return proc
 
 
+# The emulator serves one request at a time from http.server's HTTPServer, whose listen backlog is 5:
+# a client opening more connections at once (the streamer's backend opens one per request, since the
+# emulator closes each after its answer) has SYNs dropped, each retried by the kernel a second later.
+# A store's real front end takes them; so does the emulator with a backlog of 128.
+_EMULATOR_MAIN = (
+    "import socketserver, sys; socketserver.TCPServer.request_queue_size = 128; "
+    "from gcp_storage_emulator.__main__ import main; sys.argv[0] = 'gcp-storage-emulator'; sys.exit(main())"
+)
+
+
 @contextlib.contextmanager
 def gcs_emulator(workdir: Path) -> Iterator[Emulator]:
     """gcp-storage-emulator on a free loopback port, keeping objects in memory."""
@@ -89,7 +99,7 @@ def gcs_emulator(workdir: Path) -> Iterator[Emulator]:
         raise RuntimeError(f"{EMULATOR_BIN} is missing: install the dev extra (pip install -e '.[dev]')")
     (port,) = free_ports(1)
     log = workdir / f"gcs-emulator-{port}.log"
-    command = [str(EMULATOR_BIN), "start", "--host", LOOPBACK, "--port", str(port), "--in-memory"]
+    command = [sys.executable, "-c", _EMULATOR_MAIN, "start", "--host", LOOPBACK, "--port", str(port), "--in-memory"]
     emulator = Emulator(port, _start(command, port, log, "gcp-storage-emulator"), log)
     try:
         yield emulator
