@@ -28,6 +28,7 @@ backend and SDK, with the account's key checked on every request.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import shutil
 import socket
 import subprocess
@@ -41,7 +42,6 @@ from typing import Any
 from tests.support.certificates import make_pki
 from tests.support.ports import LOOPBACK, free_ports, wait_port
 
-EMULATOR_BIN = Path(sys.executable).parent / "gcp-storage-emulator"
 AZURITE_JS = (
     Path(__file__).resolve().parent.parent / "s3" / "node_modules" / "azurite" / "dist" / "src" / "blob" / "main.js"
 )
@@ -95,8 +95,8 @@ _EMULATOR_MAIN = (
 @contextlib.contextmanager
 def gcs_emulator(workdir: Path) -> Iterator[Emulator]:
     """gcp-storage-emulator on a free loopback port, keeping objects in memory."""
-    if not EMULATOR_BIN.exists():
-        raise RuntimeError(f"{EMULATOR_BIN} is missing: install the dev extra (pip install -e '.[dev]')")
+    if importlib.util.find_spec("gcp_storage_emulator") is None:
+        raise RuntimeError("gcp-storage-emulator is not installed: install the dev extra (pip install -e '.[dev]')")
     (port,) = free_ports(1)
     log = workdir / f"gcs-emulator-{port}.log"
     command = [sys.executable, "-c", _EMULATOR_MAIN, "start", "--host", LOOPBACK, "--port", str(port), "--in-memory"]
