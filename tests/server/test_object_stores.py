@@ -9,6 +9,7 @@ AZURE_STORAGE_CONNECTION_STRING, with the proxy and CA that Azurite over TLS nee
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import json
 import shutil
@@ -54,6 +55,7 @@ pytestmark = pytest.mark.slow
 
 BUCKET = "ws-models"
 OTHER = "ws-not-allowed"
+MISSING = "ws-missing"  # served, never created
 
 
 @dataclass
@@ -90,47 +92,69 @@ def _folders(root: Path, tiny_llama_folder: Path) -> dict[str, Path]:
     return {"llama/tiny": llama, "config-only": config_only, "broken-index": broken_index}
 
 
+@contextlib.contextmanager
+def _store_served(
+    kind: str, workdir: Path, uploads: list[tuple[Path, str, str]], buckets: list[str], model: str, flags: list[str]
+) -> Iterator[Served]:
+    """The emulator of kind ("gcs", "azure") holding uploads (folder, bucket, prefix), and `weightstream serve`
+    serving buckets from it (with flags), ready once model answers."""
+    with contextlib.ExitStack() as stack:
+        if kind == "gcs":
+            emulator = stack.enter_context(gcs_emulator(workdir))
+            upload = functools.partial(upload_gcs, gcs_client(emulator))
+            env, wrap, scheme, flag, secret = (
+                {"STORAGE_EMULATOR_HOST": emulator.endpoint},
+                None,
+                "gs://",
+                "--gcs-bucket",
+                "",
+            )
+            reads = functools.partial(_gcs_reads, emulator)
+        else:
+            azurite = stack.enter_context(azurite_tls(workdir))
+            emulator = azurite.azurite
+            upload = functools.partial(upload_azure, azurite.client())
+            env, wrap, scheme, flag, secret = (
+                azurite.server_env(),
+                _wrap(azurite),
+                "az://",
+                "--azure-container",
+                AZURITE_KEY,
+            )
+            reads = functools.partial(_azure_reads, azurite)
+        for folder, bucket, prefix in uploads:
+            upload(folder, bucket, prefix)
+        grpc_port, http_port = free_ports(2)
+        args = [
+            "--host",
+            LOOPBACK,
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            "--log-level",
+            "DEBUG",
+        ]
+        args += [*flags, *(item for bucket in buckets for item in (flag, bucket))]
+        log = workdir / f"serve-{grpc_port}.log"
+        server = stack.enter_context(serve_process(args, workdir, clean_env(**env), log=log, wrap=wrap))
+        target = f"{LOOPBACK}:{grpc_port}"
+        wait_grpc_ready(server, target, f"{scheme}{model}")
+        yield Served(scheme, target, http_port, server, emulator, upload, secret, reads)
+
+
 @pytest.fixture(scope="module", params=["gcs", "azure"])
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_llama_folder: Path
 ) -> Iterator[Served]:
     workdir = tmp_path_factory.mktemp(request.param)
-    folders = _folders(workdir, tiny_llama_folder)
-    if request.param == "gcs":
-        with gcs_emulator(workdir) as emulator:
-            client = gcs_client(emulator)
-            for bucket in (BUCKET, OTHER):
-                for prefix, folder in folders.items():
-                    upload_gcs(client, folder, bucket, prefix)
-            env = {"STORAGE_EMULATOR_HOST": emulator.endpoint}
-            flags = ["--gcs-bucket", BUCKET, "--gcs-bucket", "ws-missing-bucket"]
-            for target, http_port, server in _serve_ready(workdir, flags, env, f"gs://{BUCKET}/llama/tiny"):
-                upload = functools.partial(upload_gcs, client)
-                yield Served(
-                    "gs://", target, http_port, server, emulator, upload, "", functools.partial(_gcs_reads, emulator)
-                )
-    else:
-        with azurite_tls(workdir) as azurite:
-            client = azurite.client()
-            for container in (BUCKET, OTHER):
-                for prefix, folder in folders.items():
-                    upload_azure(client, folder, container, prefix)
-            flags = ["--azure-container", BUCKET, "--azure-container", "ws-missing-container"]
-            wrap = _wrap(azurite)
-            for target, http_port, server in _serve_ready(
-                workdir, flags, azurite.server_env(), f"az://{BUCKET}/llama/tiny", wrap
-            ):
-                upload = functools.partial(upload_azure, client)
-                yield Served(
-                    "az://",
-                    target,
-                    http_port,
-                    server,
-                    azurite.azurite,
-                    upload,
-                    AZURITE_KEY,
-                    functools.partial(_azure_reads, azurite),
-                )
+    uploads = [
+        (folder, bucket, prefix)
+        for prefix, folder in _folders(workdir, tiny_llama_folder).items()
+        for bucket in (BUCKET, OTHER)
+    ]
+    with _store_served(request.param, workdir, uploads, [BUCKET, MISSING], f"{BUCKET}/llama/tiny", []) as served:
+        yield served
 
 
 def _gcs_reads(emulator: Emulator) -> str:
@@ -147,23 +171,6 @@ def _azure_reads(azurite: AzuriteTls) -> str:
 
 def _wrap(azurite: AzuriteTls) -> Callable[[list[str]], list[str]]:
     return lambda command: namespaced(azurite.bundle_dir, command)
-
-
-def _serve_ready(
-    workdir: Path,
-    flags: list[str],
-    env: dict[str, str],
-    model: str,
-    wrap: Callable[[list[str]], list[str]] | None = None,
-) -> Iterator[tuple[str, int, ServerProcess]]:
-    grpc_port, http_port = free_ports(2)
-    args = ["--host", LOOPBACK, "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--log-level", "DEBUG"]
-    with serve_process(
-        [*args, *flags], workdir, clean_env(**env), log=workdir / f"serve-{grpc_port}.log", wrap=wrap
-    ) as server:
-        target = f"{LOOPBACK}:{grpc_port}"
-        wait_grpc_ready(server, target, model)
-        yield target, http_port, server
 
 
 def test_sharded_llama_is_bit_identical_with_same_logits(served: Served, tiny_llama_folder: Path) -> None:
@@ -210,9 +217,8 @@ def test_missing_objects_are_not_found_and_name_the_url(served: Served) -> None:
         assert info.value.code == grpc.StatusCode.NOT_FOUND
         with pytest.raises(NotFoundError, match=rf"{served.scheme}{BUCKET}/nothing-here"):
             client.manifest(served.model("nothing-here"))
-        missing_bucket = "ws-missing-bucket" if served.scheme == "gs://" else "ws-missing-container"
-        with pytest.raises(NotFoundError, match=missing_bucket):
-            client.manifest(served.model("m", bucket=missing_bucket))
+        with pytest.raises(NotFoundError, match=MISSING):
+            client.manifest(served.model("m", bucket=MISSING))
         with pytest.raises(IntegrityError, match=r"model-00002-of-00002\.safetensors"):
             client.manifest(served.model("broken-index"))
 
@@ -230,8 +236,7 @@ def test_readiness_names_each_bucket_and_no_secret_leaks(served: Served) -> None
         status = http.get("/status").text
         metrics = http.get("/metrics").text
     states = {s["source"]: s["reachable"] for s in ready["sources"]}
-    missing = "ws-missing-bucket" if served.scheme == "gs://" else "ws-missing-container"
-    assert states == {f"{served.scheme}{BUCKET}": True, f"{served.scheme}{missing}": False}
+    assert states == {f"{served.scheme}{BUCKET}": True, f"{served.scheme}{MISSING}": False}
     assert f"{served.scheme}{BUCKET}" in status
     if served.secret:
         for text in (served.server.output(), status, metrics, json.dumps(ready)):
@@ -256,36 +261,11 @@ def dying(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Served]:
     folder = tmp_path / "big"
     folder.mkdir()
     generator = torch.Generator().manual_seed(0)
-    save_file(
-        {f"w{i}": torch.randn(512, 1024, generator=generator) for i in range(32)}, str(folder / "model.safetensors")
-    )
+    state = {f"w{i}": torch.randn(512, 1024, generator=generator) for i in range(32)}
+    save_file(state, str(folder / "model.safetensors"))
     flags = ["--read-ahead-bytes", str(16 * 1024 * 1024), "--storage-timeout", "5", "--s3-request-timeout-ms", "3000"]
-    if request.param == "gcs":
-        with gcs_emulator(tmp_path) as emulator:
-            client = gcs_client(emulator)
-            upload_gcs(client, folder, BUCKET, "big")
-            env = {"STORAGE_EMULATOR_HOST": emulator.endpoint}
-            for target, http_port, server in _serve_ready(
-                tmp_path, [*flags, "--gcs-bucket", BUCKET], env, f"gs://{BUCKET}/big"
-            ):
-                upload = functools.partial(upload_gcs, client)
-                yield Served(
-                    "gs://", target, http_port, server, emulator, upload, "", functools.partial(_gcs_reads, emulator)
-                )
-    else:
-        with azurite_tls(tmp_path) as azurite:
-            client = azurite.client()
-            upload_azure(client, folder, BUCKET, "big")
-            for target, http_port, server in _serve_ready(
-                tmp_path,
-                [*flags, "--azure-container", BUCKET],
-                azurite.server_env(),
-                f"az://{BUCKET}/big",
-                _wrap(azurite),
-            ):
-                upload = functools.partial(upload_azure, client)
-                reads = functools.partial(_azure_reads, azurite)
-                yield Served("az://", target, http_port, server, azurite.azurite, upload, AZURITE_KEY, reads)
+    with _store_served(request.param, tmp_path, [(folder, BUCKET, "big")], [BUCKET], f"{BUCKET}/big", flags) as served:
+        yield served
 
 
 def test_emulator_killed_mid_stream_is_unavailable(dying: Served) -> None:
@@ -342,21 +322,19 @@ def test_the_disk_cache_keeps_gcs_files(tmp_path: Path, tiny_llama_folder: Path)
     """gs:// through --disk-cache: the first load fills the cache, the second is served from it, both bit for bit."""
     reference = load_folder(tiny_llama_folder)
     cache = tmp_path / "cache"
-    with gcs_emulator(tmp_path) as emulator:
-        upload_gcs(gcs_client(emulator), tiny_llama_folder, BUCKET, "llama")
-        env = {"STORAGE_EMULATOR_HOST": emulator.endpoint}
-        flags = ["--gcs-bucket", BUCKET, "--disk-cache", str(cache)]
-        for target, _http_port, _server in _serve_ready(tmp_path, flags, env, f"gs://{BUCKET}/llama"):
-            with WeightStreamClient(target, progress=False) as client:
-                assert_bytes_identical(reference, client.load_state_dict(f"gs://{BUCKET}/llama"))
-                cached = [p for p in (cache / "files").iterdir() if p.suffix != ".json"]
-                assert len(cached) == 3, cached
-                reads = emulator.log.read_text().count("GET /download/storage/v1/b/ws-models/o/llama")
-                assert reads >= 3, "the cache is filled through google-cloud-storage"
-                assert_bytes_identical(reference, client.load_state_dict(f"gs://{BUCKET}/llama"))
-                assert emulator.log.read_text().count("GET /download/storage/v1/b/ws-models/o/llama") == reads, (
-                    "the second load came from the disk cache"
-                )
+    uploads = [(tiny_llama_folder, BUCKET, "llama")]
+    with _store_served("gcs", tmp_path, uploads, [BUCKET], f"{BUCKET}/llama", ["--disk-cache", str(cache)]) as served:
+        emulator = served.emulator
+        with WeightStreamClient(served.target, progress=False) as client:
+            assert_bytes_identical(reference, client.load_state_dict(f"gs://{BUCKET}/llama"))
+            cached = [p for p in (cache / "files").iterdir() if p.suffix != ".json"]
+            assert len(cached) == 3, cached
+            reads = emulator.log.read_text().count("GET /download/storage/v1/b/ws-models/o/llama")
+            assert reads >= 3, "the cache is filled through google-cloud-storage"
+            assert_bytes_identical(reference, client.load_state_dict(f"gs://{BUCKET}/llama"))
+            assert emulator.log.read_text().count("GET /download/storage/v1/b/ws-models/o/llama") == reads, (
+                "the second load came from the disk cache"
+            )
 
 
 def test_a_sidecar_serves_the_store_through_its_upstream_and_disk_cache(
