@@ -230,7 +230,9 @@ def test_bucket_not_allowed_is_permission_denied(served: Served) -> None:
     assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
 
 
-def test_readiness_names_each_bucket_and_no_secret_leaks(served: Served) -> None:
+def test_readiness_status_and_metrics_name_the_store_and_no_secret_leaks(served: Served) -> None:
+    with WeightStreamClient(served.target, progress=False) as client:
+        client.load_state_dict(served.model("llama/tiny"))
     with httpx.Client(base_url=f"http://{LOOPBACK}:{served.http_port}", timeout=30) as http:
         ready = http.get("/readyz").json()
         status = http.get("/status").text
@@ -238,6 +240,8 @@ def test_readiness_names_each_bucket_and_no_secret_leaks(served: Served) -> None
     states = {s["source"]: s["reachable"] for s in ready["sources"]}
     assert states == {f"{served.scheme}{BUCKET}": True, f"{served.scheme}{MISSING}": False}
     assert f"{served.scheme}{BUCKET}" in status
+    label = f'model="{served.model("llama/tiny")}"'
+    assert any(line.startswith("weightstream_bytes_served_total{") and label in line for line in metrics.splitlines())
     if served.secret:
         for text in (served.server.output(), status, metrics, json.dumps(ready)):
             assert served.secret not in text
