@@ -1,5 +1,6 @@
 """The client's side of deltas, against payloads made by hand: each form XORed in place and checked, and
-payloads that lie about their contents refused with the destination untouched."""
+payloads that lie about their contents refused with the destination untouched, and the Applier that
+applies host deltas on threads of its own."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 import zstandard
 
-from weightstream.client.deltas import DeltaUnusable, apply_delta
+from weightstream.client.deltas import Applier, DeltaUnusable, apply_delta
 from weightstream.client.placement import Destination
 from weightstream.protocol import wire
+from weightstream.protocol.deltas import Decoded
 from weightstream.v1 import weightstream_pb2 as pb
 
 SPARSE = pb.CHUNK_ENCODING_SPARSE_XOR_ZSTD
@@ -77,3 +79,41 @@ def test_a_dense_delta_of_another_length_or_not_zstd_is_refused() -> None:
     with pytest.raises(DeltaUnusable):
         apply(Destination("t", held), frame(sparse(list(range(1000)), [1] * 1000)), SPARSE)
     assert not held.any()
+
+
+def test_the_applier_reports_each_delta_in_order_and_none_for_one_that_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Host deltas are decoded and applied on the Applier's threads; results come in the order given,
+    whatever thread finished first, with None for a payload that does not decode (its bytes untouched)
+    and for a worker that failed (logged)."""
+    old = torch.arange(4 * 2048, dtype=torch.int16)
+    new = old.clone()
+    new[[1, 2048 + 5, 3 * 2048 + 7]] ^= 3
+    held = old.clone()
+    views = held.view(torch.uint8).split(4096)
+    payloads = [frame(sparse([1], [3])), frame(sparse([5], [3])), frame(b"\x01"), frame(sparse([7], [3]))]
+    applier: Applier[int] = Applier("model 'm'")
+    try:
+        for token, (view, payload) in enumerate(zip(views, payloads, strict=True)):
+            applier.submit(token, view, 0, wire.memory_at(payload.data_ptr(), payload.numel()), SPARSE)
+        got = list(applier.results(wait=True))
+    finally:
+        applier.close()
+    crcs = [wire.crc32c(bytes(piece.numpy())) for piece in new.view(torch.uint8).split(4096)]
+    assert got == [(0, crcs[0]), (1, crcs[1]), (2, None), (3, crcs[3])]
+    assert torch.equal(held[4096:6144], old[4096:6144])  # the one that did not decode left its bytes alone
+    assert torch.equal(held[:4096], new[:4096]) and torch.equal(held[6144:], new[6144:])
+    assert "a delta did not decode" in caplog.text
+
+    def broken(self: Decoded, view: torch.Tensor) -> None:
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(Decoded, "xor_into", broken)
+    applier = Applier("model 'm'")
+    try:
+        applier.submit(0, views[0], 0, wire.memory_at(payloads[0].data_ptr(), payloads[0].numel()), SPARSE)
+        assert list(applier.results(wait=True)) == [(0, None)]
+    finally:
+        applier.close()
+    assert "applying a delta failed" in caplog.text

@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.support.ports import free_ports
+from tests.support.faults import CuttingProxy
+from tests.support.ports import LOOPBACK, free_ports
 from tests.support.servers import loopback_settings, serving
-from weightstream.client import WeightStreamClient
+from weightstream.client import RetryPolicy, WeightStreamClient
 from weightstream.protocol import deltas as delta_forms
 from weightstream.samples import ParameterTree
 from weightstream_server import WeightStreamServer
@@ -123,6 +124,34 @@ def test_a_sparse_step_travels_as_deltas_and_lands_bit_exact(server: WeightStrea
 def _covered(server: WeightStreamServer) -> int:
     assert server.deltas is not None
     return server.deltas.stats.covered_bytes
+
+
+def test_a_stream_cut_while_deltas_are_being_applied_resumes_without_falling_back(tmp_path: Path) -> None:
+    """The client applies host deltas on threads of its own while it receives the next: a data connection
+    cut mid-update must wait for those, count what they landed, and resume with only the rest (a delta
+    applied twice would undo itself and fail its check)."""
+    a = state_of(0)
+    b = stepped(a, 0.05, seed=5)
+    module, probe = module_of(a), module_of(a)
+    data_port = free_ports(1)[0]
+    policy = RetryPolicy(attempts=20, initial_backoff=0.05, max_backoff=0.5, total_deadline=60.0, idle_timeout=30.0)
+    with CuttingProxy(data_port, [(450 << 10, "drain")]) as proxy:
+        settings = loopback_settings(
+            model_root=tmp_path, allow_publish=True, data_port=data_port, data_advertise=f"{LOOPBACK}:{proxy.port}"
+        )
+        with serving(settings) as server:
+            with client_of(server) as direct:  # gRPC: no data connection
+                revision_a = holding_a_then_b(direct, [module, probe], a, b)
+                whole_stream = direct.update_into(probe, MODEL, since=revision_a)
+            assert whole_stream.delta_fallbacks == 0 and whole_stream.delta_bytes > 600 << 10
+            with client_of(server, "tcp", retry=policy) as client:
+                report = client.update_into(module, MODEL, since=revision_a)
+        assert proxy.cuts == 1
+    assert_holds(module, b)
+    assert report.transport == "tcp"
+    assert report.retries == 1
+    assert report.delta_fallbacks == 0
+    assert report.delta_chunks == whole_stream.delta_chunks
 
 
 def test_deltas_off_on_the_client_send_the_changed_chunks_whole(server: WeightStreamServer) -> None:

@@ -7,18 +7,41 @@ new revision's. A payload that does not decode to what its form promises leaves 
 untouched (DeltaUnusable). A result that fails the CRC32C means the destination did not hold the
 base there: the session asks for those bytes again, whole.
 
-Concurrency: one Codec per thread (zstd contexts are not safe to share).
+Host destinations go faster through an Applier: the stream's thread receives and decodes each
+delta, a thread of the Applier's XORs it into the destination and checksums the result, so that
+receiving and decoding the next chunk overlaps applying this one.
+
+Concurrency: one Codec per thread (zstd contexts are not safe to share). An Applier is driven by
+one thread (the stream's); its worker touches only the destinations handed to it, until their
+results are taken.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
+
+import numpy as np
+import torch
 
 from weightstream.client.placement import Destination
 from weightstream.protocol import wire
 from weightstream.protocol.deltas import ENCODINGS, Codec, DeltaUnusable
 
-__all__ = ["ENCODINGS", "DeltaUnusable", "apply_delta", "codec"]
+__all__ = ["ENCODINGS", "Applier", "DeltaUnusable", "apply_delta", "codec"]
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+# How many deltas an Applier holds at most (each a copy of its payload), and its threads: two, so that
+# decoding one delta overlaps XORing another into memory and checksumming it.
+APPLIER_DEPTH = 8
+APPLIER_THREADS = 2
 
 _local = threading.local()
 
@@ -40,3 +63,54 @@ def apply_delta(dest: Destination, offset: int, length: int, address: int, paylo
         landed = view.cpu()
         return wire.crc32c_at(landed.data_ptr(), length)
     return wire.crc32c_at(view.data_ptr(), length)
+
+
+class Applier(Generic[T]):
+    """Decodes deltas and XORs them into host destinations on threads of its own (APPLIER_THREADS).
+
+    submit hands one over with a token (its payload copied: the caller may reuse its buffer at
+    once); results yields (token, CRC32C of the result) in the order submitted, for those done;
+    None for one that did not decode (the destination untouched there) or whose worker failed
+    (logged; the bytes there are unknown). At most APPLIER_DEPTH are in flight: submit waits for
+    the oldest beyond that. close waits for all of them (their results are then dropped): nothing
+    writes into a destination after it returns.
+    """
+
+    def __init__(self, label: str) -> None:
+        # Named in the log lines of deltas that did not decode.
+        self._label = label
+        self._pool = ThreadPoolExecutor(APPLIER_THREADS, thread_name_prefix="weightstream-deltas")
+        self._pending: deque[tuple[T, Future[int | None]]] = deque()
+
+    def submit(self, token: T, view: torch.Tensor, offset: int, payload: memoryview, encoding: int) -> None:
+        """XOR the delta payload (of encoding, for the chunk at offset) into view (host memory), later."""
+        if len(self._pending) >= APPLIER_DEPTH:
+            self._pending[0][1].exception()  # waits; its error is the results' to report
+        job = self._pool.submit(self._apply, view, offset, bytes(payload), encoding)
+        self._pending.append((token, job))
+
+    def results(self, *, wait: bool) -> Iterator[tuple[T, int | None]]:
+        """(token, CRC32C or None) of each delta submitted, oldest first: those done already, or all when wait."""
+        while self._pending and (wait or self._pending[0][1].done()):
+            token, future = self._pending.popleft()
+            try:
+                crc = future.result()
+            except Exception:
+                logger.exception("%s: applying a delta failed; its bytes are asked for again, whole", self._label)
+                crc = None
+            yield token, crc
+
+    def close(self) -> None:
+        """Wait until no delta is being applied, dropping their results; stop the workers."""
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+
+    def _apply(self, view: torch.Tensor, offset: int, payload: bytes, encoding: int) -> int | None:
+        try:
+            address = np.frombuffer(payload, dtype=np.uint8).ctypes.data if payload else 0
+            decoded = codec().decode(view.numel(), offset, address, len(payload), encoding)
+        except DeltaUnusable as exc:
+            logger.warning("%s: a delta did not decode (%s)", self._label, exc)
+            return None
+        decoded.xor_into(view)
+        return wire.crc32c_at(view.data_ptr(), view.numel())

@@ -13,7 +13,6 @@ tensors that changed and, for those written straight into their targets, the ran
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -170,7 +169,7 @@ def _same_layout(held: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 def _bytes_view(piece: torch.Tensor) -> memoryview:
     """A contiguous uint8 host tensor's bytes, without a copy (valid while the tensor is)."""
-    return memoryview((ctypes.c_char * piece.numel()).from_address(piece.data_ptr())).cast("B")
+    return wire.memory_at(piece.data_ptr(), piece.numel())
 
 
 def wire_dtype(name: str, tensor: torch.Tensor) -> pb.DataType:

@@ -16,6 +16,7 @@ thread can give up on a call that does not end when cancelled.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from weightstream.client.channels import Channels
 from weightstream.client.deltas import ENCODINGS as DELTA_ENCODINGS
-from weightstream.client.deltas import DeltaUnusable, apply_delta
+from weightstream.client.deltas import Applier, DeltaUnusable, apply_delta
 from weightstream.client.errors import (
     FailedPreconditionError,
     IntegrityError,
@@ -238,6 +239,8 @@ class _Stream:
         self._fell_back = False
         # The tensors the attempt in flight asked deltas of.
         self._asked_delta: set[str] = set()
+        # Applies the deltas of host destinations while the next chunks are received (made on first use).
+        self._applier: Applier[tuple[ChunkRef, Destination]] | None = None
 
     def run(self) -> Iterator[Destination]:
         """Place every chunk of the stream's tensors, yield each destination once complete.
@@ -282,7 +285,11 @@ class _Stream:
                     continue  # what deltas could not make is asked for again, whole (not a retry)
                 break
         finally:
-            self.placers.close()
+            try:
+                if self._applier is not None:
+                    self._applier.close()
+            finally:
+                self.placers.close()
         if self.pending:
             raise IntegrityError(
                 f"model {self.model!r}: the stream ended with {len(self.pending)} tensors incomplete "
@@ -291,6 +298,10 @@ class _Stream:
 
     def _attempt(self, transport: Transport, cancel: StreamCancel) -> Iterator[Destination]:
         """One request, for what has not landed: place its chunks, yield each tensor that completes."""
+        # Tensors the last attempt completed as it ended (its deltas applied meanwhile), not yet yielded.
+        yield from self._place_batch(())
+        if not self.pending:
+            return
         config = self.session.config
         watchdog = config.watchdog
         watch = watchdog.watch(cancel) if watchdog is not None else None
@@ -305,33 +316,38 @@ class _Stream:
                 if watch is not None:
                     watch.disarm()
                 if batch is None:
+                    yield from self._place_batch((), wait=True)
                     return
                 yield from self._place_batch(batch)
         finally:
             try:
                 self.placers.settle()  # before the transport unmaps what the copies read from
+                self._settle_deltas()
             finally:
                 batches.close()
                 if watch is not None and watchdog is not None:
                     watchdog.unwatch(watch)
 
-    def _place_batch(self, batch: Sequence[ChunkRef]) -> Iterator[Destination]:
-        """Place every chunk of batch; yield each tensor it completes."""
+    def _place_batch(self, batch: Sequence[ChunkRef], *, wait: bool = False) -> Iterator[Destination]:
+        """Place every chunk of batch, take the deltas applied meanwhile (all of them when wait); yield
+        each tensor that completes."""
         landed = resent = 0
-        for chunk in batch:
-            placed = self._place(chunk)
+        placed_all = itertools.chain(((self._place(c), c.length) for c in batch), self._deltas_applied(wait))
+        for placed, length in placed_all:
             if placed is None:
                 continue
             dest, new = placed
             landed += new
-            resent += chunk.length - new
+            resent += length - new
             self.touched[dest.name] = dest
-            if dest.complete and dest.name in self.pending:
+        for name, dest in list(self.touched.items()):
+            if dest.complete and name in self.pending:
                 self.placers.for_tensor(dest.buffer).finish(dest)
-                del self.pending[dest.name]
-                del self.touched[dest.name]
+                del self.pending[name]
+                del self.touched[name]
                 yield dest
-        self.bar.update(landed)
+        if landed:
+            self.bar.update(landed)
         if resent:
             self.session.count(resent_bytes=resent)
         if landed and self.outage is not None:
@@ -402,9 +418,22 @@ class _Stream:
         if not dest.landed.overlaps(chunk.offset, end):
             try:
                 dest.written = True
+                if dest.buffer.device.type == "cpu":
+                    if self._applier is None:
+                        self._applier = Applier(f"model {self.model!r}")
+                    payload = wire.memory_at(chunk.address, chunk.encoded_length)
+                    self._applier.submit(
+                        (chunk, dest), dest.buffer[chunk.offset : end], chunk.offset, payload, chunk.encoding
+                    )
+                    return None  # its result is taken by _deltas_applied
                 crc = apply_delta(dest, chunk.offset, chunk.length, chunk.address, chunk.encoded_length, chunk.encoding)
             except DeltaUnusable as exc:
                 logger.warning("model %r: tensor %r: a delta did not decode (%s)", self.model, chunk.tensor, exc)
+        return self._delta_checked(chunk, dest, crc)
+
+    def _delta_checked(self, chunk: ChunkRef, dest: Destination, crc: int | None) -> tuple[Destination, int] | None:
+        """A delta's result, CRC32C crc (None: not applied), checked against its chunk: (destination, new
+        bytes), or None when it failed (the tensor's missing bytes are then asked for whole)."""
         if crc != chunk.crc32c:
             # The destination did not hold the base revision there (or the delta was damaged).
             self.whole.add(chunk.tensor)
@@ -412,7 +441,21 @@ class _Stream:
             self.session.count(delta_fallbacks=1)
             return None
         self.session.count(delta_chunks=1, delta_bytes=chunk.encoded_length)
-        return dest, dest.landed.add(chunk.offset, end)
+        return dest, dest.landed.add(chunk.offset, chunk.offset + chunk.length)
+
+    def _deltas_applied(self, wait: bool) -> Iterator[tuple[tuple[Destination, int] | None, int]]:
+        """(_delta_checked's answer, chunk length) for each delta the applier finished (all, when wait)."""
+        if self._applier is None:
+            return
+        for (chunk, dest), crc in self._applier.results(wait=wait):
+            yield self._delta_checked(chunk, dest, crc), chunk.length
+
+    def _settle_deltas(self) -> None:
+        """As an attempt ends: wait for the deltas still being applied and record what they landed
+        (the next attempt yields the tensors that completed)."""
+        for placed, _length in self._deltas_applied(wait=True):
+            if placed is not None:
+                self.touched[placed[0].name] = placed[0]
 
     def _landing(self, tensor: str, offset: int, length: int) -> int | None:
         """Where a transport may receive these bytes of tensor directly: host memory of its destination

@@ -18,7 +18,6 @@ Concurrency: a Codec (a zstd compressor, decompressor and scratch buffer) belong
 
 from __future__ import annotations
 
-import ctypes
 import struct
 
 import numpy as np
@@ -56,6 +55,58 @@ def sparse_bytes(count: int, word: int) -> int:
     return COUNT.size + count * (GAP_BYTES + word)
 
 
+class Decoded:
+    """A delta, decoded and checked against its chunk: what to XOR into the chunk's bytes."""
+
+    __slots__ = ("dense", "length", "places", "values")
+
+    def __init__(
+        self,
+        length: int,
+        *,
+        dense: torch.Tensor | None = None,
+        places: np.ndarray | None = None,
+        values: np.ndarray | None = None,
+    ) -> None:
+        self.length = length
+        # The whole XOR (flat uint8), or the places of its nonzero words (ascending) and the words.
+        self.dense = dense
+        self.places = places
+        self.values = values
+
+    def xor_into(self, view: torch.Tensor) -> None:
+        """view (the chunk's bytes, flat uint8, length of them) ^= this delta."""
+        if self.dense is not None:
+            self._xor_dense(view, self.dense)
+        elif self.places is not None and self.values is not None:
+            self._xor_sparse(view, self.places, self.values)
+
+    @staticmethod
+    def _xor_dense(view: torch.Tensor, xor: torch.Tensor) -> None:
+        if view.device.type != "cpu":
+            view.bitwise_xor_(xor.to(view.device))
+            return
+        # Piece by piece: a piece this size is below torch's grain for splitting an operation over
+        # threads, which on a busy host cost more than the XOR itself.
+        length = view.numel()
+        words = torch.int64 if view.data_ptr() % 8 == 0 and length % 8 == 0 else torch.uint8
+        for start in range(0, length, wire.CACHE_PIECE_BYTES):
+            end = min(length, start + wire.CACHE_PIECE_BYTES)
+            view[start:end].view(words).bitwise_xor_(xor[start:end].view(words))
+
+    @staticmethod
+    def _xor_sparse(view: torch.Tensor, places: np.ndarray, values: np.ndarray) -> None:
+        # numpy on the host: its gather and scatter run on this thread, where torch's would wake its
+        # thread pool for every chunk (slower here than the work, on a host whose cores are busy).
+        if view.device.type == "cpu":
+            target = view.numpy().view(values.dtype)
+            target[places] = np.bitwise_xor(target[places], values)
+            return
+        on = view.view(torch.int16 if values.dtype == np.int16 else torch.uint8)
+        at = torch.from_numpy(places).to(view.device)
+        on[at] = on[at] ^ torch.from_numpy(values).to(view.device)
+
+
 class Codec:
     """One thread's zstd contexts and scratch buffer, made on first use."""
 
@@ -86,25 +137,22 @@ class Codec:
 
     def xor_into(self, view: torch.Tensor, offset: int, address: int, payload_bytes: int, encoding: int) -> None:
         """view (the destination's bytes of a chunk at offset, flat uint8) ^= the delta at address."""
-        length = view.numel()
-        if encoding == SPARSE_XOR_ZSTD:
-            self._xor_sparse(view, offset, address, payload_bytes)
-        elif encoding == XOR_ZSTD:
-            xor = self.decompress(address, payload_bytes, exactly=length)
-            if view.device.type != "cpu":
-                view.bitwise_xor_(xor.to(view.device))
-                return
-            # Piece by piece: a piece this size is below torch's grain for splitting an operation
-            # over threads, which on a busy host cost more than the XOR itself.
-            words = torch.int64 if view.data_ptr() % 8 == 0 and length % 8 == 0 else torch.uint8
-            for start in range(0, length, wire.CACHE_PIECE_BYTES):
-                end = min(length, start + wire.CACHE_PIECE_BYTES)
-                view[start:end].view(words).bitwise_xor_(xor[start:end].view(words))
-        else:
-            raise DeltaUnusable(f"encoding {encoding} is not a delta")
+        self.decode(view.numel(), offset, address, payload_bytes, encoding).xor_into(view)
 
-    def _xor_sparse(self, view: torch.Tensor, offset: int, address: int, payload_bytes: int) -> None:
-        length = view.numel()
+    def decode(
+        self, length: int, offset: int, address: int, payload_bytes: int, encoding: int, *, own: bool = False
+    ) -> Decoded:
+        """The delta at address for a chunk at offset of length bytes, checked and ready to apply; it
+        lies in this Codec's scratch buffer (valid until its next use) unless own, when it is a copy
+        of its own (for another thread to apply)."""
+        if encoding == SPARSE_XOR_ZSTD:
+            return self._decode_sparse(length, offset, address, payload_bytes, own)
+        if encoding == XOR_ZSTD:
+            xor = self.decompress(address, payload_bytes, exactly=length)
+            return Decoded(length, dense=xor.clone() if own else xor)
+        raise DeltaUnusable(f"encoding {encoding} is not a delta")
+
+    def _decode_sparse(self, length: int, offset: int, address: int, payload_bytes: int, own: bool) -> Decoded:
         word = word_bytes(offset, length)
         words = length // word
         raw = self.decompress(address, payload_bytes, most=min(sparse_bytes(words, word), length))
@@ -114,31 +162,21 @@ class Codec:
         if count > words or raw.numel() != sparse_bytes(count, word):
             raise DeltaUnusable(f"a sparse delta of {raw.numel()} bytes does not hold {count} words of {word} bytes")
         if not count:
-            return
+            return Decoded(length)
         start = COUNT.size
-        # numpy on the host: its gather and scatter run on this thread, where torch's would wake its
-        # thread pool for every chunk (slower here than the work, on a host whose cores are busy).
-        host = view.device.type == "cpu"
         gaps = raw[start : start + GAP_BYTES * count].numpy().view(np.uint32)
         if (count > 1 and not bool(gaps[1:].all())) or int(gaps[0]) >= words:
             raise DeltaUnusable("a sparse delta's words are not in order")
         places = np.cumsum(gaps, dtype=np.int64)
         if int(places[-1]) >= words:
             raise DeltaUnusable(f"a sparse delta's word {int(places[-1])} lies beyond the chunk's {words}")
-        kind = np.int16 if word == 2 else np.uint8
-        values = raw[start + GAP_BYTES * count :].numpy().view(kind)
-        if host:
-            target = view.numpy().view(kind)
-            target[places] = np.bitwise_xor(target[places], values)
-            return
-        on = view.view(torch.int16 if word == 2 else torch.uint8)
-        at = torch.from_numpy(places).to(view.device)
-        on[at] = on[at] ^ torch.from_numpy(values).to(view.device)
+        values = raw[start + GAP_BYTES * count :].numpy().view(np.int16 if word == 2 else np.uint8)
+        return Decoded(length, places=places, values=values.copy() if own else values)
 
     def decompress(self, address: int, payload_bytes: int, *, exactly: int = -1, most: int = 0) -> torch.Tensor:
         """What a zstd frame at address holds, in the scratch buffer (valid until its next use): exactly
         that many bytes, or at most `most`; DeltaUnusable otherwise."""
-        payload = memoryview((ctypes.c_char * payload_bytes).from_address(address)).cast("B") if payload_bytes else b""
+        payload = wire.memory_at(address, payload_bytes)
         try:
             stated = zstandard.frame_content_size(payload)
         except zstandard.ZstdError as exc:
@@ -146,7 +184,7 @@ class Codec:
         if stated < 0 or (exactly >= 0 and stated != exactly) or stated > max(exactly, most):
             raise DeltaUnusable(f"the frame holds {stated} bytes, not what the chunk takes")
         out = self._scratch_of(stated)
-        target = memoryview((ctypes.c_char * stated).from_address(out.data_ptr())).cast("B") if stated else None
+        target = wire.memory_at(out.data_ptr(), stated) if stated else None
         got = 0
         if self._decompressor is None:
             self._decompressor = zstandard.ZstdDecompressor()
@@ -215,7 +253,7 @@ def _nonzero(words: torch.Tensor) -> torch.Tensor:
 def _view_of(tensor: torch.Tensor) -> memoryview:
     """A contiguous host tensor's bytes, without a copy (valid while the tensor is)."""
     size = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B") if size else memoryview(b"")
+    return wire.memory_at(tensor.data_ptr(), size)
 
 
 def _bytes_of(tensor: torch.Tensor) -> bytes:

@@ -90,6 +90,15 @@ def crc32c_at(address: int, length: int, crc: int = 0) -> int:
     return crc32c_extend(crc, ctypes.string_at(address, length))
 
 
+def memory_at(address: int, size: int) -> memoryview:
+    """A writable view of the size bytes at address, without copying them (the caller keeps them alive).
+
+    One call into the interpreter: a ctypes array type made for every size costs more than the
+    small chunks it would look at.
+    """
+    return _memory_from(address, size, _PYBUF_WRITE) if size else memoryview(bytearray())
+
+
 def copy_crc32c(destination: int, source: int, length: int) -> int:
     """Copy length bytes from source to destination; the CRC32C of the bytes as they landed there.
 
@@ -103,6 +112,12 @@ def copy_crc32c(destination: int, source: int, length: int) -> int:
         ctypes.memmove(destination + start, source + start, size)
         crc = crc32c_at(destination + start, size, crc)
     return crc
+
+
+_PYBUF_WRITE = 0x200
+_memory_from = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_from.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_memory_from.restype = ctypes.py_object
 
 
 def _load_native_extend() -> Callable[[int, int, int], int] | None:

@@ -346,7 +346,7 @@ class FrameReader:
         """
         if not size:
             return 0
-        view = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+        view = wire.memory_at(address, size)
         if not checksum:
             self._fill(view)
             return 0

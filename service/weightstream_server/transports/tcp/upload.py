@@ -17,7 +17,6 @@ that breaks does; either drops the part (and its revision), as on gRPC.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import socket
 import ssl
@@ -85,7 +84,7 @@ class _Reader:
 
     def into(self, address: int, size: int) -> int:
         """Receive size bytes at address; their CRC32C, piece by piece as they landed."""
-        view = memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+        view = wire.memory_at(address, size)
         crc = 0
         for start in range(0, size, RECEIVE_PIECE_BYTES):
             piece = min(RECEIVE_PIECE_BYTES, size - start)
