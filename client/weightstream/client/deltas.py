@@ -38,8 +38,9 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-# How many deltas an Applier holds at most (each a copy of its payload), and its threads: two, so that
-# decoding one delta overlaps XORing another into memory and checksumming it.
+# How many deltas an Applier holds at most (each a copy of its payload), and the threads of a load's
+# Appliers together: two, so that decoding one delta overlaps XORing another into memory and
+# checksumming it (more only contend for the memory bus, which the XOR and checksum are bound by).
 APPLIER_DEPTH = 8
 APPLIER_THREADS = 2
 
@@ -66,7 +67,7 @@ def apply_delta(dest: Destination, offset: int, length: int, address: int, paylo
 
 
 class Applier(Generic[T]):
-    """Decodes deltas and XORs them into host destinations on threads of its own (APPLIER_THREADS).
+    """Decodes deltas and XORs them into host destinations on threads of its own (at most APPLIER_THREADS).
 
     submit hands one over with a token (its payload copied: the caller may reuse its buffer at
     once); results yields (token, CRC32C of the result) in the order submitted, for those done;
@@ -76,10 +77,10 @@ class Applier(Generic[T]):
     writes into a destination after it returns.
     """
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, threads: int = APPLIER_THREADS) -> None:
         # Named in the log lines of deltas that did not decode.
         self._label = label
-        self._pool = ThreadPoolExecutor(APPLIER_THREADS, thread_name_prefix="weightstream-deltas")
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="weightstream-deltas")
         self._pending: deque[tuple[T, Future[int | None]]] = deque()
 
     def submit(self, token: T, view: torch.Tensor, offset: int, payload: memoryview, encoding: int) -> None:

@@ -10,7 +10,9 @@ Threading: with one stream, everything runs on the caller's thread. With several
 touched by no other; destination() is called from those threads; completed destinations are
 handed to the caller's thread, which yields them; the tally (retries, re-sent bytes) is locked.
 A transport reads its call on a helper thread (transports/call_reader.py), so that a stream's
-thread can give up on a call that does not end when cancelled.
+thread can give up on a call that does not end when cancelled. A stream's deltas for host memory are
+decoded and applied on its Applier's threads (deltas.py); the stream's thread takes their results,
+and an attempt that ends waits for those in flight before anything else touches their tensors.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import grpc
 from tqdm import tqdm
 
 from weightstream.client.channels import Channels
+from weightstream.client.deltas import APPLIER_THREADS, Applier, DeltaUnusable, apply_delta
 from weightstream.client.deltas import ENCODINGS as DELTA_ENCODINGS
-from weightstream.client.deltas import Applier, DeltaUnusable, apply_delta
 from weightstream.client.errors import (
     FailedPreconditionError,
     IntegrityError,
@@ -420,7 +422,8 @@ class _Stream:
                 dest.written = True
                 if dest.buffer.device.type == "cpu":
                     if self._applier is None:
-                        self._applier = Applier(f"model {self.model!r}")
+                        threads = APPLIER_THREADS // self.session.config.streams  # the load's, shared out
+                        self._applier = Applier(f"model {self.model!r}", threads)
                     payload = wire.memory_at(chunk.address, chunk.encoded_length)
                     self._applier.submit(
                         (chunk, dest), dest.buffer[chunk.offset : end], chunk.offset, payload, chunk.encoding
