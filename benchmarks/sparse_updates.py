@@ -10,7 +10,11 @@ number of client streams (--streams, default 1; 2 decodes deltas on two threads)
 - update_into(deltas=False): chunk skipping only (every 1 MiB block holds a change, so all of it);
 - update_into, first: the server computes the deltas (what the first engine of a fleet pays; measured
   for the first transport only, since the others find them kept);
-- update_into, kept: the deltas come from the server's delta cache (every later engine and rank).
+- update_into, kept: the deltas come from the server's delta cache (every later engine and rank);
+- floor (on cpu): what the client's apply costs with nothing else, the changed words known beforehand:
+  every block of the module XORed at them and checksummed, on as many threads as the client's. The update cannot beat
+  it by much on a host whose cores it shares with the server, since reading and writing the
+  module's memory (not decoding) is most of it.
 
 Between runs the module is set back to A locally (not timed). Reported: medians of --runs of the
 update's seconds, its ratio to the full load, bytes on the wire (the server's /status), their ratio
@@ -35,6 +39,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -43,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import free_port, serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
+from weightstream.client.deltas import APPLIER_THREADS
 from weightstream.protocol import wire
 from weightstream.samples import ParameterTree
 
@@ -172,6 +178,12 @@ def main() -> int:
                                 )
                             )
                     check(loader, b)
+                if device.type == "cpu" and fraction < 1.0:
+                    base = next(
+                        row[2] for row in rows if row[0] == f"{fraction:.1%}" and row[1].endswith("full load_into")
+                    )
+                    seconds = _floor(loader, a, b, args.runs)
+                    rows.append((f"{fraction:.1%}", FLOOR, seconds, seconds / base, 0, 0.0))
             fleet = _fleet(port, http_port, shapes, a, revision_a, device)
         publishes = _publishes(root, total, a, fractions, args.runs, device)
         print(f"checkpoint: {total / 1e9:.2f} GB bfloat16, {len(shapes)} tensors on {device}; medians of {args.runs}")
@@ -223,6 +235,42 @@ def _publishes(
                 seconds, nbytes = results[deltas]
                 rows.append((f"{fraction:.1%}", label, seconds, seconds / whole, nbytes))
     return rows
+
+
+FLOOR = f"floor: XOR + CRC32C in memory (no wire, no decode, {APPLIER_THREADS} threads)"
+
+
+def _floor(module: torch.nn.Module, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], runs: int) -> float:
+    """The least an update from a to b can cost on this host: each 1 MiB block of module's memory XORed
+    at its changed words and checksummed, as the client's delta threads do, with the words found and
+    decoded beforehand (median of runs, module reset to a between them)."""
+    import numpy as np
+
+    blocks = []
+    for name, parameter in module.named_parameters():
+        old = a[name].reshape(-1).view(torch.int16).numpy()
+        new = b[name].reshape(-1).view(torch.int16).numpy()
+        target = parameter.detach().reshape(-1).view(torch.int16).numpy()
+        step = wire.DEFAULT_CHUNK_BYTES // 2
+        for start in range(0, old.size, step):
+            places = np.flatnonzero(old[start : start + step] != new[start : start + step])
+            xor = old[start : start + step][places] ^ new[start : start + step][places]
+            blocks.append((target[start : start + step], places, xor))
+
+    def apply(share: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        for target, places, xor in share:
+            target[places] = np.bitwise_xor(target[places], xor)
+            wire.crc32c_at(target.ctypes.data, target.nbytes)
+
+    times = []
+    with ThreadPoolExecutor(APPLIER_THREADS) as pool:
+        for _ in range(runs):
+            reset(module, a)
+            started = time.perf_counter()
+            list(pool.map(apply, [blocks[i::APPLIER_THREADS] for i in range(APPLIER_THREADS)]))
+            times.append(time.perf_counter() - started)
+    check(module, b)
+    return statistics.median(times)
 
 
 def received(http_port: int) -> int:

@@ -152,6 +152,20 @@ class PublishedSource:
     def __init__(self, model: str, buffers: Sequence[torch.Tensor]) -> None:
         self.model = model
         self._buffers = tuple(buffers)
+        # The CRC32C of each chunk served, by (part, offset, length): its bytes never change, and every
+        # load and update of the revision sends the same chunks. At most _max_crcs of them.
+        self._crcs: dict[tuple[int, int, int], int] = {}
+        self._max_crcs = 4 * sum(b.numel() for b in self._buffers) // wire.DEFAULT_CHUNK_BYTES + 1024
+
+    def chunk_crc32c(self, file: SourceFile, offset: int, data: np.ndarray) -> int:
+        """The CRC32C of data, the bytes at offset of file (computed once)."""
+        key = (_part_of(file), offset, data.size)
+        crc = self._crcs.get(key)
+        if crc is None:
+            crc = wire.crc32c_at(data.ctypes.data, data.size)
+            if len(self._crcs) < self._max_crcs:
+                self._crcs[key] = crc
+        return crc
 
     def claims(self, model: str) -> bool:
         return False  # reached through the revision store, never by model id

@@ -30,6 +30,7 @@ from weightstream_server.serving.catalog import Manifest
 from weightstream_server.serving.read_plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 from weightstream_server.serving.reader import PooledStreamer, open_plan, read_units
 from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.sources import SourceFile
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,18 @@ def serve_chunks(
         return
     with open_plan(manifest, plan) as files:
         if cache is None:
+            # A source whose bytes never change (a published revision) keeps the CRC32Cs of its chunks.
+            kept: Callable[[SourceFile, int, np.ndarray], int] | None = getattr(manifest.source, "chunk_crc32c", None)
             for file_id, index, data in read_units(streamer, manifest, plan, read_ahead_bytes, files):
                 on_read(data.numel())
-                yield from _chunks(plan.files[file_id].places[index], data.numpy(), plan.chunk_bytes)
+                file_plan = plan.files[file_id]
+                unit = file_plan.places[index]
+                if kept is None or unit.gather is not None:
+                    yield from _chunks(unit, data.numpy(), plan.chunk_bytes)
+                    continue
+                file, at = manifest.files[file_plan.file_index], file_plan.offsets[index] - unit.place.offset
+                for place, piece in _cut(unit.place, data.numpy(), plan.chunk_bytes):
+                    yield ServedChunk(place, kept(file, at + place.offset, piece), piece)
         else:
             yield from _through_cache(manifest, plan, streamer, read_ahead_bytes, cache, on_read, files)
         files.check_all_unchanged()
