@@ -354,3 +354,36 @@ def test_a_sidecar_serves_the_store_through_its_upstream_and_disk_cache(
                 client.manifest(served.model("llama/tiny", bucket=OTHER))
     cached = [p for p in (tmp_path / "cache" / "files").iterdir() if p.suffix != ".json"]
     assert len(cached) == 3, "the sidecar keeps the three shards on its disk"
+
+
+def test_a_dead_store_is_unavailable_within_a_call_and_local_models_still_load(
+    tmp_path: Path, tiny_llama_folder: Path
+) -> None:
+    """GCS stops answering mid-stream under --max-streams 1: the stream ends UNAVAILABLE after --storage-timeout
+    while the streamer's backend goes on retrying; the next call for the model is UNAVAILABLE within the client's
+    deadline (the SDK's retries are bounded), and a local model still loads through the one stream slot.
+    (Reads stuck in the backend are capped: tests/server/test_store_timeouts.py.)"""
+    folder = tmp_path / "big"
+    folder.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(512, 1024, generator=generator) for i in range(32)}
+    save_file(state, str(folder / "model.safetensors"))
+    root = tmp_path / "root"
+    shutil.copytree(tiny_llama_folder, root / "tiny")
+    flags = ["--max-streams", "1", "--storage-timeout", "2", "--read-ahead-bytes", str(16 * 1024 * 1024)]
+    flags += ["--model-root", str(root)]
+    with _store_served("gcs", tmp_path, [(folder, BUCKET, "big")], [BUCKET], f"{BUCKET}/big", flags) as served:
+        model_id = served.model("big")
+        with WeightStreamClient(served.target, chunk_bytes=1 << 20, progress=False, retry=None) as client:
+            with pytest.raises(UnavailableError, match=rf"{model_id}.*--storage-timeout"):
+                for received, _ in enumerate(client.iter_tensors(model_id)):
+                    if received == 1:
+                        served.emulator.stop()
+                    time.sleep(0.05)
+            with pytest.raises(
+                UnavailableError, match=rf"{model_id}.*Google Cloud Storage failed for 15 s of retries"
+            ) as info:
+                client.load_state_dict(model_id)
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            assert_bytes_identical(load_folder(tiny_llama_folder), client.load_state_dict("tiny"))
+        served.server.assert_running()

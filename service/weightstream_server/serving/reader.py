@@ -61,13 +61,27 @@ class PooledStreamer:
     """A FileStreamer checked out of a pool, with the S3 settings its reads use.
 
     stuck: a read of it outlasted the storage timeout and its stream gave up on it; it is still
-    busy in the store's backend and is never used again (see _within).
+    busy in the store's backend and is never used again (see _within). Its pool counts it until
+    the backend lets go (then it is parked).
     """
 
     file_streamer: FileStreamer
     s3_credentials: S3Credentials | None
     storage_timeout: float = STORAGE_TIMEOUT_S
     stuck: bool = False
+    pool: StreamerPool | None = None
+
+    def give_up(self) -> None:
+        """Its stream stops waiting for it: it stays in the backend, counted as stuck until park()."""
+        self.stuck = True
+        if self.pool is not None:
+            self.pool.stuck_changed(+1)
+
+    def park(self) -> None:
+        """The backend let go of it (after give_up): kept for the life of the process, never used again."""
+        _parked.append(self.file_streamer)
+        if self.pool is not None:
+            self.pool.stuck_changed(-1)
 
 
 class StreamerPool:
@@ -77,7 +91,10 @@ class StreamerPool:
     credential chain of the streamer's S3 backend. storage_timeout: the seconds a stream waits for
     each read of an object store. The stores' backends retry on their own, the GCS one for up to
     15 minutes while the store refuses connections: past this the stream ends UNAVAILABLE and its
-    streamer is left to finish, then parked, never used again.
+    streamer is left to finish, then parked, never used again. Such a stuck streamer holds its
+    ring (up to the read-ahead) meanwhile, so at most `size` of them are let be: while that many
+    wait on their stores, new reads of object stores are refused UNAVAILABLE (refuse_stuck), and
+    streams of local files, published revisions and upstream tiers go on.
     """
 
     def __init__(
@@ -89,6 +106,7 @@ class StreamerPool:
         self._free: list[FileStreamer] = []
         self._lock = threading.Lock()
         self._in_use = 0
+        self._stuck = 0
 
     @contextlib.contextmanager
     def checkout(self) -> Iterator[PooledStreamer]:
@@ -102,7 +120,7 @@ class StreamerPool:
             if streamer is None:
                 streamer = FileStreamer()
                 streamer.__enter__()
-            pooled = PooledStreamer(streamer, self._s3_credentials, self._storage_timeout)
+            pooled = PooledStreamer(streamer, self._s3_credentials, self._storage_timeout, pool=self)
             yield pooled
         finally:
             if pooled is not None and pooled.stuck:
@@ -122,6 +140,23 @@ class StreamerPool:
     @property
     def in_use(self) -> int:
         return self._in_use
+
+    @property
+    def stuck(self) -> int:
+        """Streamers whose streams gave up on a store that did not answer, still inside its backend."""
+        return self._stuck
+
+    def stuck_changed(self, by: int) -> None:
+        with self._lock:
+            self._stuck += by
+
+    def refuse_stuck(self, model: str) -> None:
+        """StorageUnavailable when `size` streamers are stuck in object stores' backends already."""
+        if self._stuck >= self._size:
+            raise StorageUnavailable(
+                f"model {model!r}: {self._stuck} reads of object stores still wait on stores that stopped "
+                f"answering (each given up after --storage-timeout {self._storage_timeout:g} s); try again later"
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -223,6 +258,8 @@ def _read_units(
     file_names = ", ".join(manifest.files[fp.file_index].name for fp in plan.files)
     remote = manifest.files[plan.files[0].file_index].local is None
     if remote:
+        if streamer.pool is not None:
+            streamer.pool.refuse_stuck(manifest.model)
         _s3_used.set()
     failure = StorageUnavailable if remote else CorruptCheckpoint
     # Units of each file of the plan not received yet; at 0, the unit in hand is the file's last.
@@ -306,8 +343,13 @@ def _within(
     handoff: queue.SimpleQueue[tuple[object, object]] = queue.SimpleQueue()
     wanted = threading.Semaphore(0)
     done = threading.Event()
+    # Held while the thread ends and while the stream gives up: a thread that ended (its last item
+    # on the way) is never given up on, and one given up on parks its streamer, whichever is first.
+    ending = threading.Lock()
+    ended = False
 
     def take() -> None:
+        nonlocal ended
         try:
             while True:
                 wanted.acquire()
@@ -322,11 +364,13 @@ def _within(
                     handoff.put((exc, None))
                     return
         finally:
+            with ending:
+                ended = True
             if streamer.stuck:
                 with contextlib.suppress(Exception):
                     chunks.close()  # type: ignore[attr-defined]
                 streamer.file_streamer.requests_iterator = None
-                _parked.append(streamer.file_streamer)
+                streamer.park()
                 logger.info("model %r: the store answered after its stream gave up; streamer parked", model)
 
     thread = threading.Thread(target=take, name="weightstream-store-read", daemon=True)
@@ -337,7 +381,11 @@ def _within(
             try:
                 failure, item = handoff.get(timeout=streamer.storage_timeout)
             except queue.Empty:
-                streamer.stuck = True
+                with ending:
+                    if not ended:
+                        streamer.give_up()
+                if not streamer.stuck:
+                    continue  # the thread ended just now: its item is in the handoff
                 raise StorageUnavailable(
                     f"model {model!r}: no bytes from the store for {streamer.storage_timeout:g} s "
                     "(--storage-timeout); try again"

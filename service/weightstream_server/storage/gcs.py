@@ -25,6 +25,7 @@ import google.api_core.exceptions as api_errors
 import google.auth.exceptions
 import requests.exceptions
 from google.cloud import storage
+from google.cloud.storage.retry import DEFAULT_RETRY
 
 from weightstream_server.errors import (
     AccessDenied,
@@ -41,6 +42,9 @@ _PIECE_BYTES = 8 * 1024 * 1024
 # Seconds: (connect, read) for requests, one short attempt for readiness probes.
 _TIMEOUT = (5.0, 30.0)
 _PROBE_TIMEOUT = (1.0, 1.0)
+# The SDK's own retries go on for 120 s against a store that refuses connections; a client's call
+# (30 s by default) would end DEADLINE_EXCEEDED first. Within this the answer is UNAVAILABLE.
+_RETRY = DEFAULT_RETRY.with_timeout(15.0)
 
 
 def configure_gcs() -> None:
@@ -72,7 +76,7 @@ class GcsStore:
     def list(self, bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
         objects: dict[str, tuple[int, str]] = {}
         with translated(bucket, prefix):
-            for blob in self._client.list_blobs(bucket, prefix=prefix, delimiter="/", timeout=_TIMEOUT):
+            for blob in self._client.list_blobs(bucket, prefix=prefix, delimiter="/", timeout=_TIMEOUT, retry=_RETRY):
                 objects[blob.name[len(prefix) :]] = (int(blob.size or 0), str(blob.generation))
         return objects
 
@@ -81,7 +85,9 @@ class GcsStore:
             return b""
         with translated(bucket, key):
             blob = self._client.bucket(bucket).blob(key, generation=int(version) if version else None)
-            data: bytes = blob.download_as_bytes(start=start, end=end - 1, checksum=None, timeout=_TIMEOUT)
+            data: bytes = blob.download_as_bytes(
+                start=start, end=end - 1, checksum=None, timeout=_TIMEOUT, retry=_RETRY
+            )
         if len(data) != end - start:
             raise CorruptCheckpoint(f"gs://{bucket}/{key}: read {len(data)} bytes at {start}, expected {end - start}")
         return data
@@ -120,7 +126,12 @@ def translated(bucket: str, key: str) -> Iterator[None]:
         raise StorageUnauthenticated(f"{where}: no Google credentials were found in the server's chain") from exc
     except google.auth.exceptions.GoogleAuthError as exc:
         raise StorageUnauthenticated(f"{where}: Google credentials failed ({type(exc).__name__})") from exc
-    except (api_errors.TooManyRequests, api_errors.ServerError, api_errors.RetryError) as exc:
+    except api_errors.RetryError as exc:
+        cause = type(exc.cause).__name__ if exc.cause is not None else "no answer"
+        raise StorageUnavailable(
+            f"{where}: Google Cloud Storage failed for {_RETRY.timeout:g} s of retries ({cause}); try again"
+        ) from exc
+    except (api_errors.TooManyRequests, api_errors.ServerError) as exc:
         raise StorageUnavailable(f"{where}: Google Cloud Storage failed ({type(exc).__name__}); try again") from exc
     except api_errors.GoogleAPIError as exc:
         raise StorageUnavailable(f"{where}: Google Cloud Storage request failed ({type(exc).__name__})") from exc

@@ -31,6 +31,7 @@ from weightstream_server.errors import (
     RequestTimeout,
     ServerError,
     ShmUnavailable,
+    StorageUnavailable,
     TcpUnavailable,
     TooManyStreams,
     status_code,
@@ -44,6 +45,8 @@ SERVICE: ServiceDescriptor = pb.DESCRIPTOR.services_by_name["WeightStreamService
 # A method name and its handler; the handler type is generic in the type stubs only.
 Handler: TypeAlias = "tuple[str, grpc.RpcMethodHandler[Any, Any]]"
 T = TypeVar("T")
+# Trailing metadata that tells a client's gRPC not to retry the call by itself (gRFC A6 pushback).
+NO_RETRY = ("grpc-retry-pushback-ms", "-1")
 
 
 def abort(context: grpc.ServicerContext, stats: ServerStats, method: str, model: str, exc: Exception) -> NoReturn:
@@ -56,6 +59,10 @@ def abort(context: grpc.ServicerContext, stats: ServerStats, method: str, model:
         # A client that falls back from shared memory or the data port to gRPC is no warning.
         level = logging.INFO if isinstance(exc, ShmUnavailable | TcpUnavailable) else logging.WARNING
         logger.log(level, "%s %r: %s: %s", method, model, code.name, exc)
+        if isinstance(exc, StorageUnavailable):
+            # The store's own client retried already: gRPC's retries (replicas.py) would repeat that
+            # and run past the call's deadline. The caller's RetryPolicy decides on another try.
+            context.set_trailing_metadata((NO_RETRY,))
         context.abort(code, str(exc))
     logger.error("%s %r: internal error", method, model, exc_info=exc)
     context.abort(code, f"internal error while serving model {model!r}: {type(exc).__name__}")
