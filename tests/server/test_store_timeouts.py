@@ -14,8 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from weightstream_server.errors import StorageUnavailable
+from weightstream_server.ops.metrics import create_registry
+from weightstream_server.ops.stats import ServerStats
 from weightstream_server.serving.reader import StreamerPool, _within
 
 TIMEOUT_S = 0.2
@@ -47,12 +50,15 @@ def test_a_read_given_up_on_is_counted_until_its_store_lets_go() -> None:
                 next(reads)
             assert streamer.stuck
         assert (pool.stuck, pool.in_use) == (1, 0)
+        metrics = create_registry(ServerStats(), 1, pool=pool)
+        assert "weightstream_store_reads_stuck 1.0" in generate_latest(metrics).decode()
         # The pool's one streamer is stuck: reads of stores are refused at once, naming the model.
         with pytest.raises(StorageUnavailable, match=r"gs://bucket/other.*1 reads of object stores still wait"):
             pool.refuse_stuck("gs://bucket/other")
         answer.set()
         _wait_for(lambda: pool.stuck == 0, "the streamer is parked once the store answers")
         pool.refuse_stuck("gs://bucket/other")
+        assert "weightstream_store_reads_stuck 0.0" in generate_latest(metrics).decode()
     finally:
         answer.set()
         pool.close()

@@ -175,6 +175,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
         server.revisions,
         server.changes,
         server.deltas,
+        server.pool,
     )
     tokens = server.tokens
 

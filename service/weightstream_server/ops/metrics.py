@@ -19,6 +19,7 @@ from weightstream_server.revisions.changes import Changes
 from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving.cache import CacheSnapshot, UnitCache
 from weightstream_server.serving.deltas import Deltas
+from weightstream_server.serving.reader import StreamerPool
 from weightstream_server.storage.disk_cache import DiskCacheSnapshot
 from weightstream_server.storage.tiers import Tiers
 
@@ -29,11 +30,19 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class StatsCollector(Collector):
     """Every weightstream_* metric, read from one ServerStats snapshot per scrape."""
 
-    def __init__(self, stats: ServerStats, max_streams: int, cache: UnitCache | None, tiers: Tiers) -> None:
+    def __init__(
+        self,
+        stats: ServerStats,
+        max_streams: int,
+        cache: UnitCache | None,
+        tiers: Tiers,
+        pool: StreamerPool | None = None,
+    ) -> None:
         self._stats = stats
         self._max_streams = max_streams
         self._cache = cache
         self._tiers = tiers
+        self._pool = pool
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats.snapshot()
@@ -44,6 +53,13 @@ class StatsCollector(Collector):
         yield GaugeMetricFamily(
             PREFIX + "max_streams", "Concurrent streams allowed; more get RESOURCE_EXHAUSTED.", value=self._max_streams
         )
+        if self._pool is not None:
+            yield GaugeMetricFamily(
+                PREFIX + "store_reads_stuck",
+                "Reads of object stores given up on (--storage-timeout) and still inside the store's backend; "
+                "at max_streams, new reads of object stores are refused UNAVAILABLE.",
+                value=self._pool.stuck,
+            )
         streams = CounterMetricFamily(
             PREFIX + "streams",
             "Streams ended, by model (empty when the stream ended before its model was found).",
@@ -138,10 +154,11 @@ def create_registry(
     revisions: RevisionStore | None = None,
     changes: Changes | None = None,
     deltas: Deltas | None = None,
+    pool: StreamerPool | None = None,
 ) -> CollectorRegistry:
     """A registry holding only this server's metrics."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(stats, max_streams, cache, tiers if tiers is not None else Tiers()))
+    registry.register(StatsCollector(stats, max_streams, cache, tiers if tiers is not None else Tiers(), pool))
     if revisions is not None and changes is not None:
         registry.register(RevisionsCollector(revisions, changes))
     if deltas is not None:
