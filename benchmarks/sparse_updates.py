@@ -50,6 +50,7 @@ from benchmarks.harness import free_port, serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
 from weightstream.client.deltas import APPLIER_THREADS
 from weightstream.protocol import wire
+from weightstream.protocol.deltas import Decoded
 from weightstream.samples import ParameterTree
 
 MODEL = "sparse-llama"
@@ -241,26 +242,26 @@ FLOOR = f"floor: XOR + CRC32C in memory (no wire, no decode, {APPLIER_THREADS} t
 
 
 def _floor(module: torch.nn.Module, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], runs: int) -> float:
-    """The least an update from a to b can cost on this host: each 1 MiB block of module's memory XORed
-    at its changed words and checksummed, as the client's delta threads do, with the words found and
-    decoded beforehand (median of runs, module reset to a between them)."""
+    """The least an update from a to b can cost on this host: each chunk of module's memory XORed at its
+    changed words and checksummed, as the client's delta threads do (Decoded.xor_into), with the words
+    found and decoded beforehand (median of runs, module reset to a between them)."""
     import numpy as np
 
     blocks = []
     for name, parameter in module.named_parameters():
         old = a[name].reshape(-1).view(torch.int16).numpy()
         new = b[name].reshape(-1).view(torch.int16).numpy()
-        target = parameter.detach().reshape(-1).view(torch.int16).numpy()
+        target = parameter.detach().reshape(-1).view(torch.uint8)
         step = wire.DEFAULT_CHUNK_BYTES // 2
         for start in range(0, old.size, step):
             places = np.flatnonzero(old[start : start + step] != new[start : start + step])
             xor = old[start : start + step][places] ^ new[start : start + step][places]
-            blocks.append((target[start : start + step], places, xor))
+            length = 2 * min(step, old.size - start)
+            blocks.append((target[2 * start : 2 * start + length], Decoded(length, places=places, values=xor)))
 
-    def apply(share: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-        for target, places, xor in share:
-            target[places] = np.bitwise_xor(target[places], xor)
-            wire.crc32c_at(target.ctypes.data, target.nbytes)
+    def apply(share: list[tuple[torch.Tensor, Decoded]]) -> None:
+        for target, decoded in share:
+            decoded.xor_into(target)
 
     times = []
     with ThreadPoolExecutor(APPLIER_THREADS) as pool:

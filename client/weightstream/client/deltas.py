@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from weightstream.client.placement import Destination
-from weightstream.protocol import wire
 from weightstream.protocol.deltas import ENCODINGS, Codec, DeltaUnusable
 
 __all__ = ["ENCODINGS", "Applier", "DeltaUnusable", "apply_delta", "codec"]
@@ -58,12 +57,7 @@ def codec() -> Codec:
 def apply_delta(dest: Destination, offset: int, length: int, address: int, payload_bytes: int, encoding: int) -> int:
     """XOR the delta (encoding, payload_bytes at address) into dest's bytes [offset, offset + length); their
     CRC32C after. DeltaUnusable (dest untouched) when the payload does not decode as its form says."""
-    view = dest.buffer[offset : offset + length]
-    codec().xor_into(view, offset, address, payload_bytes, encoding)
-    if view.device.type != "cpu":
-        landed = view.cpu()
-        return wire.crc32c_at(landed.data_ptr(), length)
-    return wire.crc32c_at(view.data_ptr(), length)
+    return codec().xor_into(dest.buffer[offset : offset + length], offset, address, payload_bytes, encoding)
 
 
 class Applier(Generic[T]):
@@ -113,5 +107,4 @@ class Applier(Generic[T]):
         except DeltaUnusable as exc:
             logger.warning("%s: a delta did not decode (%s)", self._label, exc)
             return None
-        decoded.xor_into(view)
-        return wire.crc32c_at(view.data_ptr(), view.numel())
+        return decoded.xor_into(view)

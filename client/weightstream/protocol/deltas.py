@@ -74,37 +74,39 @@ class Decoded:
         self.places = places
         self.values = values
 
-    def xor_into(self, view: torch.Tensor) -> None:
-        """view (the chunk's bytes, flat uint8, length of them) ^= this delta."""
-        if self.dense is not None:
-            self._xor_dense(view, self.dense)
-        elif self.places is not None and self.values is not None:
-            self._xor_sparse(view, self.places, self.values)
-
-    @staticmethod
-    def _xor_dense(view: torch.Tensor, xor: torch.Tensor) -> None:
+    def xor_into(self, view: torch.Tensor) -> int:
+        """view (the chunk's bytes, flat uint8, length of them) ^= this delta; the CRC32C of the result."""
         if view.device.type != "cpu":
-            view.bitwise_xor_(xor.to(view.device))
-            return
-        # Piece by piece: a piece this size is below torch's grain for splitting an operation over
-        # threads, which on a busy host cost more than the XOR itself.
-        length = view.numel()
-        words = torch.int64 if view.data_ptr() % 8 == 0 and length % 8 == 0 else torch.uint8
-        for start in range(0, length, wire.CACHE_PIECE_BYTES):
-            end = min(length, start + wire.CACHE_PIECE_BYTES)
-            view[start:end].view(words).bitwise_xor_(xor[start:end].view(words))
-
-    @staticmethod
-    def _xor_sparse(view: torch.Tensor, places: np.ndarray, values: np.ndarray) -> None:
+            if self.dense is not None:
+                view.bitwise_xor_(self.dense.to(view.device))
+            elif self.places is not None and self.values is not None:
+                on = view.view(torch.int16 if self.values.dtype == np.int16 else torch.uint8)
+                at = torch.from_numpy(self.places).to(view.device)
+                on[at] = on[at] ^ torch.from_numpy(self.values).to(view.device)
+            landed = view.cpu()
+            return wire.crc32c_at(landed.data_ptr(), landed.numel())
+        address, length = view.data_ptr(), view.numel()
+        if self.dense is not None:
+            # Piece by piece: each is checksummed while the XOR has it in the core's cache, and a piece
+            # this size is below torch's grain for splitting an operation over threads (which on a
+            # busy host cost more than the XOR itself).
+            words = torch.int64 if address % 8 == 0 and length % 8 == 0 else torch.uint8
+            xor = self.dense
+            crc = 0
+            for start in range(0, length, wire.CACHE_PIECE_BYTES):
+                end = min(length, start + wire.CACHE_PIECE_BYTES)
+                view[start:end].view(words).bitwise_xor_(xor[start:end].view(words))
+                crc = wire.crc32c_at(address + start, end - start, crc)
+            return crc
+        if self.places is None or self.values is None or not self.places.size:
+            return wire.crc32c_at(address, length)
         # numpy on the host: its gather and scatter run on this thread, where torch's would wake its
         # thread pool for every chunk (slower here than the work, on a host whose cores are busy).
-        if view.device.type == "cpu":
-            target = view.numpy().view(values.dtype)
-            target[places] = np.bitwise_xor(target[places], values)
-            return
-        on = view.view(torch.int16 if values.dtype == np.int16 else torch.uint8)
-        at = torch.from_numpy(places).to(view.device)
-        on[at] = on[at] ^ torch.from_numpy(values).to(view.device)
+        # One scatter, then one checksum: in pieces, the two ran no faster end to end, since each
+        # piece's calls wait again for the interpreter's lock that the stream's thread holds.
+        target = view.numpy().view(self.values.dtype)
+        target[self.places] = np.bitwise_xor(target[self.places], self.values)
+        return wire.crc32c_at(address, length)
 
 
 class Codec:
@@ -135,9 +137,10 @@ class Codec:
             encoding, payload = XOR_ZSTD, self._compress(_view_of(xor))
         return (encoding, payload) if len(payload) <= WORTH * length else None
 
-    def xor_into(self, view: torch.Tensor, offset: int, address: int, payload_bytes: int, encoding: int) -> None:
-        """view (the destination's bytes of a chunk at offset, flat uint8) ^= the delta at address."""
-        self.decode(view.numel(), offset, address, payload_bytes, encoding).xor_into(view)
+    def xor_into(self, view: torch.Tensor, offset: int, address: int, payload_bytes: int, encoding: int) -> int:
+        """view (the destination's bytes of a chunk at offset, flat uint8) ^= the delta at address; the
+        CRC32C of the result (DeltaUnusable, view untouched, when the delta does not decode)."""
+        return self.decode(view.numel(), offset, address, payload_bytes, encoding).xor_into(view)
 
     def decode(
         self, length: int, offset: int, address: int, payload_bytes: int, encoding: int, *, own: bool = False

@@ -575,12 +575,11 @@ class PartInFlight:
         def apply(at: int) -> int:
             view = self.part.buffer[at - self._base : at - self._base + length]
             try:
-                self._codec.xor_into(view, offset, address, payload_bytes, encoding)
+                return self._codec.xor_into(view, offset, address, payload_bytes, encoding)
             except delta_forms.DeltaUnusable as exc:
                 raise CorruptCheckpoint(
                     f"publish of model {self.model!r}: tensor {tensor.name!r}: the delta at byte {offset}: {exc}"
                 ) from None
-            return wire.crc32c_at(at, length)
 
         self._check(tensor, offset, length, crc32c, apply)
         self.part.based[tensor.name] = offset + length
