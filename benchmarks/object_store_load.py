@@ -5,7 +5,8 @@ says how each is reached):
 
 - weightstream: `weightstream serve --gcs-bucket/--azure-container` (its own process) reads the
   objects with the Run:ai streamer's backend for the store; the client writes into a module's
-  existing parameters over loopback gRPC;
+  existing parameters from the server's data port (what transport="auto" takes from another host),
+  and again over gRPC alone;
 - the Run:ai streamer reading the store directly (SafetensorsStreamer, owned=False) in a process
   of its own set up like the server's, each tensor copied into the module's parameter: the baseline
   of the "<= 1.2x" goal;
@@ -53,6 +54,10 @@ from weightstream.client import WeightStreamClient
 from weightstream.samples import ParameterTree
 
 BUCKET = "bench"
+# The client's default (transport="auto") on another host than the server's: its data port.
+TCP = "tcp"
+WEIGHTSTREAM = "weightstream load_into (data port, the default)"
+OVER_GRPC = "weightstream load_into over gRPC"
 
 # The Run:ai streamer in a process of its own: argv[1] a JSON list of object URLs, argv[2] runs; prints seconds.
 STREAMER_SCRIPT = """
@@ -138,17 +143,16 @@ def measure(kind: str, gb: float, runs: int) -> tuple[int, dict[str, list[float]
             upload(work / "model", "llama")
             shards = sorted(p.name for p in (work / "model").glob("*.safetensors"))
             model = f"{scheme}{BUCKET}/llama"
-            grpc_port, http_port = free_ports(2)
+            grpc_port, http_port, data_port = free_ports(3)
             args = ["--host", LOOPBACK, "--grpc-port", str(grpc_port), "--http-port", str(http_port), flag, BUCKET]
+            args += ["--data-port", str(data_port)]
             with serve_process(args, work, clean_env(**env), wrap=wrap) as server:
                 target = f"{LOOPBACK}:{grpc_port}"
                 wait_grpc_ready(server, target, model)
-                with WeightStreamClient(target, progress=False) as client:
-                    client.load_into(module, model)  # warm the server's streamer and the channel
-                    times = []
-                    for _ in range(runs):
-                        times.append(client.load_into(module, model).seconds)
-                    results["weightstream load_into"] = times
+                for transport, name in ((TCP, WEIGHTSTREAM), ("grpc", OVER_GRPC)):
+                    with WeightStreamClient(target, progress=False, transport=transport) as client:
+                        client.load_into(module, model)  # warm the server's streamer and the channel
+                        results[name] = [client.load_into(module, model).seconds for _ in range(runs)]
 
             command = [sys.executable, "-c", STREAMER_SCRIPT, json.dumps([f"{model}/{s}" for s in shards]), str(runs)]
             done = subprocess.run(
@@ -197,7 +201,7 @@ def main() -> None:
         print(f"\n{kind}: {total / 1e9:.2f} GB bfloat16 in {emulator} on 127.0.0.1; medians of {args.runs} runs")
         print("| path | median s | median GB/s | min..max GB/s | x weightstream |")
         print("|---|---|---|---|---|")
-        ws = medians["weightstream load_into"]
+        ws = medians[WEIGHTSTREAM]
         for name, times in results.items():
             rates = sorted(total / t / 1e9 for t in times)
             print(
@@ -207,8 +211,10 @@ def main() -> None:
         direct = medians["Run:ai streamer on its own"]
         download = next(v for k, v in medians.items() if k.endswith("download + load_file"))
         fastest = min(medians.values())
+        over_grpc = medians[OVER_GRPC]
         print(f"weightstream / Run:ai streamer on its own: {ws / direct:.2f}x the time (goal <= 1.2)")
         print(f"weightstream / download-then-load:          {ws / download:.2f}x the time (goal <= 0.6)")
+        print(f"weightstream over gRPC / Run:ai streamer:    {over_grpc / direct:.2f}x the time")
         bound = "goal <= 1.1 where the emulator bounds every path"
         print(f"weightstream / fastest path:                {ws / fastest:.2f}x the time ({bound})")
 
