@@ -14,7 +14,9 @@ says how each is reached):
   module.load_state_dict (the usual "download, then load"): the baseline of the "<= 0.6x" goal.
 
 Every path writes into a module of the same shapes whose memory was touched before the first run.
-Prints medians and spreads of --runs runs per path, and the ratios.
+Prints medians and spreads of --runs runs per path, the ratios, and the CPU seconds of a load on
+each side: the processes that load (weightstream: its server and client) and the emulator. On a
+host of few cores they say where the time goes when every process wants one.
 
 Usage (from the repository root, after `make test`): python benchmarks/object_store_load.py [--gb 0.5] [--runs 3]
 """
@@ -38,7 +40,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import write_checkpoint
+from benchmarks.harness import process_cpu_seconds, self_cpu_seconds, write_checkpoint
 from tests.support.commands import clean_env
 from tests.support.object_stores import (
     azurite_tls,
@@ -58,8 +60,10 @@ BUCKET = "bench"
 TCP = "tcp"
 WEIGHTSTREAM = "weightstream load_into (data port, the default)"
 OVER_GRPC = "weightstream load_into over gRPC"
+STREAMER = "Run:ai streamer on its own"
 
-# The Run:ai streamer in a process of its own: argv[1] a JSON list of object URLs, argv[2] runs; prints seconds.
+# The Run:ai streamer in a process of its own: argv[1] a JSON list of object URLs, argv[2] runs; prints
+# [seconds of each run, CPU seconds of each run].
 STREAMER_SCRIPT = """
 import json, sys, time
 import torch
@@ -68,9 +72,9 @@ from weightstream.allocator import tune_malloc
 tune_malloc()
 urls, runs = json.loads(sys.argv[1]), int(sys.argv[2])
 params = {}
-times = []
+times, cpu = [], []
 for run in range(runs + 1):  # the first run warms up
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     with SafetensorsStreamer() as streamer:
         streamer.stream_files(urls, None, "cpu", owned=False)
         with torch.no_grad():
@@ -81,14 +85,16 @@ for run in range(runs + 1):  # the first run warms up
                 params[name].copy_(tensor)
     if run:
         times.append(time.perf_counter() - started)
-print(json.dumps(times))
+        cpu.append(time.process_time() - cpu_started)
+print(json.dumps([times, cpu]))
 """
 
 
 @contextlib.contextmanager
-def _store(kind: str, work: Path) -> Iterator[tuple[dict[str, str], Callable[[list[str]], list[str]] | None, Any]]:
+def _store(kind: str, work: Path) -> Iterator[tuple[dict[str, str], Callable[[list[str]], list[str]] | None, Any, int]]:
     """The emulator of kind: the environment that points a process at it, the command wrapper it needs,
-    and (folder, prefix) -> None uploading, with (prefix) -> {name: bytes} downloading through the SDK."""
+    (folder, prefix) -> None uploading with (prefix) -> {name: bytes} downloading through the SDK,
+    and the emulator's process id."""
     if kind == "gcs":
         with gcs_emulator(work) as emulator:
             client = gcs_client(emulator)
@@ -102,7 +108,8 @@ def _store(kind: str, work: Path) -> Iterator[tuple[dict[str, str], Callable[[li
                 return paths
 
             env = {"STORAGE_EMULATOR_HOST": emulator.endpoint, "CLOUD_STORAGE_EMULATOR_ENDPOINT": emulator.endpoint}
-            yield env, None, (lambda folder, prefix: upload_gcs(client, folder, BUCKET, prefix), download)
+            uploads = (lambda folder, prefix: upload_gcs(client, folder, BUCKET, prefix), download)
+            yield env, None, uploads, emulator.proc.pid
     else:
         with azurite_tls(work) as azurite:
             client = azurite.client()
@@ -128,18 +135,35 @@ def _store(kind: str, work: Path) -> Iterator[tuple[dict[str, str], Callable[[li
             def wrap(command: list[str]) -> list[str]:
                 return namespaced(azurite.bundle_dir, command)
 
-            yield env, wrap, (lambda folder, prefix: upload_azure(client, folder, BUCKET, prefix), download)
+            uploads = (lambda folder, prefix: upload_azure(client, folder, BUCKET, prefix), download)
+            yield env, wrap, uploads, azurite.azurite.proc.pid
 
 
-def measure(kind: str, gb: float, runs: int) -> tuple[int, dict[str, list[float]]]:
+def measure(kind: str, gb: float, runs: int) -> tuple[int, dict[str, list[float]], dict[str, tuple[float, float]]]:
+    """The checkpoint's bytes; each path's seconds per run; each path's median CPU seconds per load
+    (the loading side's processes, the emulator's)."""
     scheme = {"gcs": "gs://", "azure": "az://"}[kind]
     flag = {"gcs": "--gcs-bucket", "azure": "--azure-container"}[kind]
     results: dict[str, list[float]] = {}
+    cpu: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(prefix=f"weightstream-{kind}-bench-") as tmp:
         work = Path(tmp)
         total, shapes = write_checkpoint(work / "model", gb)
         module = ParameterTree(shapes)
-        with _store(kind, work) as (env, wrap, (upload, download)):
+        with _store(kind, work) as (env, wrap, (upload, download), store_pid):
+
+            def timed(name: str, load: Callable[[], float], *loaders: int) -> None:
+                """runs of load (its seconds), with the CPU seconds of this process, loaders and the store."""
+                times, spent, served = [], [], []
+                for _ in range(runs):
+                    before = self_cpu_seconds() + sum(map(process_cpu_seconds, loaders))
+                    store_before = process_cpu_seconds(store_pid)
+                    times.append(load())
+                    spent.append(self_cpu_seconds() + sum(map(process_cpu_seconds, loaders)) - before)
+                    served.append(process_cpu_seconds(store_pid) - store_before)
+                results[name] = times
+                cpu[name] = (statistics.median(spent), statistics.median(served))
+
             upload(work / "model", "llama")
             shards = sorted(p.name for p in (work / "model").glob("*.safetensors"))
             model = f"{scheme}{BUCKET}/llama"
@@ -152,9 +176,10 @@ def measure(kind: str, gb: float, runs: int) -> tuple[int, dict[str, list[float]
                 for transport, name in ((TCP, WEIGHTSTREAM), ("grpc", OVER_GRPC)):
                     with WeightStreamClient(target, progress=False, transport=transport) as client:
                         client.load_into(module, model)  # warm the server's streamer and the channel
-                        results[name] = [client.load_into(module, model).seconds for _ in range(runs)]
+                        timed(name, lambda c=client: c.load_into(module, model).seconds, server.proc.pid)
 
             command = [sys.executable, "-c", STREAMER_SCRIPT, json.dumps([f"{model}/{s}" for s in shards]), str(runs)]
+            store_before = process_cpu_seconds(store_pid)
             done = subprocess.run(
                 wrap(command) if wrap else command,
                 env=clean_env(**env, PYTHONPATH=str(Path(__file__).resolve().parent.parent)),
@@ -165,11 +190,12 @@ def measure(kind: str, gb: float, runs: int) -> tuple[int, dict[str, list[float]
             )
             if done.returncode:
                 raise SystemExit(f"the Run:ai streamer run failed ({done.returncode}):\n{done.stderr[-4000:]}")
-            results["Run:ai streamer on its own"] = json.loads(done.stdout.strip().splitlines()[-1])
+            times, spent = json.loads(done.stdout.strip().splitlines()[-1])
+            results[STREAMER] = times
+            # The store served runs + 1 loads (the first warmed up), and nothing else meanwhile.
+            cpu[STREAMER] = (statistics.median(spent), (process_cpu_seconds(store_pid) - store_before) / (runs + 1))
 
-            sdk = "google-cloud-storage" if kind == "gcs" else "azure-storage-blob"
-            times = []
-            for _ in range(runs):
+            def download_then_load() -> float:
                 into = work / "download"
                 into.mkdir(exist_ok=True)
                 started = time.perf_counter()
@@ -177,12 +203,15 @@ def measure(kind: str, gb: float, runs: int) -> tuple[int, dict[str, list[float]
                 for path in download("llama", into):
                     loaded.update(load_file(str(path)))
                 module.load_state_dict(loaded)
-                times.append(time.perf_counter() - started)
+                seconds = time.perf_counter() - started
                 del loaded
                 for path in into.iterdir():
                     path.unlink()
-            results[f"{sdk} download + load_file"] = times
-    return total, results
+                return seconds
+
+            sdk = "google-cloud-storage" if kind == "gcs" else "azure-storage-blob"
+            timed(f"{sdk} download + load_file", download_then_load)
+    return total, results, cpu
 
 
 def main() -> None:
@@ -195,20 +224,21 @@ def main() -> None:
 
     tune_malloc()
     for kind in args.stores.split(","):
-        total, results = measure(kind, args.gb, args.runs)
+        total, results, cpu = measure(kind, args.gb, args.runs)
         medians = {name: statistics.median(times) for name, times in results.items()}
         emulator = "gcp-storage-emulator" if kind == "gcs" else "Azurite (TLS)"
         print(f"\n{kind}: {total / 1e9:.2f} GB bfloat16 in {emulator} on 127.0.0.1; medians of {args.runs} runs")
-        print("| path | median s | median GB/s | min..max GB/s | x weightstream |")
-        print("|---|---|---|---|---|")
+        print("| path | median s | median GB/s | min..max GB/s | x weightstream | CPU s: loading side | CPU s: store |")
+        print("|---|---|---|---|---|---|---|")
         ws = medians[WEIGHTSTREAM]
         for name, times in results.items():
             rates = sorted(total / t / 1e9 for t in times)
             print(
                 f"| {name} | {medians[name]:.2f} | {total / medians[name] / 1e9:.2f} | "
-                f"{rates[0]:.2f}..{rates[-1]:.2f} | {medians[name] / ws:.2f} |"
+                f"{rates[0]:.2f}..{rates[-1]:.2f} | {medians[name] / ws:.2f} | "
+                f"{cpu[name][0]:.2f} | {cpu[name][1]:.2f} |"
             )
-        direct = medians["Run:ai streamer on its own"]
+        direct = medians[STREAMER]
         download = next(v for k, v in medians.items() if k.endswith("download + load_file"))
         fastest = min(medians.values())
         over_grpc = medians[OVER_GRPC]
@@ -217,6 +247,11 @@ def main() -> None:
         print(f"weightstream over gRPC / Run:ai streamer:    {over_grpc / direct:.2f}x the time")
         bound = "goal <= 1.1 where the emulator bounds every path"
         print(f"weightstream / fastest path:                {ws / fastest:.2f}x the time ({bound})")
+        print(
+            "CPU s: medians per load; the loading side is the server and client for weightstream, the process "
+            "for the others"
+            + (" (the benchmark's own, with the CONNECT proxy to Azurite in it)" if kind == "azure" else "")
+        )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -46,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import free_port, serve_weightstream, write_checkpoint
+from benchmarks.harness import free_port, process_cpu_seconds, serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
 from weightstream.client.deltas import APPLIER_THREADS
 from weightstream.protocol import wire
@@ -67,11 +66,6 @@ def served(http_port: int) -> int:
 
 def deltas(http_port: int) -> dict[str, float]:
     return status(http_port)["revisions"]["deltas"]  # type: ignore[index,no-any-return]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stepped(state: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
@@ -161,9 +155,9 @@ def main() -> int:
                             times, sent, cpu = [], [], []
                             for _ in range(count):
                                 reset(loader, a)
-                                before, cpu_before = served(http_port), cpu_seconds(proc.pid)
+                                before, cpu_before = served(http_port), process_cpu_seconds(proc.pid)
                                 report = client.update_into(loader, MODEL, since=revision_a, deltas=use)
-                                cpu.append(cpu_seconds(proc.pid) - cpu_before)
+                                cpu.append(process_cpu_seconds(proc.pid) - cpu_before)
                                 sent.append(served(http_port) - before)
                                 times.append(report.seconds)
                                 assert report.revision == revision_b and not report.delta_fallbacks
