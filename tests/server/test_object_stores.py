@@ -385,5 +385,11 @@ def test_a_dead_store_is_unavailable_within_a_call_and_local_models_still_load(
             ) as info:
                 client.load_state_dict(model_id)
             assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            # The bucket is now known not to answer: its other models fail at once, naming why,
+            # instead of holding a worker for short calls through another 15 s of retries.
+            started = time.monotonic()
+            with pytest.raises(UnavailableError, match=rf"{BUCKET}/other.*did not answer .*15 s of retries") as info:
+                client.manifest(f"{model_id.rsplit('/', 1)[0]}/other")
+            assert time.monotonic() - started < 5 and info.value.code == grpc.StatusCode.UNAVAILABLE
             assert_bytes_identical(load_folder(tiny_llama_folder), client.load_state_dict("tiny"))
         served.server.assert_running()
