@@ -16,7 +16,8 @@ number of client streams (--streams, default 1; 2 decodes deltas on two threads)
   it by much on a host whose cores it shares with the server, since reading and writing the
   module's memory (not decoding) is most of it.
 
-Between runs the module is set back to A locally (not timed). Reported: medians of --runs of the
+Each run takes the full load and every update in turn (a host whose speed drifts moves them
+together); before each update the module is set back to A locally (not timed). Reported: medians of --runs of the
 update's seconds, its ratio to the full load, bytes on the wire (the server's /status), their ratio
 to the model, and the server's CPU seconds for the update (/proc). Then four modules update from A
 to B at once (tcp): wall time, and how many deltas the server computed against how many it served.
@@ -136,40 +137,38 @@ def main() -> int:
                     if transport == "shm":
                         options["shm_dir"] = "/dev/shm"
                     with WeightStreamClient(f"127.0.0.1:{port}", **options) as client:  # type: ignore[arg-type]
-                        loads = []
+                        via = f"{transport}" if streams == 1 else f"{transport} x{streams}"
+                        # The server keeps each (A, B, chunk) delta for every client: only the first
+                        # configuration of a B sees them computed, once, before the runs.
+                        first = (transport, streams) == transports[0]
+                        if first:
+                            computed = _update(client, loader, a, revision_a, revision_b, True, proc.pid, http_port)
+                        # Each run takes the full load and every update in turn, so that a host whose
+                        # speed drifts during the run moves them together.
+                        loads: list[float] = []
+                        updates: dict[bool, list[tuple[float, int, float]]] = {False: [], True: []}
                         for _ in range(args.runs):
                             loads.append(client.load_into(loader, MODEL, revision=revision_b).seconds)
+                            for use, kept in updates.items():
+                                kept.append(
+                                    _update(client, loader, a, revision_a, revision_b, use, proc.pid, http_port)
+                                )
                         full = statistics.median(loads)
-                        via = f"{transport}" if streams == 1 else f"{transport} x{streams}"
                         rows.append((f"{fraction:.1%}", f"{via}: full load_into", full, 1.0, total, 0.0))
-                        # The server keeps each (A, B, chunk) delta for every client: only the first
-                        # configuration of a B sees them computed.
-                        first = (transport, streams) == transports[0]
-                        for label, use, count in (
-                            ("update_into, no deltas", False, args.runs),
-                            ("update_into, first (computes)", True, 1 if first else 0),
-                            ("update_into, kept deltas", True, args.runs),
-                        ):
-                            if not count:
-                                continue
-                            times, sent, cpu = [], [], []
-                            for _ in range(count):
-                                reset(loader, a)
-                                before, cpu_before = served(http_port), process_cpu_seconds(proc.pid)
-                                report = client.update_into(loader, MODEL, since=revision_a, deltas=use)
-                                cpu.append(process_cpu_seconds(proc.pid) - cpu_before)
-                                sent.append(served(http_port) - before)
-                                times.append(report.seconds)
-                                assert report.revision == revision_b and not report.delta_fallbacks
-                            seconds = statistics.median(times)
+                        cases = [("update_into, no deltas", updates[False])]
+                        if first:
+                            cases.append(("update_into, first (computes)", [computed]))
+                        cases.append(("update_into, kept deltas", updates[True]))
+                        for label, measured in cases:
+                            seconds = statistics.median(m[0] for m in measured)
                             rows.append(
                                 (
                                     f"{fraction:.1%}",
                                     f"{via}: {label}",
                                     seconds,
                                     seconds / full,
-                                    int(statistics.median(sent)),
-                                    statistics.median(cpu),
+                                    int(statistics.median(m[1] for m in measured)),
+                                    statistics.median(m[2] for m in measured),
                                 )
                             )
                     check(loader, b)
@@ -266,6 +265,26 @@ def _floor(module: torch.nn.Module, a: dict[str, torch.Tensor], b: dict[str, tor
             times.append(time.perf_counter() - started)
     check(module, b)
     return statistics.median(times)
+
+
+def _update(
+    client: WeightStreamClient,
+    loader: torch.nn.Module,
+    a: dict[str, torch.Tensor],
+    revision_a: str,
+    revision_b: str,
+    use: bool,
+    server_pid: int,
+    http_port: int,
+) -> tuple[float, int, float]:
+    """loader set back to a, then updated to revision_b (with deltas or not): the update's seconds,
+    the bytes the server sent for it and the server's CPU seconds meanwhile."""
+    reset(loader, a)
+    before, cpu_before = served(http_port), process_cpu_seconds(server_pid)
+    report = client.update_into(loader, MODEL, since=revision_a, deltas=use)
+    cpu = process_cpu_seconds(server_pid) - cpu_before
+    assert report.revision == revision_b and not report.delta_fallbacks
+    return report.seconds, served(http_port) - before, cpu
 
 
 def received(http_port: int) -> int:
