@@ -10,7 +10,7 @@ import pytest
 import torch
 import zstandard
 
-from weightstream.client.deltas import Applier, DeltaUnusable, apply_delta
+from weightstream.client.deltas import Applier, DeltaUnusable, applier_threads, apply_delta
 from weightstream.client.placement import Destination
 from weightstream.protocol import wire
 from weightstream.protocol.deltas import Decoded
@@ -117,3 +117,9 @@ def test_the_applier_reports_each_delta_in_order_and_none_for_one_that_fails(
     finally:
         applier.close()
     assert "applying a delta failed" in caplog.text
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 2), (2, 2), (5, 2), (6, 3), (16, 8), (96, 8)])
+def test_delta_threads_follow_the_cores_a_client_may_use(cores: int, threads: int) -> None:
+    # Half the cores: two on a small host (decoding overlaps applying), never more than the memory bus takes.
+    assert applier_threads(cores) == threads

@@ -19,6 +19,7 @@ results are taken.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -37,11 +38,26 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-# How many deltas an Applier holds at most (each a copy of its payload), and the threads of a load's
-# Appliers together: two, so that decoding one delta overlaps XORing another into memory and
-# checksumming it (more only contend for the memory bus, which the XOR and checksum are bound by).
-APPLIER_DEPTH = 8
-APPLIER_THREADS = 2
+
+def applier_threads(cores: int) -> int:
+    """The threads of a load's Appliers together, on a host where this process may run on cores: half of
+    them (the rest for the stream's thread, the engine and a server beside it), at least two, so that
+    decoding one delta overlaps XORing another into memory and checksumming it, and at most eight,
+    beyond which the XOR and checksum only contend for the memory bus they are bound by."""
+    return max(2, min(8, cores // 2))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
+# The threads of a load's Appliers on this host, and how many deltas an Applier holds at most (each a
+# copy of its payload): enough to keep its threads busy.
+APPLIER_THREADS = applier_threads(_cores())
+APPLIER_DEPTH = max(8, 2 * APPLIER_THREADS)
 
 _local = threading.local()
 
