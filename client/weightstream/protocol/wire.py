@@ -10,9 +10,8 @@ import ctypes
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-import google_crc32c
+from awscrt import checksums
 
 # Payload bytes per chunk. Messages of a few MiB move fastest over gRPC; much larger ones are
 # slower because each message is buffered whole on both sides.
@@ -44,14 +43,14 @@ class TensorSlice:
     stop: int
 
 
-def crc32c(data: bytes) -> int:
+def crc32c(data: bytes | memoryview) -> int:
     """CRC32C (Castagnoli) of data, as TensorChunk.crc32c carries it."""
-    return int(google_crc32c.value(data))
+    return int(checksums.crc32c(data))
 
 
-def crc32c_extend(crc: int, data: bytes) -> int:
+def crc32c_extend(crc: int, data: bytes | memoryview) -> int:
     """CRC32C of the bytes crc covers followed by data (crc32c_extend(0, data) == crc32c(data))."""
-    return int(google_crc32c.extend(crc, data))
+    return int(checksums.crc32c(data, crc))
 
 
 def crc32c_of_range(
@@ -81,13 +80,11 @@ def is_plain_file_name(name: str) -> bool:
 def crc32c_at(address: int, length: int, crc: int = 0) -> int:
     """CRC32C of the bytes crc covers followed by the length bytes at address, without copying them.
 
-    google-crc32c's Python functions take only bytes objects; its bundled C library takes any
-    memory (a tensor, a ring slot, a slice of a received message) and releases the GIL while it
-    runs. Where that library cannot be found, the bytes are copied once and checksummed in Python.
+    Any memory: a tensor, a ring slot, a slice of a received message. The AWS Common Runtime's
+    checksum (awscrt) releases the GIL while it runs; it checksums about twice as fast as
+    google-crc32c on bytes read from memory, and three times on bytes in the core's cache.
     """
-    if _native_extend is not None:
-        return int(_native_extend(crc, address, length))
-    return crc32c_extend(crc, ctypes.string_at(address, length))
+    return int(checksums.crc32c(memory_at(address, length), crc))
 
 
 def memory_at(address: int, size: int) -> memoryview:
@@ -118,26 +115,6 @@ _PYBUF_WRITE = 0x200
 _memory_from = ctypes.pythonapi.PyMemoryView_FromMemory
 _memory_from.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 _memory_from.restype = ctypes.py_object
-
-
-def _load_native_extend() -> Callable[[int, int, int], int] | None:
-    package = Path(google_crc32c.__file__).parent
-    candidates = sorted(package.parent.glob("google_crc32c.libs/libcrc32c*.so*")) + sorted(
-        package.glob("libcrc32c*.so*")
-    )
-    for candidate in candidates:
-        try:
-            library = ctypes.CDLL(str(candidate))
-        except OSError:
-            continue
-        function = library.crc32c_extend
-        function.restype = ctypes.c_uint32
-        function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        return function
-    return None
-
-
-_native_extend = _load_native_extend()
 
 
 def clamp_chunk_bytes(requested: int) -> int:
