@@ -45,7 +45,7 @@ class TensorSlice:
 
 def crc32c(data: bytes | memoryview) -> int:
     """CRC32C (Castagnoli) of data, as TensorChunk.crc32c carries it."""
-    return int(checksums.crc32c(data))
+    return crc32c_extend(0, data)
 
 
 def crc32c_extend(crc: int, data: bytes | memoryview) -> int:
@@ -84,7 +84,7 @@ def crc32c_at(address: int, length: int, crc: int = 0) -> int:
     checksum (awscrt) releases the GIL while it runs; it checksums about twice as fast as
     google-crc32c on bytes read from memory, and three times on bytes in the core's cache.
     """
-    return int(checksums.crc32c(memory_at(address, length), crc))
+    return crc32c_extend(crc, memory_at(address, length))
 
 
 def memory_at(address: int, size: int) -> memoryview:
