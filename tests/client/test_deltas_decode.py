@@ -123,3 +123,48 @@ def test_the_applier_reports_each_delta_in_order_and_none_for_one_that_fails(
 def test_delta_threads_follow_the_cores_a_client_may_use(cores: int, threads: int) -> None:
     # Half the cores: two on a small host (decoding overlaps applying), never more than the memory bus takes.
     assert applier_threads(cores) == threads
+
+
+def test_the_applier_holds_at_most_its_depth_of_deltas_and_the_stream_waits_for_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each delta in flight is a copy of its payload: a server sending deltas faster than they are applied
+    makes the stream's thread wait, not the client's memory grow."""
+    import threading
+
+    from weightstream.client import deltas
+
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def held(self: Decoded, view: torch.Tensor) -> int:
+        started.release()
+        release.wait(10)
+        return 0
+
+    monkeypatch.setattr(Decoded, "xor_into", held)
+    total = deltas.APPLIER_DEPTH + 3
+    target = torch.zeros(total * 4096, dtype=torch.uint8)
+    payload = frame(sparse([0], [1]))
+    submitted: list[int] = []
+    applier: Applier[int] = Applier("model 'm'", threads=1)
+
+    def stream() -> None:
+        for token in range(total):
+            view = target[4096 * token : 4096 * (token + 1)]
+            applier.submit(token, view, 0, wire.memory_at(payload.data_ptr(), payload.numel()), SPARSE)
+            submitted.append(token)
+
+    feeder = threading.Thread(target=stream)
+    try:
+        feeder.start()
+        assert started.acquire(timeout=10)  # the worker holds the first delta
+        feeder.join(0.5)
+        assert feeder.is_alive() and len(submitted) == deltas.APPLIER_DEPTH
+        release.set()
+        feeder.join(10)
+        assert [token for token, _ in applier.results(wait=True)] == list(range(total))
+    finally:
+        release.set()
+        feeder.join(10)
+        applier.close()
