@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +17,12 @@ from safetensors.torch import save_file
 from tests.support.faults import CuttingProxy
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.servers import loopback_settings, serving
-from weightstream.client import RetryPolicy, WeightStreamClient
+from tests.support.tampering import TamperingProxy
+from weightstream.client import IntegrityError, RetryPolicy, WeightStreamClient
 from weightstream.protocol import deltas as delta_forms
+from weightstream.protocol import wire
 from weightstream.samples import ParameterTree
+from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server import WeightStreamServer
 from weightstream_server.serving import deltas as server_deltas
 from weightstream_server.serving.chunks import ServedChunk
@@ -495,8 +498,6 @@ def test_hostile_delta_publishes_are_refused_and_leave_the_current_revision(serv
 
     from weightstream.client.revisions import publish_start
     from weightstream.protocol import deltas as forms
-    from weightstream.protocol import wire
-    from weightstream.v1 import weightstream_pb2 as pb
     from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 
     a = state_of(0)
@@ -554,7 +555,6 @@ def test_a_server_that_sends_deltas_unasked_is_an_integrity_error(
 ) -> None:
     """A rogue server (ours, made to encode every tensor against A whatever the request says): the
     client asked for no deltas, so an encoded chunk is refused rather than XORed into its module."""
-    from weightstream.client import IntegrityError
     from weightstream_server.serving.stream_session import StreamSession
 
     a = state_of(0)
@@ -573,3 +573,53 @@ def test_a_server_that_sends_deltas_unasked_is_an_integrity_error(
         monkeypatch.setattr(StreamSession, "_find_delta_base", rogue)
         with pytest.raises(IntegrityError, match="no delta was asked"):
             client.update_into(module, MODEL, since=revision_a, deltas=False)
+
+
+def _once(change: Callable[[pb.TensorChunk], list[pb.TensorChunk]]) -> Callable[..., list[pb.StreamTensorsResponse]]:
+    """A TamperingProxy's tamper that rewrites the first delta chunk it sees (change(chunk): what to send
+    in its place), in the same message, and leaves every other chunk alone."""
+    done = threading.Event()
+
+    def tamper(response: pb.StreamTensorsResponse) -> list[pb.StreamTensorsResponse]:
+        out = pb.StreamTensorsResponse()
+        for chunk in response.chunks:
+            if chunk.encoding and not done.is_set():
+                done.set()
+                out.chunks.extend(change(chunk))
+            else:
+                out.chunks.append(chunk)
+        return [out]
+
+    return tamper
+
+
+def _plain_of(state: dict[str, torch.Tensor], chunk: pb.TensorChunk) -> pb.TensorChunk:
+    """chunk's range of state's tensor as plain bytes, with their right CRC32C."""
+    data = state[chunk.tensor].reshape(-1).view(torch.uint8)[chunk.offset : chunk.offset + chunk.length]
+    raw = data.numpy().tobytes()
+    crc = wire.crc32c(raw)
+    return pb.TensorChunk(tensor=chunk.tensor, offset=chunk.offset, length=chunk.length, crc32c=crc, data=raw)
+
+
+@pytest.mark.parametrize("second", ("the same delta", "the bytes whole"))
+def test_a_range_sent_twice_in_one_update_is_refused(server: WeightStreamServer, second: str) -> None:
+    """A hostile server (a proxy in front of ours) sends one delta chunk and then, in the same message,
+    the same range again: the same delta, or the new revision's bytes whole, each with the right
+    CRC32C. The first is still being applied on the client's delta threads when the second comes:
+    without a guard both write there and the update ends "done" holding bytes of neither revision.
+    The second is refused instead, and the error says the module was partly written."""
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    module = module_of(a)
+
+    def twice(chunk: pb.TensorChunk) -> list[pb.TensorChunk]:
+        return [chunk, chunk if second == "the same delta" else _plain_of(b, chunk)]
+
+    with client_of(server) as client:
+        revision_a = holding_a_then_b(client, [module], a, b)
+    with TamperingProxy(server.port, _once(twice)) as proxy:
+        with WeightStreamClient(proxy.target, progress=False, transport="grpc") as client:
+            with pytest.raises(IntegrityError, match="refused") as caught:
+                client.update_into(module, MODEL, since=revision_a)
+        assert proxy.tampered == 1
+    assert caught.value.partially_written is True

@@ -243,6 +243,9 @@ class _Stream:
         self._asked_delta: set[str] = set()
         # Applies the deltas of host destinations while the next chunks are received (made on first use).
         self._applier: Applier[tuple[ChunkRef, Destination]] | None = None
+        # Per tensor, the ranges of deltas handed to the applier whose results are not taken yet: no
+        # other chunk may write there (its bytes would be XORed, or would overwrite the checked result).
+        self._applying: dict[str, list[tuple[int, int]]] = {}
 
     def run(self) -> Iterator[Destination]:
         """Place every chunk of the stream's tensors, yield each destination once complete.
@@ -356,16 +359,19 @@ class _Stream:
             self.outage.progressed()
 
     def _place(self, chunk: ChunkRef) -> tuple[Destination, int] | None:
-        """Check one chunk (known tensor, bounds), write it into its tensor, check its CRC32C there;
-        (destination, new bytes).
+        """Check one chunk (known tensor, bounds, a range nothing else wrote or writes into), write it
+        into its tensor, check its CRC32C there; (destination, new bytes).
 
         The CRC32C is that of the bytes as they landed (as placed, or as received in place); a chunk
-        that fails it leaves its range missing. A chunk that lands again after a resume is written
-        again, which is harmless; only its new bytes count.
+        that fails it leaves its range missing. A chunk over bytes that landed already, or over a
+        delta still being applied, is refused (IntegrityError): a request asks only for what has not
+        landed, and a second write there would change checked bytes after their check.
         """
         info = self.infos.get(chunk.tensor)
         if info is None:
             raise IntegrityError(f"model {self.model!r}: received a chunk of unrequested tensor {chunk.tensor!r}")
+        if chunk.tensor not in self.whole or not chunk.encoding:
+            self._refuse_overlap(chunk)
         if chunk.encoding:
             return self._apply_delta(chunk, info)
         size = chunk.received
@@ -397,6 +403,25 @@ class _Stream:
             return None
         return dest, dest.landed.add(chunk.offset, end)
 
+    def _refuse_overlap(self, chunk: ChunkRef) -> None:
+        """IntegrityError when chunk's range holds checked bytes or a delta being applied (see _place)."""
+        end = chunk.offset + chunk.length
+        if not chunk.length or end > self.infos[chunk.tensor].nbytes:
+            return  # nothing to write, or out of bounds: the checks that follow say so
+        dest = self.session.destination(chunk.tensor)
+        landed = dest.landed.overlaps(chunk.offset, end)
+        if not landed and not self._is_applying(chunk.tensor, chunk.offset, end):
+            return
+        what = "a delta of bytes" if chunk.encoding else "bytes"
+        where = "bytes that landed and checked" if landed else "a delta being applied"
+        raise IntegrityError(
+            f"model {self.model!r}: tensor {chunk.tensor!r}: the server sent {what} [{chunk.offset}, {end}) over "
+            f"{where}; refused (a request asks for each byte once)"
+        )
+
+    def _is_applying(self, tensor: str, start: int, end: int) -> bool:
+        return any(s < end and start < e for s, e in self._applying.get(tensor, ()))
+
     def _apply_delta(self, chunk: ChunkRef, info: TensorInfo) -> tuple[Destination, int] | None:
         """XOR a delta chunk into its destination and check the result; (destination, new bytes), or
         None when the result failed its check (then the tensor's missing bytes are asked for whole)."""
@@ -416,22 +441,22 @@ class _Stream:
             return None  # its destination did not hold the base: the rest of it comes whole next
         dest = self.session.destination(chunk.tensor)
         crc: int | None = None
-        # XOR twice undoes it: a range that holds checked bytes already is not touched again.
-        if not dest.landed.overlaps(chunk.offset, end):
-            try:
-                dest.written = True
-                if dest.buffer.device.type == "cpu":
-                    if self._applier is None:
-                        threads = APPLIER_THREADS // self.session.config.streams  # the load's, shared out
-                        self._applier = Applier(f"model {self.model!r}", threads)
-                    payload = wire.memory_at(chunk.address, chunk.encoded_length)
-                    self._applier.submit(
-                        (chunk, dest), dest.buffer[chunk.offset : end], chunk.offset, payload, chunk.encoding
-                    )
-                    return None  # its result is taken by _deltas_applied
-                crc = apply_delta(dest, chunk.offset, chunk.length, chunk.address, chunk.encoded_length, chunk.encoding)
-            except DeltaUnusable as exc:
-                logger.warning("model %r: tensor %r: a delta did not decode (%s)", self.model, chunk.tensor, exc)
+        # _place refused a range that holds checked bytes or another delta (XOR twice undoes it).
+        try:
+            dest.written = True
+            if dest.buffer.device.type == "cpu":
+                if self._applier is None:
+                    threads = APPLIER_THREADS // self.session.config.streams  # the load's, shared out
+                    self._applier = Applier(f"model {self.model!r}", threads)
+                payload = wire.memory_at(chunk.address, chunk.encoded_length)
+                self._applier.submit(
+                    (chunk, dest), dest.buffer[chunk.offset : end], chunk.offset, payload, chunk.encoding
+                )
+                self._applying.setdefault(chunk.tensor, []).append((chunk.offset, end))
+                return None  # its result is taken by _deltas_applied
+            crc = apply_delta(dest, chunk.offset, chunk.length, chunk.address, chunk.encoded_length, chunk.encoding)
+        except DeltaUnusable as exc:
+            logger.warning("model %r: tensor %r: a delta did not decode (%s)", self.model, chunk.tensor, exc)
         return self._delta_checked(chunk, dest, crc)
 
     def _delta_checked(self, chunk: ChunkRef, dest: Destination, crc: int | None) -> tuple[Destination, int] | None:
@@ -451,6 +476,7 @@ class _Stream:
         if self._applier is None:
             return
         for (chunk, dest), crc in self._applier.results(wait=wait):
+            self._applying[chunk.tensor].remove((chunk.offset, chunk.offset + chunk.length))
             yield self._delta_checked(chunk, dest, crc), chunk.length
 
     def _settle_deltas(self) -> None:
@@ -468,7 +494,11 @@ class _Stream:
         if info is None or not length or offset + length > info.nbytes:
             return None
         dest = self.session.destination(tensor)
-        if dest.buffer.device.type != "cpu" or dest.landed.overlaps(offset, offset + length):
+        if (
+            dest.buffer.device.type != "cpu"
+            or dest.landed.overlaps(offset, offset + length)
+            or self._is_applying(tensor, offset, offset + length)
+        ):
             return None
         dest.written = True
         return int(dest.buffer.data_ptr()) + offset
