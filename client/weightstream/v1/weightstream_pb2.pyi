@@ -375,7 +375,7 @@ class TensorChanges(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class GetChangesResponse(_message.Message):
-    __slots__ = ("model", "since", "revision", "tensors", "changed_bytes", "block_bytes", "removed")
+    __slots__ = ("model", "since", "revision", "tensors", "changed_bytes", "block_bytes", "removed", "blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +383,7 @@ class GetChangesResponse(_message.Message):
     CHANGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     since: str
     revision: str
@@ -390,7 +391,16 @@ class GetChangesResponse(_message.Message):
     changed_bytes: int
     block_bytes: int
     removed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., since: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorChanges, _Mapping]]] = ..., changed_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...
+    blocks: _containers.RepeatedCompositeFieldContainer[TensorBlocks]
+    def __init__(self, model: _Optional[str] = ..., since: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorChanges, _Mapping]]] = ..., changed_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., removed: _Optional[_Iterable[str]] = ..., blocks: _Optional[_Iterable[_Union[TensorBlocks, _Mapping]]] = ...) -> None: ...
+
+class TensorBlocks(_message.Message):
+    __slots__ = ("name", "crc32c")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WatchModelRequest(_message.Message):
     __slots__ = ("model", "after")
