@@ -283,7 +283,13 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         configure_s3(settings)
         upload = (make_client(settings), parse_s3_model_id(settings.publish_s3_prefix))
     publisher = Publisher(
-        revisions, catalog, settings.publish_max_bytes, settings.stall_timeout, settings.publish_dir, upload
+        revisions,
+        catalog,
+        settings.publish_max_bytes,
+        settings.stall_timeout,
+        settings.publish_dir,
+        upload,
+        assembly_timeout=settings.publish_assembly_timeout,
     )
     changes = Changes(revisions)
     relay = Relay(settings, revisions, catalog, publisher) if settings.upstream is not None else None

@@ -217,6 +217,11 @@ class ServerSettings(BaseSettings):
         default=32 * 1024 * 1024 * 1024,
         description="memory that published revisions may hold together (those kept and the one arriving)",
     )
+    publish_assembly_timeout: float = Field(
+        default=30.0,
+        description="seconds the parts of a revision published in several parts may take to all arrive, from the "
+        "first part's start; a part whose call fails or is cancelled drops the revision at once",
+    )
     delta_cache_bytes: ByteCount = Field(
         default=256 * 1024 * 1024,
         description="XOR deltas (against a revision held in memory) kept for every client updating between the "
@@ -301,6 +306,10 @@ class ServerSettings(BaseSettings):
             problems.append(
                 f"max_streams_per_client must be within 1..max_streams ({self.max_streams}), "
                 f"not {self.max_streams_per_client}"
+            )
+        if not self.publish_assembly_timeout > 0:
+            problems.append(
+                f"publish_assembly_timeout must be more than 0 seconds, not {self.publish_assembly_timeout}"
             )
         if not self.stall_timeout > 0:
             problems.append(f"stall_timeout must be more than 0 seconds, not {self.stall_timeout}")

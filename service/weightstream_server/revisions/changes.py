@@ -28,7 +28,7 @@ import numpy as np
 
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import RevisionNotKept
-from weightstream_server.revisions.published import BLOCK_BYTES, block_crcs
+from weightstream_server.revisions.published_source import BLOCK_BYTES, block_crcs
 from weightstream_server.revisions.store import STORAGE, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Manifest, TensorEntry
 from weightstream_server.storage.open_files import OpenFiles
@@ -77,24 +77,26 @@ class Changes:
                 "load the model whole instead"
             )
         response = pb.GetChangesResponse(model=model, since=since, revision=revision.id, block_bytes=BLOCK_BYTES)
-        if old.id == revision.id:
-            # Nothing changed; the caller holds this revision and will update from it: its block
-            # CRC32Cs are the baseline, taken now (once), before its files can be rewritten.
-            self.blocks(revision)
-            return response
+        # Nothing changed when old is revision: the caller says it holds this revision and will update
+        # from it, so its block CRC32Cs are the baseline, taken now (once), before its files can be
+        # rewritten; they also let the caller check that it holds it.
         new_blocks = self.blocks(revision)
-        old_blocks = self.blocks(old) if old.servable else old.blocks
+        old_blocks = new_blocks if old.id == revision.id else self.blocks(old) if old.servable else old.blocks
         for entry in revision.manifest.tensors:
-            was = old.manifest.by_name.get(entry.name)
+            was = entry if old.id == revision.id else old.manifest.by_name.get(entry.name)
             ranges = _changed(entry, was, new_blocks, old_blocks, revision.manifest, old.manifest)
             if ranges is None:
                 response.tensors.append(pb.TensorChanges(name=entry.name, whole=True))
                 response.changed_bytes += entry.nbytes
-            elif ranges:
+                continue
+            if ranges:
                 response.tensors.append(
                     pb.TensorChanges(name=entry.name, ranges=[pb.ByteRange(start=s, end=e) for s, e in ranges])
                 )
                 response.changed_bytes += sum(e - s for s, e in ranges)
+            crcs = new_blocks.get(entry.name) if new_blocks is not None else None
+            if crcs:
+                response.blocks.append(pb.TensorBlocks(name=entry.name, crc32c=crcs))
         response.removed.extend(t.name for t in old.manifest.tensors if t.name not in revision.manifest.by_name)
         with self._lock:
             self.asked += 1

@@ -21,18 +21,16 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save_file
 
+from weightstream_server.revisions.published_source import PublishedSource
 from weightstream_server.revisions.store import Revision
 from weightstream_server.storage.index import INDEX_FILE
 from weightstream_server.storage.model_ids import S3_SCHEME, ObjectLocation
 from weightstream_server.storage.s3 import translated
-
-if TYPE_CHECKING:
-    from weightstream_server.revisions.published import PublishedSource
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +65,7 @@ def _write_logged(directory: Path, revision: Revision) -> None:
 def write_revision(directory: Path, revision: Revision) -> Path:
     """Write revision under directory/<model>/<revision>/, atomically; the folder written."""
     manifest = revision.manifest
-    source = cast("PublishedSource", manifest.source)
+    source = cast(PublishedSource, manifest.source)
     model_dir = directory / manifest.model
     model_dir.mkdir(parents=True, exist_ok=True)
     final = model_dir / revision.id
@@ -142,7 +140,7 @@ def upload_revision(client: Any, location: ObjectLocation, revision: Revision) -
     Each file is one object, whole or absent. An upload that fails removes what it uploaded.
     """
     manifest = revision.manifest
-    source = cast("PublishedSource", manifest.source)
+    source = cast(PublishedSource, manifest.source)
     base = f"{location.prefix}{manifest.model}/{revision.id}/"
     used = sorted({t.file_index for t in manifest.tensors})
     names = {index: f"model-{n + 1:05d}-of-{len(used):05d}.safetensors" for n, index in enumerate(used)}

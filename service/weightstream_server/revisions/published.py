@@ -21,13 +21,8 @@ PublishedSource: the parts' buffers stand for its files.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import logging
-import math
-import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,71 +34,33 @@ import numpy as np
 import torch
 
 from weightstream.allocator import PopulateAhead
-from weightstream.protocol import deltas as delta_forms
-from weightstream.protocol import dtypes, wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import (
     AccessDenied,
-    ClientGone,
-    CorruptCheckpoint,
     InvalidRequest,
     ModelNotFound,
     PublishConflict,
     PublishTooLarge,
-    RangeOutOfBounds,
-    RequestTimeout,
     RevisionNotKept,
     ServerError,
 )
+from weightstream_server.revisions.layout import Placed, lay_out
+from weightstream_server.revisions.parts import Part, PartInFlight
 from weightstream_server.revisions.persist import upload_in_background, write_in_background
+from weightstream_server.revisions.published_source import PUBLISHED_SCHEME, PublishedSource, Shared
 from weightstream_server.revisions.store import PUBLISHED, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest, TensorEntry
-from weightstream_server.serving.read_plan import ReadPlan
-from weightstream_server.storage.model_ids import ObjectLocation, check_model_id
-from weightstream_server.storage.sources import ModelFiles, SourceFile
+from weightstream_server.storage.model_ids import ObjectLocation, check_model_id, check_revision_name
+from weightstream_server.storage.sources import SourceFile
 
 logger = logging.getLogger(__name__)
 
-# Block CRC32Cs are kept per this many bytes of each tensor (what GetChanges compares).
-BLOCK_BYTES = 1024 * 1024
-# Tensors of a part start on this boundary in its buffer.
-ALIGN = 64
-# How long the parts of a revision published in several parts may take to all arrive.
-ASSEMBLY_TIMEOUT_S = 300.0
-PUBLISHED_SCHEME = "published://"
+# How long the parts of a revision published in several parts may take to all arrive (the default
+# of --publish-assembly-timeout).
+ASSEMBLY_TIMEOUT_S = 30.0
 MAX_PARTS = 1024
-# What a revision may be named: it is a folder name under --publish-dir, a label in the metrics.
-_REVISION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def block_crcs(data: np.ndarray) -> Blocks:
-    """The CRC32C of each BLOCK_BYTES of data (flat uint8), the last block shorter."""
-    address = int(data.ctypes.data)
-    return tuple(
-        wire.crc32c_at(address + start, min(BLOCK_BYTES, data.size - start))
-        for start in range(0, data.size, BLOCK_BYTES)
-    )
-
-
-@dataclass(frozen=True)
-class _Announced:
-    name: str
-    dtype: dtypes.DType
-    shape: tuple[int, ...]
-    nbytes: int
-    offset: int  # in the part's buffer
-
-
-@dataclass
-class _Part:
-    index: int
-    tensors: dict[str, _Announced]
-    buffer: torch.Tensor
-    received: dict[str, int] = field(default_factory=dict)
-    blocks: dict[str, Blocks] = field(default_factory=dict)
-    # Tensors that start as the delta base's bytes (PublishStart.delta_base), and where each one's
-    # chunks have reached: they come in order but may skip what did not change.
-    based: dict[str, int] = field(default_factory=dict)
+# How often a part waiting for the others looks whether its call is still there.
+_ALIVE_POLL_S = 0.25
 
 
 @dataclass
@@ -116,7 +73,7 @@ class _Pending:
     new_layout: bool
     peer: str
     started: float = field(default_factory=time.monotonic)
-    taken: dict[int, _Part] = field(default_factory=dict)
+    taken: dict[int, Part] = field(default_factory=dict)
     # Parts whose calls are still receiving.
     receiving: set[int] = field(default_factory=set)
     reserved_bytes: int = 0
@@ -130,78 +87,17 @@ class _Pending:
 
 
 @dataclass(frozen=True)
-class Shared:
-    """A tensor of a kept published revision that a new one holds too: its buffer, where it lies
-    there, and its block CRC32Cs."""
+class _Assembly:
+    """One pending revision as its parts in flight see it (revisions.parts.Assembly)."""
 
-    name: str
-    dtype: dtypes.DType
-    shape: tuple[int, ...]
-    nbytes: int
-    buffer: torch.Tensor
-    offset: int
-    blocks: Blocks
+    publisher: Publisher
+    pending: _Pending
 
+    def drop(self, index: int, reason: str) -> None:
+        self.publisher._fail(self.pending, index, reason)
 
-class PublishedSource:
-    """The parts' buffers of one published revision, standing for its files: each part is one file."""
-
-    # Its bytes are in memory: streams read them from there, not through the cache.
-    in_memory = True
-
-    def __init__(self, model: str, buffers: Sequence[torch.Tensor]) -> None:
-        self.model = model
-        self._buffers = tuple(buffers)
-        # The CRC32C of each chunk served, by (part, offset, length): its bytes never change, and every
-        # load and update of the revision sends the same chunks. At most _max_crcs of them.
-        self._crcs: dict[tuple[int, int, int], int] = {}
-        self._max_crcs = 4 * sum(b.numel() for b in self._buffers) // wire.DEFAULT_CHUNK_BYTES + 1024
-
-    def chunk_crc32c(self, file: SourceFile, offset: int, data: np.ndarray) -> int:
-        """The CRC32C of data, the bytes at offset of file (computed once)."""
-        key = (_part_of(file), offset, data.size)
-        crc = self._crcs.get(key)
-        if crc is None:
-            crc = wire.crc32c_at(data.ctypes.data, data.size)
-            if len(self._crcs) < self._max_crcs:
-                self._crcs[key] = crc
-        return crc
-
-    def claims(self, model: str) -> bool:
-        return False  # reached through the revision store, never by model id
-
-    def describe(self) -> str:
-        return "published revisions"
-
-    def public_name(self) -> str:
-        return "published"
-
-    def reachable(self) -> bool:
-        return True
-
-    def resolve(self, model: str) -> ModelFiles:
-        raise ModelNotFound(f"model {model!r}: a published revision has no storage files")
-
-    def companion_files(self, model: str) -> tuple[SourceFile, ...]:
-        return ()
-
-    def part_buffer(self, part: int) -> torch.Tensor:
-        """The buffer of part (uint8): what --publish-dir writes from."""
-        return self._buffers[part]
-
-    def read_range(self, file: SourceFile, start: int, length: int) -> bytes:
-        buffer = self._buffers[_part_of(file)]
-        return bytes(buffer[start : start + length].numpy())
-
-    def read_units(self, files: Sequence[SourceFile], plan: ReadPlan) -> Iterator[tuple[int, int, torch.Tensor]]:
-        for file_id, file_plan in enumerate(plan.files):
-            buffer = self._buffers[_part_of(files[file_plan.file_index])]
-            for index, (offset, size) in enumerate(zip(file_plan.offsets, file_plan.sizes, strict=True)):
-                yield file_id, index, buffer[offset : offset + size]
-
-
-def _part_of(file: SourceFile) -> int:
-    return int(file.path.rpartition("/")[2])
+    def hand_over(self, part: Part, payload_bytes: int, alive: Callable[[], bool]) -> pb.PublishResponse:
+        return self.publisher._finish(self.pending, part, payload_bytes, alive)
 
 
 class Publisher:
@@ -215,6 +111,7 @@ class Publisher:
         message_timeout: float,
         publish_dir: Path | None = None,
         upload: tuple[Any, ObjectLocation] | None = None,
+        assembly_timeout: float = ASSEMBLY_TIMEOUT_S,
     ) -> None:
         self._store = store
         # Where complete revisions are uploaded (an S3 client and prefix, revisions.persist); None: not.
@@ -224,6 +121,7 @@ class Publisher:
         self._catalog = catalog
         self._max_bytes = max_bytes
         self._message_timeout = message_timeout
+        self._assembly_timeout = assembly_timeout
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         # Payload bytes publishers sent for the parts taken (what changed only, for a delta publish).
@@ -233,12 +131,19 @@ class Publisher:
         with self._lock:
             return sum(p.reserved_bytes for p in self._pending.values())
 
-    def publish(self, start: pb.PublishStart, messages: Iterator[pb.PublishRequest], peer: str) -> pb.PublishResponse:
-        """Take one part: announced by start, its chunks from messages; the answer once its revision is complete."""
+    def publish(
+        self,
+        start: pb.PublishStart,
+        messages: Iterator[pb.PublishRequest],
+        peer: str,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> pb.PublishResponse:
+        """Take one part: announced by start, its chunks from messages; the answer once its revision is
+        complete. alive says whether the part's call is still there (a cancelled one drops the revision)."""
         part = self.begin(start, peer)
         with part.failing():
             part.receive(messages)
-        return part.finish()
+        return part.finish(alive)
 
     def begin(self, start: pb.PublishStart, peer: str) -> PartInFlight:
         """A part announced by start, checked and its memory held: its bytes are landed next (PartInFlight)."""
@@ -250,25 +155,23 @@ class Publisher:
             raise InvalidRequest(
                 f"publish of model {start.model!r} in {parts} parts: every part must name the revision"
             )
-        if start.revision and not _REVISION_NAME.fullmatch(start.revision):
-            raise InvalidRequest(
-                f"publish of model {start.model!r}: revision name {start.revision[:200]!r} is not 1 to 128 letters, "
-                "digits, '.', '_' and '-', starting with a letter or digit"
-            )
-        announced = _announced(start)
-        total = sum(t.nbytes for t in announced.values())
-        total += -total % ALIGN
-        self._check_layout(start, announced)
+        if start.revision:
+            check_revision_name(start.model, start.revision)
+        if not start.tensors:
+            raise InvalidRequest(f"publish of model {start.model!r}: the part announces no tensor")
+        layout = lay_out(start.model, start.tensors)
+        self._check_layout(start, layout.tensors)
         base = self._delta_base(start)
-        pending = self._join(start, parts, total, peer)
+        pending = self._join(start, parts, layout.nbytes, peer)
         try:
-            part = _Part(start.part, announced, torch.empty(max(total, 1), dtype=torch.uint8))
+            part = Part.allocate(start.part, layout)
             if base is not None:
-                _start_from(part, base)
+                assert isinstance(base.source, PublishedSource)
+                part.start_from(base, base.source.part_buffer)
         except BaseException:
             self._fail(pending, start.part, "")
             raise
-        return PartInFlight(self, pending, part, self._message_timeout)
+        return PartInFlight(_Assembly(self, pending), start.model, part, self._message_timeout)
 
     def _delta_base(self, start: pb.PublishStart) -> Manifest | None:
         """The published revision a part names as its delta base; RevisionNotKept when it is not kept here."""
@@ -300,19 +203,19 @@ class Publisher:
         once), one revision of a model at a time, nothing left behind if fill fails. The layout is
         not checked: the other server checked it.
         """
-        announced = _announced(start) if start.tensors else {}
-        total = sum(t.nbytes for t in announced.values())
-        total += -total % ALIGN
-        pending = self._join(start, 1, total, peer)
+        check_revision_name(start.model, start.revision, "relay")
+        layout = lay_out(start.model, start.tensors)
+        pending = self._join(start, 1, layout.nbytes, peer)
         pending.shared = {s.name: s for s in shared}
         pending.order = order
         try:
-            part = _Part(0, announced, torch.empty(max(total, 1), dtype=torch.uint8))
-            with contextlib.closing(_populate_ahead(part.buffer)):
-                fill({t.name: _view(part.buffer, t) for t in announced.values()})
-            view = part.buffer.numpy()
-            for t in announced.values():
-                part.blocks[t.name] = block_crcs(view[t.offset : t.offset + t.nbytes])
+            part = Part.allocate(0, layout)
+            ahead = PopulateAhead(int(part.buffer.data_ptr()), part.buffer.numel())
+            try:
+                fill({t.name: part.view(t) for t in layout.tensors.values()})
+            finally:
+                ahead.close()
+            part.compute_blocks()
         except BaseException as exc:
             self._fail(pending, 0, f"the relay from {peer} failed: {exc}")
             raise
@@ -321,7 +224,7 @@ class Publisher:
             raise PublishConflict(f"model {start.model!r}: revision {pending.name!r} was not taken: {pending.failure}")
         return pending.revision
 
-    def _check_layout(self, start: pb.PublishStart, announced: dict[str, _Announced]) -> None:
+    def _check_layout(self, start: pb.PublishStart, announced: dict[str, Placed]) -> None:
         if start.new_layout:
             return
         current = self._current_manifest(start.model)
@@ -382,7 +285,39 @@ class Publisher:
             pending.reserved_bytes += nbytes
             return pending
 
-    def _take(self, pending: _Pending, part: _Part) -> None:
+    def _finish(
+        self, pending: _Pending, part: Part, payload_bytes: int, alive: Callable[[], bool]
+    ) -> pb.PublishResponse:
+        """Take a complete part; the answer once its revision is complete. The revision is dropped when
+        its parts do not all arrive within the assembly timeout, or when this part's call goes away
+        first (every other part's call is then told, PublishConflict)."""
+        with self._lock:
+            self.received_bytes += payload_bytes
+        self._take(pending, part)
+        deadline = pending.started + self._assembly_timeout
+        while not pending.done.wait(min(_ALIVE_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                self._fail(
+                    pending,
+                    part.index,
+                    f"its {pending.parts} parts did not all arrive within {self._assembly_timeout:.0f} s "
+                    "(--publish-assembly-timeout)",
+                )
+            elif not alive():
+                self._fail(pending, part.index, f"part {part.index}'s call ended while it waited for the other parts")
+        if pending.revision is None:
+            raise PublishConflict(
+                f"model {pending.model!r}: revision {pending.name!r} was not published: {pending.failure}"
+            )
+        revision = pending.revision
+        return pb.PublishResponse(
+            model=revision.model,
+            revision=revision.id,
+            complete=True,
+            bytes=sum(t.nbytes for t in part.tensors.values()),
+        )
+
+    def _take(self, pending: _Pending, part: Part) -> None:
         with self._lock:
             pending.receiving.discard(part.index)
             if pending.done.is_set():
@@ -429,7 +364,7 @@ class Publisher:
 
     def _assemble(self, pending: _Pending) -> Revision:
         parts = [pending.taken[i] for i in range(pending.parts)]
-        by_name: dict[str, tuple[int, _Announced]] = {}
+        by_name: dict[str, tuple[int, Placed]] = {}
         for part in parts:
             for name, tensor in part.tensors.items():
                 if name in by_name:
@@ -447,7 +382,7 @@ class Publisher:
             index = where.setdefault(shared.buffer.data_ptr(), len(buffers))
             if index == len(buffers):
                 buffers.append(shared.buffer)
-            announced = _Announced(shared.name, shared.dtype, shared.shape, shared.nbytes, shared.offset)
+            announced = Placed(shared.name, shared.dtype, shared.shape, shared.nbytes, shared.offset)
             by_name[shared.name] = (index, announced)
             blocks[shared.name] = shared.blocks
         if pending.order is not None:
@@ -476,275 +411,10 @@ class Publisher:
         return Revision(pending.model, name, PUBLISHED, manifest, blocks=blocks, memory=memory)
 
 
-def _start_from(part: _Part, base: Manifest) -> None:
-    """Fill the part's tensors that base holds with the same dtype and shape with base's bytes."""
-    assert isinstance(base.source, PublishedSource)
-    for tensor in part.tensors.values():
-        entry = base.by_name.get(tensor.name)
-        if entry is None or entry.dtype != tensor.dtype or entry.shape != tensor.shape:
-            continue
-        held = base.source.part_buffer(entry.file_index)[entry.file_offset : entry.file_offset + entry.nbytes]
-        part.buffer[tensor.offset : tensor.offset + tensor.nbytes].copy_(held)
-        part.received[tensor.name] = tensor.nbytes
-        part.based[tensor.name] = 0
-
-
-class PartInFlight:
-    """One part of a publish whose bytes are landing in its buffer: from PublishRequest chunks
-    (receive) or frames on the data port (land, one chunk at a time), then finish (or fail).
-
-    Every chunk is checked as it lands: a tensor announced, the next offset of it (a tensor's chunks
-    come in order), within its size, its CRC32C computed where its bytes landed. A mismatch drops
-    the whole part (and revision), so bytes written before a check never count.
-    """
-
-    def __init__(self, publisher: Publisher, pending: _Pending, part: _Part, message_timeout: float) -> None:
-        self._publisher = publisher
-        self._pending = pending
-        self.part = part
-        self.model = pending.model
-        self._message_timeout = message_timeout
-        self._base = int(part.buffer.numpy().ctypes.data)
-        self._codec = delta_forms.Codec()
-        self.chunks = 0
-        self.bytes = 0
-        # Fresh memory: its pages faulted in on a helper thread ahead of the bytes (a trap per 4 KiB
-        # page inside every receive otherwise).
-        self._ahead = _populate_ahead(part.buffer)
-
-    @contextlib.contextmanager
-    def failing(self) -> Iterator[None]:
-        """Drop the part (and its revision) if the block raises."""
-        try:
-            yield
-        except BaseException as exc:
-            self.fail(exc)
-            raise
-
-    def fail(self, exc: BaseException) -> None:
-        self._ahead.close()
-        index = self.part.index
-        reason = f"part {index} failed: {exc}" if isinstance(exc, ServerError) else ""
-        self._publisher._fail(self._pending, index, reason)
-
-    def receive(self, messages: Iterator[pb.PublishRequest]) -> None:
-        """Land the chunks of messages up to commit; ClientGone when they end without one."""
-        for message in _bounded(messages, self._message_timeout, self.model):
-            if message.HasField("start"):
-                raise InvalidRequest(f"publish of model {self.model!r}: a second PublishStart")
-            for chunk in message.chunks:
-                data = chunk.data  # each read of the field is a copy of its bytes: read once
-                length = len(data)
-                source = int(np.frombuffer(data, dtype=np.uint8).ctypes.data) if length else 0
-                if chunk.encoding:
-                    self.land_delta(
-                        chunk.tensor, chunk.offset, chunk.length, chunk.crc32c, chunk.encoding, source, length
-                    )
-                    continue
-                # One pass: copied into the part and checksummed where it landed.
-                self.land(chunk.tensor, chunk.offset, length, chunk.crc32c, functools.partial(_copy, source, length))
-            if message.commit:
-                break
-        else:
-            raise ClientGone()  # the stream ended without commit: the publisher went away
-        self.check_complete()
-
-    def land(self, name: str, offset: int, length: int, crc32c: int, write: Callable[[int], int]) -> None:
-        """One chunk: checked, then written by write(address), which returns the CRC32C of what it wrote."""
-        tensor = self._placed(name, offset, length)
-        self._check(tensor, offset, length, crc32c, write)
-        if tensor.name in self.part.based:
-            self.part.based[tensor.name] = offset + length
-        else:
-            self.part.received[tensor.name] = offset + length
-        self.chunks += 1
-        self.bytes += length
-
-    def land_delta(
-        self, name: str, offset: int, length: int, crc32c: int, encoding: int, address: int, payload_bytes: int
-    ) -> None:
-        """One chunk as a delta against the part's base (payload_bytes at address): XORed into the base's
-        bytes and checked against crc32c (the new bytes')."""
-        if name not in self.part.based:
-            raise InvalidRequest(
-                f"publish of model {self.model!r}: tensor {name[:200]!r}: a delta, but the tensor is not in the "
-                "delta base with this dtype and shape"
-            )
-        tensor = self._placed(name, offset, length)
-
-        def apply(at: int) -> int:
-            view = self.part.buffer[at - self._base : at - self._base + length]
-            try:
-                return self._codec.xor_into(view, offset, address, payload_bytes, encoding)
-            except delta_forms.DeltaUnusable as exc:
-                raise CorruptCheckpoint(
-                    f"publish of model {self.model!r}: tensor {tensor.name!r}: the delta at byte {offset}: {exc}"
-                ) from None
-
-        self._check(tensor, offset, length, crc32c, apply)
-        self.part.based[tensor.name] = offset + length
-        self.chunks += 1
-        self.bytes += payload_bytes
-
-    def _placed(self, name: str, offset: int, length: int) -> _Announced:
-        """The announced tensor of a chunk at offset of length bytes, checked to come next and to fit."""
-        part, model = self.part, self.model
-        tensor = part.tensors.get(name)
-        if tensor is None:
-            raise InvalidRequest(f"publish of model {model!r}: chunk of tensor {name[:200]!r}, not announced")
-        based = part.based.get(tensor.name)
-        expected = part.received.get(tensor.name, 0) if based is None else based
-        # A tensor starting as the base's bytes may skip ranges (unchanged); others come whole, in order.
-        out_of_order = offset < expected if based is not None else offset != expected
-        if out_of_order:
-            raise InvalidRequest(
-                f"publish of model {model!r}: tensor {tensor.name!r}: chunk at byte {offset}, expected "
-                f"{'at least ' if based is not None else ''}{expected} (a tensor's chunks come in order)"
-            )
-        if offset + length > tensor.nbytes:
-            raise RangeOutOfBounds(
-                f"publish of model {model!r}: tensor {tensor.name!r}: chunk ends at byte {offset + length}, the "
-                f"tensor has {tensor.nbytes} ({tensor.dtype.safetensors} {list(tensor.shape)})"
-            )
-        return tensor
-
-    def _check(self, tensor: _Announced, offset: int, length: int, crc32c: int, write: Callable[[int], int]) -> None:
-        if not length:
-            if crc32c != 0:
-                raise CorruptCheckpoint(
-                    f"publish of model {self.model!r}: tensor {tensor.name!r}: an empty chunk with a CRC32C"
-                )
-        elif write(self._base + tensor.offset + offset) != crc32c:
-            raise CorruptCheckpoint(
-                f"publish of model {self.model!r}: tensor {tensor.name!r}: the chunk at byte {offset} does not match "
-                "its CRC32C"
-            )
-
-    def check_complete(self) -> None:
-        """Every announced byte arrived: compute the block CRC32Cs (InvalidRequest names a tensor short)."""
-        part = self.part
-        view = part.buffer.numpy()
-        for tensor in part.tensors.values():
-            got = part.received.get(tensor.name, 0)
-            if got != tensor.nbytes:
-                raise InvalidRequest(
-                    f"publish of model {self.model!r}: tensor {tensor.name!r}: {got} of {tensor.nbytes} bytes arrived "
-                    "before commit"
-                )
-            part.blocks[tensor.name] = block_crcs(view[tensor.offset : tensor.offset + tensor.nbytes])
-
-    def finish(self) -> pb.PublishResponse:
-        """Hand the complete part over; the answer once its revision is complete (PublishConflict if it failed)."""
-        publisher, pending, part = self._publisher, self._pending, self.part
-        self._ahead.close()
-        with publisher._lock:
-            publisher.received_bytes += self.bytes
-        publisher._take(pending, part)
-        if not pending.done.wait(max(0.0, ASSEMBLY_TIMEOUT_S - (time.monotonic() - pending.started))):
-            publisher._fail(
-                pending, part.index, f"its {pending.parts} parts did not all arrive within {ASSEMBLY_TIMEOUT_S:.0f} s"
-            )
-        if pending.revision is None:
-            raise PublishConflict(
-                f"model {self.model!r}: revision {pending.name!r} was not published: {pending.failure}"
-            )
-        revision = pending.revision
-        return pb.PublishResponse(
-            model=revision.model,
-            revision=revision.id,
-            complete=True,
-            bytes=sum(t.nbytes for t in part.tensors.values()),
-        )
-
-
-def _populate_ahead(buffer: torch.Tensor) -> PopulateAhead:
-    return PopulateAhead(int(buffer.data_ptr()), buffer.numel())
-
-
-def _copy(source: int, length: int, address: int) -> int:
-    return wire.copy_crc32c(address, source, length)
-
-
-def _view(buffer: torch.Tensor, tensor: _Announced) -> torch.Tensor:
-    """tensor's bytes in its part's buffer, as a tensor of its dtype and shape."""
-    flat = buffer[tensor.offset : tensor.offset + tensor.nbytes]
-    return flat.view(tensor.dtype.torch).view(tensor.shape)
-
-
-def _announced(start: pb.PublishStart) -> dict[str, _Announced]:
-    """The part's tensors laid out in its buffer; InvalidRequest for a bad name, dtype or shape."""
-    announced: dict[str, _Announced] = {}
-    offset = 0
-    if not start.tensors:
-        raise InvalidRequest(f"publish of model {start.model!r}: the part announces no tensor")
-    for tensor in start.tensors:
-        if not tensor.name or len(tensor.name) > 1024:
-            raise InvalidRequest(f"publish of model {start.model!r}: a tensor name is 1 to 1024 characters")
-        if tensor.name in announced:
-            raise InvalidRequest(f"publish of model {start.model!r}: tensor {tensor.name[:200]!r} announced twice")
-        dtype = dtypes.BY_WIRE.get(tensor.dtype)
-        if dtype is None:
-            raise InvalidRequest(
-                f"publish of model {start.model!r}: tensor {tensor.name!r}: unknown dtype {tensor.dtype}"
-            )
-        shape = tuple(int(d) for d in tensor.shape)
-        if len(shape) > 16 or any(d > 1 << 40 for d in shape):
-            raise InvalidRequest(f"publish of model {start.model!r}: tensor {tensor.name!r}: shape {list(shape)[:20]}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        announced[tensor.name] = _Announced(tensor.name, dtype, shape, nbytes, offset)
-        offset += nbytes + (-nbytes % ALIGN)
-    return announced
-
-
-def _content_name(order: list[str], by_name: dict[str, tuple[int, _Announced]], blocks: dict[str, Blocks]) -> str:
+def _content_name(order: list[str], by_name: dict[str, tuple[int, Placed]], blocks: dict[str, Blocks]) -> str:
     digest = hashlib.sha256()
     for name in order:
         tensor = by_name[name][1]
         digest.update(f"{name}\0{tensor.dtype.safetensors}\0{tensor.shape}\0".encode())
         digest.update(np.asarray(blocks[name], dtype=np.uint32).tobytes())
     return "pub-" + digest.hexdigest()[:20]
-
-
-def _bounded(messages: Iterator[pb.PublishRequest], timeout: float, model: str) -> Iterator[pb.PublishRequest]:
-    """messages, each of which must come within timeout of the last (a publisher that stalls is ended).
-
-    They are read on a thread of their own, which stops once this generator is closed.
-    """
-    arrived: queue.Queue[tuple[pb.PublishRequest | None, BaseException | None]] = queue.Queue(maxsize=2)
-    stop = threading.Event()
-
-    def hand_over(item: tuple[pb.PublishRequest | None, BaseException | None]) -> bool:
-        while not stop.is_set():
-            try:
-                arrived.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def read() -> None:
-        try:
-            for message in messages:
-                if not hand_over((message, None)):
-                    return
-            hand_over((None, None))
-        except BaseException as exc:  # handed to the caller
-            hand_over((None, exc))
-
-    threading.Thread(target=read, name="weightstream-publish-reader", daemon=True).start()
-    try:
-        while True:
-            try:
-                message, error = arrived.get(timeout=timeout)
-            except queue.Empty:
-                raise RequestTimeout(
-                    f"publish of model {model!r}: no message for {timeout:.0f} s (--stall-timeout); "
-                    "the publish is dropped"
-                ) from None
-            if error is not None:
-                raise error
-            if message is None:
-                return
-            yield message
-    finally:
-        stop.set()

@@ -46,7 +46,8 @@ from weightstream.client.revisions import RevisionEvent
 from weightstream.protocol import dtypes
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ModelNotFound, ServerError, UpstreamError
-from weightstream_server.revisions.published import PublishedSource, Publisher, Shared
+from weightstream_server.revisions.published import Publisher
+from weightstream_server.revisions.published_source import PublishedSource, Shared
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest
 from weightstream_server.settings import ServerSettings

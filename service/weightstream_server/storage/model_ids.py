@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from weightstream_server.errors import InvalidModelId
+from weightstream_server.errors import InvalidModelId, InvalidRequest
 
 MAX_MODEL_ID_CHARS = 512
 # One or more path components of letters, digits, ".", "_" and "-", none starting with a dot:
@@ -31,6 +31,9 @@ _NAMES = {
     AZURE_SCHEME: (re.compile(r"[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]"), "container"),
 }
 MAX_PREFIX_CHARS = 1024
+# What a revision may be named, wherever the name comes from (a publisher, an upstream, a peer): it
+# becomes a folder name under --publish-dir and a label in the metrics.
+_REVISION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_model_id(model: str) -> None:
@@ -43,6 +46,16 @@ def check_model_id(model: str) -> None:
         raise InvalidModelId(
             f"invalid model id {model[:80]!r}: use a relative name of letters, digits, '.', '_', '-' and '/', "
             "with no '..' and no leading '/'"
+        )
+
+
+def check_revision_name(model: str, revision: str, where: str = "publish") -> None:
+    """Raise InvalidRequest unless revision is 1 to 128 letters, digits, '.', '_' and '-', starting with a
+    letter or digit (where: what named it, for the message)."""
+    if not _REVISION_NAME.fullmatch(revision):
+        raise InvalidRequest(
+            f"{where} of model {model[:200]!r}: revision name {revision[:200]!r} is not 1 to 128 letters, "
+            "digits, '.', '_' and '-', starting with a letter or digit"
         )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Generator, Iterator
 import grpc
 
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server.errors import ClientGone, InvalidRequest, PublishRefused, TcpUnavailable
+from weightstream_server.errors import InvalidRequest, PublishRefused, TcpUnavailable
 from weightstream_server.ops.auth import TokenFile, bearer_token
 from weightstream_server.revisions.changes import Changes
 from weightstream_server.revisions.published import Publisher
@@ -67,7 +67,7 @@ class RevisionsServicer:
             self._check_publisher(context)
             first = rpc.first_message(requests, FIRST_MESSAGE_S, "PublishRequest")
             if first is None:
-                raise ClientGone()
+                raise InvalidRequest("the publish stream ended before its PublishStart: nothing was published")
             if not first.HasField("start"):
                 raise InvalidRequest("the first PublishRequest must carry a PublishStart")
             start = first.start
@@ -75,7 +75,7 @@ class RevisionsServicer:
             if start.data_port:
                 response = yield from self._publish_over_data_port(start, context, session.peer)
             else:
-                response = self._publisher.publish(start, requests, session.peer)
+                response = self._publisher.publish(start, requests, session.peer, context.is_active)
             session.model = response.model
             yield response.SerializeToString()
 
@@ -103,7 +103,7 @@ class RevisionsServicer:
             conn = accept(port, pending, context)
             connection.set(conn)
             receive_part(conn, part, self._streams.settings.stall_timeout)
-        return part.finish()
+        return part.finish(context.is_active)
 
     def GetChanges(self, request: pb.GetChangesRequest, context: grpc.ServicerContext) -> pb.GetChangesResponse:
         streams = self._streams

@@ -4,7 +4,7 @@ A PublishTensors call whose PublishStart asks for the data port (data_port) is a
 the port and a one-time ticket, as a tcp stream is (servicer.issue, servicer.accept: the same
 handshake, the same rules for who may present the ticket). The client then writes the part's CHUNK
 frames and the END frame (weightstream.protocol.tcp) the other way, client to server. Each chunk's
-header and name come first and are checked (revisions.published.PartInFlight.land) before its
+header and name come first and are checked (revisions.parts.PartInFlight.land) before its
 payload is received, straight into its place in the part's buffer: one kernel copy, no buffer in
 between, its CRC32C computed piece by piece where it landed (while each piece is in the core's
 cache). A DELTA frame (a publish against a delta base) is received into a buffer of its own and
@@ -25,7 +25,7 @@ import numpy as np
 
 from weightstream.protocol import tcp, wire
 from weightstream_server.errors import DataConnectionLost, InvalidRequest
-from weightstream_server.revisions.published import PartInFlight
+from weightstream_server.revisions.parts import PartInFlight
 
 # Bytes received at a time into the part, each piece checksummed right after it landed.
 RECEIVE_PIECE_BYTES = 1024 * 1024

@@ -1,0 +1,108 @@
+"""A published revision's bytes, served: the memory of its parts standing for its files.
+
+A published revision (revisions.published) lies in its parts' buffers; PublishedSource serves them to
+every transport as if each part were one file, and keeps the CRC32C of each chunk it served (the
+bytes never change). Shared is a tensor of one kept revision that a newer one holds by reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from weightstream.protocol import dtypes, wire
+from weightstream_server.errors import ModelNotFound
+from weightstream_server.revisions.store import Blocks
+from weightstream_server.serving.read_plan import ReadPlan
+from weightstream_server.storage.sources import ModelFiles, SourceFile
+
+# Block CRC32Cs are kept per this many bytes of each tensor (what GetChanges compares).
+BLOCK_BYTES = 1024 * 1024
+PUBLISHED_SCHEME = "published://"
+
+
+def block_crcs(data: np.ndarray) -> Blocks:
+    """The CRC32C of each BLOCK_BYTES of data (flat uint8), the last block shorter."""
+    address = int(data.ctypes.data)
+    return tuple(
+        wire.crc32c_at(address + start, min(BLOCK_BYTES, data.size - start))
+        for start in range(0, data.size, BLOCK_BYTES)
+    )
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A tensor of a kept published revision that a new one holds too: its buffer, where it lies
+    there, and its block CRC32Cs."""
+
+    name: str
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+    nbytes: int
+    buffer: torch.Tensor
+    offset: int
+    blocks: Blocks
+
+
+class PublishedSource:
+    """The parts' buffers of one published revision, standing for its files: each part is one file."""
+
+    # Its bytes are in memory: streams read them from there, not through the cache.
+    in_memory = True
+
+    def __init__(self, model: str, buffers: Sequence[torch.Tensor]) -> None:
+        self.model = model
+        self._buffers = tuple(buffers)
+        # The CRC32C of each chunk served, by (part, offset, length): its bytes never change, and every
+        # load and update of the revision sends the same chunks. At most _max_crcs of them.
+        self._crcs: dict[tuple[int, int, int], int] = {}
+        self._max_crcs = 4 * sum(b.numel() for b in self._buffers) // wire.DEFAULT_CHUNK_BYTES + 1024
+
+    def chunk_crc32c(self, file: SourceFile, offset: int, data: np.ndarray) -> int:
+        """The CRC32C of data, the bytes at offset of file (computed once)."""
+        key = (part_of(file), offset, data.size)
+        crc = self._crcs.get(key)
+        if crc is None:
+            crc = wire.crc32c_at(data.ctypes.data, data.size)
+            if len(self._crcs) < self._max_crcs:
+                self._crcs[key] = crc
+        return crc
+
+    def claims(self, model: str) -> bool:
+        return False  # reached through the revision store, never by model id
+
+    def describe(self) -> str:
+        return "published revisions"
+
+    def public_name(self) -> str:
+        return "published"
+
+    def reachable(self) -> bool:
+        return True
+
+    def resolve(self, model: str) -> ModelFiles:
+        raise ModelNotFound(f"model {model!r}: a published revision has no storage files")
+
+    def companion_files(self, model: str) -> tuple[SourceFile, ...]:
+        return ()
+
+    def part_buffer(self, part: int) -> torch.Tensor:
+        """The buffer of part (uint8): what --publish-dir writes from."""
+        return self._buffers[part]
+
+    def read_range(self, file: SourceFile, start: int, length: int) -> bytes:
+        buffer = self._buffers[part_of(file)]
+        return bytes(buffer[start : start + length].numpy())
+
+    def read_units(self, files: Sequence[SourceFile], plan: ReadPlan) -> Iterator[tuple[int, int, torch.Tensor]]:
+        for file_id, file_plan in enumerate(plan.files):
+            buffer = self._buffers[part_of(files[file_plan.file_index])]
+            for index, (offset, size) in enumerate(zip(file_plan.offsets, file_plan.sizes, strict=True)):
+                yield file_id, index, buffer[offset : offset + size]
+
+
+def part_of(file: SourceFile) -> int:
+    return int(file.path.rpartition("/")[2])
