@@ -8,13 +8,18 @@ is used, when its stream stops waiting for it, and when the stream ends. Being a
 port gives nothing.
 
 Hostile connections: each connection gets HANDSHAKE_TIMEOUT_S to finish its TLS handshake and send
-its HELLO_BYTES; at most MAX_HANDSHAKES are read at once (more are closed at once). A connection
-that sends garbage, a wrong ticket or nothing in time is closed, costs one WARNING line and
-counts in the stats (data_connections_refused); memory per handshake is the socket and one
-small buffer.
+its HELLO_BYTES; at most MAX_HANDSHAKES are read at once, at most MAX_HANDSHAKES_PER_HOST of them
+from one peer host (HandshakeSlots). A new connection that finds no slot free takes the place of an
+idle one (no complete hello yet): its own host's oldest when its host holds its share, else the
+oldest of the host holding the most. So idle connections from one host, or from many, cannot keep
+a ticket holder out: it sends its hello a few round trips after connecting, long before a flood
+catches up with it. A connection that sends garbage, a wrong ticket or nothing in time, or is shed for a newer
+one, is closed, costs one WARNING line and counts in the stats (data_connections_refused); memory
+per handshake is the socket, a duplicate of its descriptor and one small buffer.
 
 Threading: one thread accepts; each connection's handshake runs on a short-lived thread of its own.
-Tickets is shared by those threads and the streams' gRPC workers, and is locked.
+Tickets is shared by those threads and the streams' gRPC workers, and is locked; HandshakeSlots is
+shared by the accepting thread (take) and the handshakes (hello_received, release), and is locked.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKES = 64
+MAX_HANDSHAKES_PER_HOST = 16
 _BACKLOG = 128
+_SHED = "it had sent no hello when a newer connection needed its handshake slot"
 
 
 @dataclass(eq=False)
@@ -123,6 +130,82 @@ def normal_host(host: str) -> str:
     return str(address)
 
 
+@dataclass(eq=False)
+class Handshake:
+    """One connection being read: its peer host, and a duplicate of its socket through which it can be shed."""
+
+    host: str
+    # A duplicate, not the socket itself: a TLS wrap takes the socket's descriptor over midway.
+    handle: socket.socket
+    idle: bool = True  # no complete hello yet
+    shed: bool = False
+
+
+class HandshakeSlots:
+    """The connections being read, at most total at once and at most per_host of them from one host. Thread-safe.
+
+    take() makes room for a new connection by shedding an idle handshake: shutting its socket down
+    through the duplicate (which wakes its thread's read) and giving its slot to the new one at once.
+    Once hello_received() said yes, a handshake is no longer idle and is never shed.
+    """
+
+    def __init__(self, total: int, per_host: int) -> None:
+        self._total = total
+        self._per_host = per_host
+        self._lock = threading.Lock()
+        self._by_host: dict[str, list[Handshake]] = {}  # oldest first
+        self._count = 0
+
+    def take(self, host: str, handle: socket.socket) -> Handshake | None:
+        """A slot for a connection from host (handle: a duplicate of its socket); None where none is free or idle."""
+        with self._lock:
+            if len(self._by_host.get(host, ())) >= self._per_host:
+                victim = self._oldest_idle([host])
+                if victim is None:
+                    return None
+                self._shed(victim)
+            elif self._count >= self._total:
+                hosts = sorted(self._by_host, key=lambda h: len(self._by_host[h]), reverse=True)
+                victim = self._oldest_idle(hosts)
+                if victim is None:
+                    return None
+                self._shed(victim)
+            handshake = Handshake(host, handle)
+            self._by_host.setdefault(host, []).append(handshake)
+            self._count += 1
+            return handshake
+
+    def hello_received(self, handshake: Handshake) -> bool:
+        """Mark handshake as no longer idle; False if it was shed first."""
+        with self._lock:
+            handshake.idle = False
+            return not handshake.shed
+
+    def release(self, handshake: Handshake) -> None:
+        """Free handshake's slot (if it was not shed) and its duplicate socket."""
+        with self._lock:
+            if not handshake.shed:
+                self._remove(handshake)
+        handshake.handle.close()
+
+    def _oldest_idle(self, hosts: list[str]) -> Handshake | None:
+        """The oldest idle handshake of the first of hosts that has one."""
+        return next((h for host in hosts for h in self._by_host.get(host, ()) if h.idle), None)
+
+    def _shed(self, handshake: Handshake) -> None:
+        handshake.shed = True
+        self._remove(handshake)
+        with contextlib.suppress(OSError):
+            handshake.handle.shutdown(socket.SHUT_RDWR)
+
+    def _remove(self, handshake: Handshake) -> None:
+        held = self._by_host[handshake.host]
+        held.remove(handshake)
+        if not held:
+            del self._by_host[handshake.host]
+        self._count -= 1
+
+
 class DataPort:
     """The listening data port on host:port (port 0 picks one: see .port); TLS with tls as the server's context.
 
@@ -136,7 +219,7 @@ class DataPort:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=_BACKLOG)
         self.port = int(self._listener.getsockname()[1])
-        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._handshakes = HandshakeSlots(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_HOST)
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="weightstream-data-port", daemon=True)
 
@@ -159,14 +242,21 @@ class DataPort:
                 if self._closed:
                     return
                 continue
-            if not self._handshakes.acquire(blocking=False):
-                self._refuse(conn, address[0], f"{MAX_HANDSHAKES} other connections are still being read")
+            try:
+                handle = conn.dup()
+            except OSError as exc:
+                self._refuse(conn, address[0], f"{type(exc).__name__}: {exc}")
+                continue
+            slot = self._handshakes.take(normal_host(address[0]), handle)
+            if slot is None:
+                handle.close()
+                self._refuse(conn, address[0], "every handshake slot it may use holds a connection being admitted")
                 continue
             threading.Thread(
-                target=self._handshake, args=(conn, address[0]), name="weightstream-data-handshake", daemon=True
+                target=self._handshake, args=(conn, address[0], slot), name="weightstream-data-handshake", daemon=True
             ).start()
 
-    def _handshake(self, raw: socket.socket, address: str) -> None:
+    def _handshake(self, raw: socket.socket, address: str, slot: Handshake) -> None:
         conn: socket.socket = raw
         try:
             raw.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -176,6 +266,9 @@ class DataPort:
                 conn = self.tls.wrap_socket(raw, server_side=True)
                 certificate = conn.getpeercert(binary_form=True) if isinstance(conn, ssl.SSLSocket) else None
             hello = _receive_exactly(conn, tcp.HELLO_BYTES)
+            if not self._handshakes.hello_received(slot):
+                self._refuse(conn, address, _SHED)
+                return
             if hello is None or not hello.startswith(tcp.MAGIC):
                 self._refuse(conn, address, "it did not open with a weightstream data handshake")
                 return
@@ -191,9 +284,9 @@ class DataPort:
                 # The stream stopped waiting a moment ago; it ends without this connection.
                 conn.close()
         except (OSError, ssl.SSLError, ValueError) as exc:
-            self._refuse(conn, address, f"{type(exc).__name__}: {exc}")
+            self._refuse(conn, address, _SHED if slot.shed else f"{type(exc).__name__}: {exc}")
         finally:
-            self._handshakes.release()
+            self._handshakes.release(slot)
 
     def _refuse(self, conn: socket.socket, address: str, why: str) -> None:
         self._stats.data_connection_refused()
