@@ -623,3 +623,57 @@ def test_a_range_sent_twice_in_one_update_is_refused(server: WeightStreamServer,
                 client.update_into(module, MODEL, since=revision_a)
         assert proxy.tampered == 1
     assert caught.value.partially_written is True
+
+
+def partly_stepped(state: dict[str, torch.Tensor], names: list[str], seed: int) -> dict[str, torch.Tensor]:
+    """state with 2% of the elements of names' tensors changed; the others unchanged."""
+    step = stepped({n: state[n] for n in names}, 0.02, seed=seed)
+    return {name: step.get(name, tensor) for name, tensor in state.items()}
+
+
+def test_a_zeroed_module_updated_since_a_revision_it_never_held_ends_at_the_new_one(server: WeightStreamServer) -> None:
+    """update_into(since=r1) on a module of zeros: the changed tensors' deltas fail their checks and come
+    whole, and the unchanged tensors, which GetChanges tells the client to keep, are checked against
+    r2's block CRC32Cs and fetched, so the module holds r2 when the report says r2."""
+    a = state_of(0)
+    b = partly_stepped(a, ["layers.0.weight", "layers.1.weight"], seed=1)
+    module = module_of(a)  # zeros
+    with client_of(server, "tcp") as client:
+        revision_a = client.publish(MODEL, a)
+        revision_b = client.publish(MODEL, b)
+        report = client.update_into(module, MODEL, since=revision_a)
+    assert report.revision == revision_b
+    assert_holds(module, b)
+    assert report.delta_fallbacks > 0
+    unchanged = model_bytes(b) - 2 * (1 << 20)
+    assert report.stale_bytes == unchanged and report.bytes == model_bytes(b)
+
+
+@pytest.mark.parametrize("verify", (None, False))
+def test_a_module_holding_a_later_revision_updated_since_an_earlier_one_ends_at_the_one_reported(
+    tmp_path: Path, verify: bool | None
+) -> None:
+    """The module holds q3; update_into(since=q1, revision=q2) is told that only what changed from q1 to
+    q2 needs fetching, but the module holds q3's bytes where q3 changed after q2: those blocks fail
+    their check against q2's CRC32Cs and are fetched, so it ends holding q2. With
+    verify_unchanged=False the client trusts since, and the module keeps q3's bytes there."""
+    q1 = state_of(0)
+    q2 = partly_stepped(q1, ["layers.0.weight"], seed=2)
+    q3 = partly_stepped(q2, ["layers.5.weight", "embed.weight"], seed=3)
+    module = module_of(q1)
+    settings = loopback_settings(model_root=tmp_path, allow_publish=True, keep_revisions=3)
+    with serving(settings) as server, client_of(server) as client:
+        revision_q1 = client.publish(MODEL, q1)
+        revision_q2 = client.publish(MODEL, q2)
+        client.publish(MODEL, q3)
+        client.load_into(module, MODEL)
+        assert_holds(module, q3)
+        report = client.update_into(module, MODEL, since=revision_q1, revision=revision_q2, verify_unchanged=verify)
+    assert report.revision == revision_q2
+    if verify is None:
+        assert_holds(module, q2)
+        assert report.stale_bytes == 5 * (1 << 20)  # layers.5 and embed, whole: 2% of their elements changed
+    else:
+        assert report.stale_bytes == 0
+        got = dict(module.named_parameters())
+        assert torch.equal(got["embed.weight"].view(torch.int16), q3["embed.weight"].view(torch.int16))

@@ -17,8 +17,9 @@ from types import TracebackType
 import grpc
 import torch
 
-from weightstream.client import replicas, revisions
+from weightstream.client import replicas, revisions, unchanged
 from weightstream.client.channels import Channels, channel_credentials, data_tls_context
+from weightstream.client.deltas import APPLIER_THREADS
 from weightstream.client.errors import (
     FailedPreconditionError,
     NotFoundError,
@@ -77,6 +78,9 @@ class LoadReport:
     delta_chunks: int = 0
     delta_bytes: int = 0
     delta_fallbacks: int = 0
+    # An update's bytes that GetChanges called unchanged and the module did not hold (their block's
+    # CRC32C was not the new revision's): received too, and counted in bytes.
+    stale_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -518,6 +522,7 @@ class WeightStreamClient:
         strict: bool = True,
         shard: ShardSpec | Mapping[str, TensorSlice] | None = None,
         deltas: bool = True,
+        verify_unchanged: bool | None = None,
     ) -> LoadReport:
         """Write only what changed in model since revision `since` (which module holds) into its
         parameters (or a mapping's tensors, by name), in place; the report names the new revision, the
@@ -532,30 +537,63 @@ class WeightStreamClient:
         again whole (report.delta_fallbacks). An error raised after writing began has
         partially_written=True: the module then holds some tensors of each revision, and calling
         update_into again with the same since completes it.
+
+        verify_unchanged: whether the bytes kept as unchanged are checked first against the new
+        revision's block CRC32Cs (GetChanges carries them); blocks that differ (the module did not
+        hold since there) are received too (report.stale_bytes), so the module ends holding the
+        revision reported whatever it held. None (the default) checks parameters in host memory and
+        trusts since for those on a device (the check would copy them to the host); True checks both;
+        False trusts since. What cannot be checked is always trusted: see weightstream.client.unchanged.
         """
         started = time.perf_counter()
         changes = self.changes(model, since=since, revision=revision)
         full = self.manifest(model, revision=changes.revision)
         manifest = sliced_manifest(full, shard) if shard is not None else full
         matched = match_targets(module, manifest, strict=strict)
+        # Per target: its destination and the ranges kept as unchanged (None: none).
+        plans: dict[str, tuple[Destination, list[tuple[int, int]] | None]] = {}
+        checks: list[unchanged.Kept] = []
+        unchecked = 0  # tensors kept without block CRC32Cs from the server to check them by
+        for name, target in matched.targets.items():
+            info = manifest[name]
+            dest = Destination(name, target)
+            if dest.staged:
+                if name not in changes.tensors:
+                    continue  # its bytes are converted, not the checkpoint's: kept unchecked
+                keep = None
+            else:
+                keep = revisions.unchanged_ranges(info, full[name], changes.tensors.get(name, []))
+            start = revisions.run_start(info, full[name])
+            checked = verify_unchanged or (verify_unchanged is None and dest.buffer.device.type == "cpu")
+            if keep and checked and start is not None:
+                crcs = changes.blocks.get(name)
+                if crcs is None:
+                    unchecked += 1
+                else:
+                    unchanged.check_crcs(model, name, full[name].nbytes, changes.block_bytes, crcs)
+                    checks.append(unchanged.Kept(name, dest.buffer, keep, start, full[name].nbytes, crcs))
+            plans[name] = (dest, keep)
+        if unchecked:
+            logger.info("update of %s: the server sent no block CRC32Cs of %d kept tensors (trusted)", model, unchecked)
+        stale = unchanged.stale(checks, changes.block_bytes, APPLIER_THREADS) if checks else {}
         dests: dict[str, Destination] = {}
         landed: dict[str, list[tuple[int, int]]] = {}
         # Tensors whose parameters hold since's bytes in place, of the same layout: deltas apply.
         held: set[str] = set()
-        changed_bytes = 0
-        for name, target in matched.targets.items():
-            if name not in changes.tensors:
-                continue
+        changed_bytes = stale_bytes = 0
+        for name, (dest, keep) in plans.items():
             info = manifest[name]
-            dest = Destination(name, target)
-            unchanged = None if dest.staged else revisions.unchanged_ranges(info, full[name], changes.tensors[name])
-            if unchanged is not None and sum(e - s for s, e in unchanged) == info.nbytes:
-                continue  # this rank's slice did not change
-            if unchanged:
-                landed[name] = unchanged
-            if deltas and not dest.staged and changes.tensors[name] is not None:
+            differing = stale.get(name)
+            if keep is not None and differing:
+                keep = unchanged.without(keep, differing)
+                stale_bytes += sum(e - s for s, e in differing)
+            if keep is not None and sum(e - s for s, e in keep) == info.nbytes:
+                continue  # this rank's slice did not change (and holds the new revision where checked)
+            if keep:
+                landed[name] = keep
+            if deltas and not dest.staged and changes.tensors.get(name) is not None and not differing:
                 held.add(name)
-            changed_bytes += revisions.changed_bytes(info, unchanged)
+            changed_bytes += revisions.changed_bytes(info, keep)
             dests[name] = dest
         report = self._receive_into(
             model,
@@ -568,9 +606,10 @@ class WeightStreamClient:
             delta_base=changes.since if held else "",
             delta_tensors=frozenset(held),
         )
-        report = dataclasses.replace(report, bytes=changed_bytes, revision=changes.revision)
+        report = dataclasses.replace(report, bytes=changed_bytes, revision=changes.revision, stale_bytes=stale_bytes)
         logger.info(
-            "updated %s from %s to %s: %d tensors, %d bytes in %.3f s (%d chunks as deltas of %d bytes, %d fell back)",
+            "updated %s from %s to %s: %d tensors, %d bytes in %.3f s (%d chunks as deltas of %d bytes, %d fell back; "
+            "%d bytes kept as unchanged were not since's)",
             model,
             since,
             changes.revision,
@@ -580,6 +619,7 @@ class WeightStreamClient:
             report.delta_chunks,
             report.delta_bytes,
             report.delta_fallbacks,
+            report.stale_bytes,
         )
         return report
 

@@ -6,15 +6,15 @@ gRPC, transports/tcp_publish for the data port). Tensors on a device are copied 
 at a time, as they are sent, so a publish holds one tensor's host copy at most. Against a delta
 base (a publish's host copies of what it published last), a chunk that did not change is not sent
 and one that did goes as an XOR delta where that is smaller (weightstream.protocol.deltas).
-update_ranges turns a GetChanges answer into what an update asks for: the
+unchanged_ranges turns a GetChanges answer into what an update asks for: the
 tensors that changed and, for those written straight into their targets, the ranges that did not
-(already landed: the load asks only for the rest).
+(already landed: the load asks only for the rest, once unchanged.py checked them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,7 +37,11 @@ class RevisionEvent:
 
 @dataclass(frozen=True)
 class Changes:
-    """What changed between two revisions: per tensor, None for all of it, else its changed byte ranges."""
+    """What changed between two revisions: per tensor, None for all of it, else its changed byte ranges.
+
+    blocks: the new revision's CRC32C of each block_bytes block of the tensors not changed whole, by
+    name (as the server sent them: unchecked until a tensor's size is known, unchanged.check_crcs).
+    """
 
     model: str
     since: str
@@ -45,6 +49,8 @@ class Changes:
     tensors: dict[str, list[tuple[int, int]] | None]
     changed_bytes: int
     removed: tuple[str, ...]
+    block_bytes: int = 0
+    blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def changes_from_proto(response: pb.GetChangesResponse) -> Changes:
@@ -52,7 +58,14 @@ def changes_from_proto(response: pb.GetChangesResponse) -> Changes:
     for t in response.tensors:
         tensors[t.name] = None if t.whole else [(r.start, r.end) for r in t.ranges]
     return Changes(
-        response.model, response.since, response.revision, tensors, response.changed_bytes, tuple(response.removed)
+        response.model,
+        response.since,
+        response.revision,
+        tensors,
+        response.changed_bytes,
+        tuple(response.removed),
+        response.block_bytes,
+        {b.name: tuple(b.crc32c) for b in response.blocks},
     )
 
 
@@ -207,14 +220,10 @@ def unchanged_ranges(
     """
     if changed is None:
         return None
-    if info.slice is None:
-        start, length = 0, info.nbytes
-    elif info.slice.dim == 0 and full.shape:
-        row = full.nbytes // full.shape[0] if full.shape[0] else 0
-        start, length = info.slice.start * row, info.nbytes
-    else:
+    start = run_start(info, full)
+    if start is None:
         return None if changed else [(0, info.nbytes)]
-    end = start + length
+    end = start + info.nbytes
     kept: list[tuple[int, int]] = []
     position = start
     for s, e in changed:
@@ -227,6 +236,17 @@ def unchanged_ranges(
     if position < end:
         kept.append((position - start, end - start))
     return kept
+
+
+def run_start(info: TensorInfo, full: TensorInfo) -> int | None:
+    """Where info's bytes (a tensor, or the slice of full a rank holds) begin in full's, when they are one
+    run of them (the whole tensor, or a slice along dim 0); None for a slice along another dimension."""
+    if info.slice is None:
+        return 0
+    if info.slice.dim == 0 and full.shape:
+        row = full.nbytes // full.shape[0] if full.shape[0] else 0
+        return info.slice.start * row
+    return None
 
 
 def changed_bytes(info: TensorInfo, unchanged: list[tuple[int, int]] | None) -> int:
