@@ -1,5 +1,10 @@
-"""Where tensor bytes are read: Run:ai Model Streamer reads of files and S3 objects, a pool of streamers,
+"""Where tensor bytes are read: Run:ai Model Streamer reads of files and objects, a pool of streamers,
 and direct reads of local files into memory the caller names (the shared-memory ring's slots).
+
+Object stores: the streamer's object-storage backend is one per process, the first kind of store
+read (claim_backend). The pool reads objects of that kind here and each other kind through a
+reader process of its own (StreamerPool.reader_for, serving/store_readers.py), so that one server
+serves s3://, gs:// and az:// models at once.
 
 Concurrency: a FileStreamer is not thread-safe and holds one stream at a time, so each stream
 checks one out of the StreamerPool for its whole life and returns it when done. Streamers are
@@ -29,10 +34,11 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Protocol
 
 import torch
 from runai_model_streamer import FileChunks, FileStreamer
@@ -42,14 +48,33 @@ from weightstream.protocol import wire
 from weightstream_server.errors import CorruptCheckpoint, ServerError, StorageUnavailable, TooManyStreams
 from weightstream_server.serving.catalog import Manifest
 from weightstream_server.serving.read_plan import ChunkPlace, ReadPlan
+from weightstream_server.serving.store_readers import StoreReader
 from weightstream_server.storage.file_errors import file_error
+from weightstream_server.storage.model_ids import OBJECT_SCHEMES, S3_SCHEME
 from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.sources import SourceFile
 
 logger = logging.getLogger(__name__)
 
 # Streamers of closed pools, kept open once S3 has been read in this process (see the module doc).
 _parked: list[FileStreamer] = []
 _s3_used = threading.Event()
+# The scheme of the one kind of object store this process's streamers read (see claim_backend).
+_backend: list[str] = []
+_backend_lock = threading.Lock()
+
+
+def claim_backend(scheme: str) -> bool:
+    """Whether this process's streamers read the objects of scheme ("s3://", "gs://", "az://").
+
+    The streamer loads the plugin of the first object store a process reads and sends every later
+    object read of the process to it, whatever its URL: the first scheme claimed is this process's
+    for its life, and objects of the others are read in reader processes (StreamerPool.reader_for).
+    """
+    with _backend_lock:
+        if not _backend:
+            _backend.append(scheme)
+        return _backend[0] == scheme
 
 
 # Seconds a stream waits for the next read of an object store by default (see StreamerPool).
@@ -95,6 +120,10 @@ class StreamerPool:
     ring (up to the read-ahead) meanwhile, so at most `size` of them are let be: while that many
     wait on their stores, new reads of object stores are refused UNAVAILABLE (refuse_stuck), and
     streams of local files, published revisions and upstream tiers go on.
+
+    Objects of a store other than this process's (claim_backend) are read in that store's reader
+    process (reader_for), started at its first read: it has a pool like this one, of the same size,
+    settings and bounds, and the stuck streamers of that store are counted there.
     """
 
     def __init__(
@@ -107,6 +136,7 @@ class StreamerPool:
         self._lock = threading.Lock()
         self._in_use = 0
         self._stuck = 0
+        self._readers: dict[str, StoreReader] = {}
 
     @contextlib.contextmanager
     def checkout(self) -> Iterator[PooledStreamer]:
@@ -158,9 +188,23 @@ class StreamerPool:
                 f"answering (each given up after --storage-timeout {self._storage_timeout:g} s); try again later"
             )
 
+    def reader_for(self, scheme: str) -> StoreReader | None:
+        """The reader process of scheme's objects, or None where this process's streamers read them."""
+        if claim_backend(scheme):
+            return None
+        with self._lock:
+            reader = self._readers.get(scheme)
+            if reader is None:
+                credentials = self._s3_credentials if scheme == S3_SCHEME else None
+                reader = self._readers[scheme] = StoreReader(scheme, self._size, self._storage_timeout, credentials)
+        return reader
+
     def close(self) -> None:
         with self._lock:
             free, self._free = self._free, []
+            readers, self._readers = list(self._readers.values()), {}
+        for reader in readers:
+            reader.close()
         if _s3_used.is_set():
             _parked.extend(free)
             return
@@ -208,9 +252,44 @@ def read_units(
     if units is not None:
         yield from units
         return
+    first = manifest.files[plan.files[0].file_index]
+    reader = None
+    if first.local is None and streamer.pool is not None:
+        reader = streamer.pool.reader_for(next((s for s in OBJECT_SCHEMES if first.path.startswith(s)), ""))
+    if reader is not None:
+        yield from reader.read_units(manifest.model, manifest.files, plan, read_ahead_bytes)
+        return
     with contextlib.ExitStack() as stack:
         opened = files if files is not None else stack.enter_context(open_plan(manifest, plan))
-        yield from _read_units(streamer, manifest, plan, read_ahead_bytes, opened)
+        yield from _read_units(streamer, manifest.model, manifest.files, plan, read_ahead_bytes, opened)
+
+
+def read_object_units(
+    streamer: PooledStreamer, model: str, files: Sequence[SourceFile], plan: ReadPlan, read_ahead_bytes: int
+) -> Generator[tuple[int, int, torch.Tensor]]:
+    """As read_units, for a plan of objects (files of an object store) read by this process's streamers."""
+    yield from _read_units(streamer, model, files, plan, read_ahead_bytes, _ObjectUrls(files))
+
+
+class _Paths(Protocol):
+    """Where the streamer reads each file of a plan, and the check that it is still as listed (OpenFiles)."""
+
+    def path(self, index: int) -> str: ...
+
+    def check_unchanged(self, index: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class _ObjectUrls:
+    """The _Paths of objects: their URLs; a listed version is checked by the store's backend, not here."""
+
+    files: Sequence[SourceFile]
+
+    def path(self, index: int) -> str:
+        return self.files[index].path
+
+    def check_unchanged(self, index: int) -> None:
+        return None
 
 
 # A stream's first reads cover this much, and each next window twice the last, up to the read-ahead:
@@ -253,13 +332,18 @@ def read_windows(plan: ReadPlan, read_ahead_bytes: int) -> Iterator[_Window]:
 
 
 def _read_units(
-    streamer: PooledStreamer, manifest: Manifest, plan: ReadPlan, read_ahead_bytes: int, opened: OpenFiles
+    streamer: PooledStreamer,
+    model: str,
+    files: Sequence[SourceFile],
+    plan: ReadPlan,
+    read_ahead_bytes: int,
+    opened: _Paths,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    file_names = ", ".join(manifest.files[fp.file_index].name for fp in plan.files)
-    remote = manifest.files[plan.files[0].file_index].local is None
+    file_names = ", ".join(files[fp.file_index].name for fp in plan.files)
+    remote = files[plan.files[0].file_index].local is None
     if remote:
         if streamer.pool is not None:
-            streamer.pool.refuse_stuck(manifest.model)
+            streamer.pool.refuse_stuck(model)
         _s3_used.set()
     failure = StorageUnavailable if remote else CorruptCheckpoint
     # Units of each file of the plan not received yet; at 0, the unit in hand is the file's last.
@@ -291,7 +375,7 @@ def _read_units(
                 raise
             chunks = file_streamer.get_chunks()
             try:
-                for k, relative_index, data in _within(chunks, streamer, manifest.model) if remote else chunks:
+                for k, relative_index, data in _within(chunks, streamer, model) if remote else chunks:
                     file_id, start, _ = window.spans[k]
                     range_index = start + relative_index
                     file_plan = plan.files[file_id]
@@ -300,7 +384,7 @@ def _read_units(
                     if flat.numel() != file_plan.sizes[range_index]:
                         _check_unchanged(opened, plan)
                         raise failure(
-                            f"model {manifest.model!r}: tensor {unit.place.tensor!r}: read {flat.numel()} bytes at "
+                            f"model {model!r}: tensor {unit.place.tensor!r}: read {flat.numel()} bytes at "
                             f"file offset {file_plan.offsets[range_index]}, expected {file_plan.sizes[range_index]}"
                         )
                     received += 1
@@ -319,12 +403,10 @@ def _read_units(
         # The streamer's errors are terse ("End of file reached", "File access error"): name the
         # model and files. Locally the usual cause is a file changed after its header was read.
         _check_unchanged(opened, plan)
-        raise failure(f"model {manifest.model!r}: reading {file_names} failed: {exc}") from exc
+        raise failure(f"model {model!r}: reading {file_names} failed: {exc}") from exc
     if received != plan.num_reads:
         _check_unchanged(opened, plan)
-        raise failure(
-            f"model {manifest.model!r}: the read of {file_names} ended after {received} of {plan.num_reads} reads"
-        )
+        raise failure(f"model {model!r}: the read of {file_names} ended after {received} of {plan.num_reads} reads")
 
 
 _END = object()
@@ -402,7 +484,7 @@ def _within(
             thread.join()
 
 
-def _check_unchanged(opened: OpenFiles, plan: ReadPlan) -> None:
+def _check_unchanged(opened: _Paths, plan: ReadPlan) -> None:
     """Raise CheckpointChanged if a file of plan changed: then that, not corruption, is why a read failed."""
     for file_plan in plan.files:
         opened.check_unchanged(file_plan.file_index)

@@ -1,0 +1,283 @@
+"""Reader processes: reads of the kinds of object store that this process's Run:ai streamer cannot make.
+
+The streamer's object-storage backend is chosen once per process, not per streamer: the first
+object store the process reads (S3, GCS or Azure) loads that store's plugin, and from then on every
+object read of every streamer in the process goes to it. A gs:// URL handed to the S3 plugin fails
+"File access error"; a streamer that read one kind and is handed another refuses with "Streamer is
+locked to a single object-storage backend". So the server reads the first kind it reads in its own
+process (reader.StreamerPool), and each other kind in a reader process of that kind's own
+(StoreReader, one per kind, started at the first read of the kind and again if it died): a server
+then serves s3://, gs:// and az:// models at once.
+
+The reader process is `python -m weightstream_server.serving.store_readers`, with this process's
+environment (the streamer's and the stores' variables, set at start-up) and a StreamerPool of
+--max-streams streamers. It listens on a Unix socket in a folder only this user can enter, and
+every connection must prove the random key the parent gave it on stdin; it exits when its stdin
+closes, that is when the server's process ends. Each stream is one connection: the parent sends
+(model, files, plan, read-ahead), the reader process reads the plan with reader.read_object_units
+(windows, the storage timeout, stuck streamers and every length and count check, as in the server's
+own process) and sends each read unit as it arrives, then "end" or the error.
+
+Copies: one more than in the server's process: the reader process's ring -> the socket -> the
+parent's receive buffer. Memory: each stream's receive buffer is as large as its largest read unit,
+besides the reader process's rings (bounded by --read-ahead-bytes per stream, as here).
+
+Concurrency: a StoreReader is shared by the streams of its kind, each on a connection of its own.
+The reader process serves each connection on a thread of its own; its streamers are checked out of
+its pool as here, one stream at a time each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener
+from typing import TYPE_CHECKING
+
+import torch
+from runai_model_streamer.s3_utils.s3_utils import S3Credentials
+
+from weightstream_server import errors
+from weightstream_server.errors import ServerError, StorageUnavailable
+
+if TYPE_CHECKING:
+    from weightstream_server.serving.read_plan import ReadPlan
+    from weightstream_server.serving.reader import StreamerPool
+    from weightstream_server.storage.sources import SourceFile
+
+logger = logging.getLogger(__name__)
+
+# Seconds a reader process may take to start (it imports torch and the streamer) and listen.
+START_TIMEOUT_S = 60.0
+# Seconds a stream waits for its reader process beyond the storage timeout, which the reader
+# process enforces itself: past both, the reader process is taken to be stuck.
+REPLY_MARGIN_S = 30.0
+STOP_TIMEOUT_S = 5.0
+_KEY_BYTES = 32
+_POLL_S = 0.05
+
+
+class StoreReader:
+    """The reader process of one kind of object store (scheme: "s3://", "gs://" or "az://"), started when first used.
+
+    size, storage_timeout, s3_credentials: those of the reader process's StreamerPool (see
+    reader.StreamerPool). Thread-safe: read_units may run on many threads at once.
+    """
+
+    def __init__(
+        self, scheme: str, size: int, storage_timeout: float, s3_credentials: S3Credentials | None = None
+    ) -> None:
+        self.scheme = scheme
+        # The S3 settings travel as "-" (none) or the endpoint and region, "" where unset.
+        s3 = (
+            ["-", "", ""]
+            if s3_credentials is None
+            else ["+", s3_credentials.endpoint or "", s3_credentials.region_name or ""]
+        )
+        self._args = [scheme, str(size), repr(storage_timeout), *s3]
+        self._storage_timeout = storage_timeout
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._folder: str | None = None
+        self._address = ""
+        self._key = b""
+        self._closed = False
+
+    def read_units(
+        self, model: str, files: Sequence[SourceFile], plan: ReadPlan, read_ahead_bytes: int
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """As reader.read_units: (index in plan.files, index of the unit, its bytes as flat uint8) per read
+        unit, each a view of this stream's receive buffer valid until the next item is taken."""
+        conn = self._connect(model)
+        with conn:
+            try:
+                conn.send((model, tuple(files), plan, read_ahead_bytes))
+            except OSError as exc:
+                raise self._gone(model, exc) from exc
+            buffer = torch.empty(0, dtype=torch.uint8)
+            while True:
+                message = self._receive(conn, model)
+                if message[0] == "end":
+                    return
+                if message[0] == "error":
+                    raise _error(message[1], message[2])
+                file_id, index, length = _unit(message)
+                if buffer.numel() < length:
+                    buffer = torch.empty(length, dtype=torch.uint8)
+                try:
+                    received = conn.recv_bytes_into(buffer.numpy().data)
+                except (OSError, EOFError) as exc:
+                    raise self._gone(model, exc) from exc
+                if received != length:
+                    raise StorageUnavailable(
+                        f"model {model!r}: the {self.scheme} reader process sent {received} bytes, announced {length}"
+                    )
+                yield file_id, index, buffer[:length]
+
+    def close(self) -> None:
+        """Stop the reader process (it ends its streams in flight) and remove its socket's folder."""
+        with self._lock:
+            self._closed = True
+            self._stop()
+
+    def _receive(self, conn: Connection, model: str) -> tuple[object, ...]:
+        wait = self._storage_timeout + REPLY_MARGIN_S
+        try:
+            if not conn.poll(wait):
+                raise StorageUnavailable(
+                    f"model {model!r}: the {self.scheme} reader process sent nothing for {wait:g} s; try again"
+                )
+            message = conn.recv()
+        except (OSError, EOFError) as exc:
+            raise self._gone(model, exc) from exc
+        if not isinstance(message, tuple) or not message:
+            raise StorageUnavailable(f"model {model!r}: the {self.scheme} reader process sent {type(message).__name__}")
+        return message
+
+    def _gone(self, model: str, exc: BaseException) -> StorageUnavailable:
+        code = self._proc.poll() if self._proc is not None else None
+        how = f"exited with {code}" if code is not None else f"closed the connection ({type(exc).__name__})"
+        return StorageUnavailable(f"model {model!r}: the {self.scheme} reader process {how}; try again")
+
+    def _connect(self, model: str) -> Connection:
+        """A connection to the reader process, started first if it is not running."""
+        with self._lock:
+            if self._closed:
+                raise StorageUnavailable(f"model {model!r}: the server is stopping")
+            if self._proc is None or self._proc.poll() is not None:
+                if self._proc is not None:
+                    logger.warning(
+                        "the %s reader process exited with %s; starting another", self.scheme, self._proc.returncode
+                    )
+                self._stop()
+                self._start()
+            address, key, proc = self._address, self._key, self._proc
+        assert proc is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                return Client(address, family="AF_UNIX", authkey=key)
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                # Still starting: it listens once it has imported the streamer.
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise self._gone(model, exc) from exc
+                time.sleep(_POLL_S)
+            except (OSError, EOFError) as exc:
+                raise self._gone(model, exc) from exc
+
+    def _start(self) -> None:
+        self._folder = tempfile.mkdtemp(prefix="weightstream-reader-")  # mode 0700
+        self._address = os.path.join(self._folder, "socket")
+        self._key = secrets.token_bytes(_KEY_BYTES)
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        command = [sys.executable, "-m", __name__, *self._args, self._address, str(level)]
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE)
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(self._key)
+        self._proc.stdin.flush()
+        logger.info("started the %s reader process (pid %d)", self.scheme, self._proc.pid)
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()  # it exits when its stdin closes
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_TIMEOUT_S)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+def _unit(message: tuple[object, ...]) -> tuple[int, int, int]:
+    """(index in plan.files, index of the unit, its length) of a reader process's ("unit", ...) message."""
+    if len(message) != 4 or message[0] != "unit" or not all(isinstance(v, int) for v in message[1:]):
+        raise StorageUnavailable(f"a reader process sent an unknown message {str(message)[:200]}")
+    return message[1], message[2], message[3]  # type: ignore[return-value]
+
+
+def _error(name: object, text: object) -> ServerError:
+    """The server's exception named name (from a reader process), StorageUnavailable for any other name."""
+    kind = getattr(errors, str(name), None)
+    if isinstance(kind, type) and issubclass(kind, ServerError):
+        return kind(str(text))
+    return StorageUnavailable(str(text))
+
+
+# -- the reader process --
+
+
+def _serve_stream(pool: StreamerPool, conn: Connection) -> None:
+    """Read the plan of one stream (one connection) and send its units, then "end" or the error."""
+    from weightstream_server.serving.reader import read_object_units
+
+    model = "?"
+    with conn:
+        try:
+            model, files, plan, read_ahead_bytes = conn.recv()
+            with pool.checkout() as streamer:
+                units = read_object_units(streamer, model, files, plan, read_ahead_bytes)
+                # Closed before the streamer goes back to the pool: its reads are drained by then.
+                with contextlib.closing(units):
+                    for file_id, index, data in units:
+                        conn.send(("unit", file_id, index, data.numel()))
+                        conn.send_bytes(data.numpy().data)
+            conn.send(("end",))
+        except (OSError, EOFError):
+            return  # the stream ended on the server's side (a client that cancelled, say)
+        except ServerError as exc:
+            with contextlib.suppress(OSError):
+                conn.send(("error", type(exc).__name__, str(exc)))
+        except Exception as exc:
+            logger.exception("model %r: the read failed", model)
+            with contextlib.suppress(OSError):
+                conn.send(("error", "StorageUnavailable", f"model {model!r}: the read failed: {exc}"))
+
+
+def _exit_with_parent() -> None:
+    """Wait until stdin closes (the server stopped this process, or ended), then exit at once."""
+    with contextlib.suppress(OSError):
+        while sys.stdin.buffer.read(4096):
+            pass
+    os._exit(0)
+
+
+def main(argv: Sequence[str]) -> None:
+    scheme, size, storage_timeout, has_s3, endpoint, region, address, level = argv
+    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s %(name)s [{scheme} reader]: %(message)s")
+    key = sys.stdin.buffer.read(_KEY_BYTES)
+    # Ctrl-C in a terminal reaches the whole process group: this process ends with the server's (stdin).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from weightstream_server.serving.reader import StreamerPool, claim_backend
+
+    claim_backend(scheme)
+    credentials = S3Credentials(endpoint=endpoint or None, region_name=region or None) if has_s3 == "+" else None
+    pool = StreamerPool(int(size), credentials, float(storage_timeout))
+    threading.Thread(target=_exit_with_parent, name="weightstream-reader-parent", daemon=True).start()
+    with Listener(address, family="AF_UNIX", authkey=key) as listener:
+        while True:
+            try:
+                conn = listener.accept()
+            except (OSError, EOFError, AuthenticationError) as exc:  # one that failed the key's challenge, say
+                logger.warning("refused a connection: %s", exc)
+                continue
+            threading.Thread(target=_serve_stream, args=(pool, conn), name="weightstream-reader", daemon=True).start()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
