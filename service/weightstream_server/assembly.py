@@ -291,6 +291,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         upload,
         assembly_timeout=settings.publish_assembly_timeout,
     )
+    publisher.restore()
     changes = Changes(revisions)
     relay = Relay(settings, revisions, catalog, publisher) if settings.upstream is not None else None
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)

@@ -4,9 +4,18 @@ revision as safetensors files.
 A revision R of model M is written to PUBLISH_DIR/M/R/ (one file per part, model-0000i-of-0000n
 .safetensors), into a hidden folder beside it first, each file flushed to disk, then renamed into
 place: a reader of PUBLISH_DIR never sees a revision half written, and a server started with
---model-root PUBLISH_DIR serves it as the model "M/R". A revision already on disk under that name is
-replaced. Writes run on a thread of their own, after the revision is current; a failure is logged
-and leaves nothing behind.
+--model-root PUBLISH_DIR serves it as the model "M/R". A revision folder that exists is never
+overwritten. PUBLISH_DIR/M/.weightstream-revisions.json lists the revisions written there, oldest
+first, and the model's current one; revisions this server no longer keeps (--keep-revisions) are
+removed from the folder as each new one is written (renamed aside, then deleted: a reader that has
+their files open keeps reading them). A restarted server reads that list back (PublishDir.recover):
+the model's kept revisions and which one is current, and removes what a crash left half written.
+
+Every path is made from a model id and a revision name checked as a publisher's are, then resolved
+and checked to lie inside PUBLISH_DIR before anything is created or removed there.
+
+Writes run on a thread of their own, after the revision is current, one model folder at a time; a
+failure is logged and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -15,60 +24,220 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from safetensors.torch import save_file
 
+from weightstream_server.errors import ServerError
 from weightstream_server.revisions.published_source import PublishedSource
 from weightstream_server.revisions.store import Revision
 from weightstream_server.storage.index import INDEX_FILE
-from weightstream_server.storage.model_ids import S3_SCHEME, ObjectLocation
+from weightstream_server.storage.model_ids import S3_SCHEME, ObjectLocation, check_model_id, check_revision_name
 from weightstream_server.storage.s3 import translated
 
 logger = logging.getLogger(__name__)
 
+# The list of a model's revisions written under PUBLISH_DIR/MODEL/, and its current one.
+REVISIONS_FILE = ".weightstream-revisions.json"
+# Folders a write (partial) or a removal (removing) leaves beside a model's revisions while it runs.
+_STAGING = re.compile(r"\.(?P<revision>.+)\.(?P<kind>partial|removing)-[0-9a-f]{12}")
+# The most revisions a model's list names (what --keep-revisions may keep is far below).
+MAX_LISTED = 1024
 
-def write_in_background(directory: Path, revision: Revision) -> threading.Thread:
-    thread = threading.Thread(
-        target=_write_logged, args=(directory, revision), name="weightstream-persist", daemon=True
-    )
-    thread.start()
-    return thread
+
+class OutsidePublishDir(ServerError):
+    """A path made from a model id and a revision name would lie outside --publish-dir."""
 
 
-def _write_logged(directory: Path, revision: Revision) -> None:
-    started = time.monotonic()
-    try:
-        final = write_revision(directory, revision)
-    except (OSError, ValueError, RuntimeError) as exc:
-        logger.error(
-            "model %r: revision %s could not be written to %s: %s", revision.model, revision.id, directory, exc
+@dataclass(frozen=True)
+class Persisted:
+    """A model's revisions found in --publish-dir at start-up, oldest first, and its current one."""
+
+    model: str
+    revisions: list[str]
+    current: str
+
+    def folders(self, directory: PublishDir) -> list[Path]:
+        return [directory.revision_dir(self.model, r) for r in self.revisions]
+
+
+class PublishDir:
+    """The folder --publish-dir names: published revisions written there, pruned, and found again.
+
+    Thread-safe: writes of one server are made one at a time.
+    """
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root.resolve()
+        self._lock = threading.Lock()
+
+    def model_dir(self, model: str) -> Path:
+        """PUBLISH_DIR/model, checked to lie inside it (model checked as a publisher's model id)."""
+        check_model_id(model)
+        return self._inside(self.root / model, f"model {model!r}")
+
+    def revision_dir(self, model: str, revision: str) -> Path:
+        check_revision_name(model, revision, "the publish dir")
+        return self._inside(self.model_dir(model) / revision, f"revision {revision!r} of model {model!r}")
+
+    def holds(self, model: str, revision: str) -> bool:
+        """Whether a folder of revision of model exists here (a name that may not be published again)."""
+        try:
+            return self.revision_dir(model, revision).exists()
+        except ServerError:
+            return False
+
+    def _inside(self, path: Path, what: str) -> Path:
+        resolved = path.resolve()
+        if resolved != self.root and not resolved.is_relative_to(self.root):
+            raise OutsidePublishDir(f"{what}: {resolved} is outside the publish dir {self.root}")
+        return resolved
+
+    def write_in_background(self, revision: Revision, kept: Callable[[], tuple[list[str], str]]) -> threading.Thread:
+        """write() on a thread of its own; a failure is logged. kept gives the model's kept revisions and
+        its current one when the write is done (what the folder keeps)."""
+        thread = threading.Thread(
+            target=self._write_logged, args=(revision, kept), name="weightstream-persist", daemon=True
         )
-        return
-    logger.info(
-        "model %r: revision %s written to %s (%d bytes, %.3f s)",
-        revision.model,
-        revision.id,
-        final,
-        revision.manifest.total_bytes,
-        time.monotonic() - started,
-    )
+        thread.start()
+        return thread
+
+    def _write_logged(self, revision: Revision, kept: Callable[[], tuple[list[str], str]]) -> None:
+        started = time.monotonic()
+        try:
+            final = self.write(revision, kept)
+        except (OSError, ValueError, RuntimeError, ServerError) as exc:
+            logger.error(
+                "model %r: revision %s could not be written to %s: %s", revision.model, revision.id, self.root, exc
+            )
+            return
+        logger.info(
+            "model %r: revision %s written to %s (%d bytes, %.3f s)",
+            revision.model,
+            revision.id,
+            final,
+            revision.manifest.total_bytes,
+            time.monotonic() - started,
+        )
+
+    def write(self, revision: Revision, kept: Callable[[], tuple[list[str], str]]) -> Path:
+        """Write revision under PUBLISH_DIR/<model>/<revision>/, atomically, then remove the revisions
+        written before that the model no longer keeps; the folder written. FileExistsError if that
+        revision's folder exists (it is never overwritten)."""
+        with self._lock:
+            model_dir = self.model_dir(revision.model)
+            final = self.revision_dir(revision.model, revision.id)
+            if final.exists():
+                raise FileExistsError(f"{final} exists; a revision folder is never overwritten")
+            model_dir.mkdir(parents=True, exist_ok=True)
+            _write_files(revision, model_dir, final)
+            listed = [r for r in self._listed(revision.model) if r != revision.id] + [revision.id]
+            keep, current = kept()
+            for old in listed[:-1]:
+                if old not in keep:
+                    self._remove(revision.model, old)
+            listed = [r for r in listed if r in keep or r == revision.id][-MAX_LISTED:]
+            self._save_list(revision.model, listed, current if current in listed else revision.id)
+            return final
+
+    def _listed(self, model: str) -> list[str]:
+        found = self._read_list(model)
+        return found.revisions if found is not None else []
+
+    def _read_list(self, model: str) -> Persisted | None:
+        path = self.model_dir(model) / REVISIONS_FILE
+        try:
+            data = json.loads(path.read_text())
+            revisions = [str(r) for r in data["revisions"]][-MAX_LISTED:]
+            current = str(data["current"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("%s is unreadable (%s); its revisions are not known", path, exc)
+            return None
+        return Persisted(model, revisions, current)
+
+    def _save_list(self, model: str, revisions: list[str], current: str) -> None:
+        model_dir = self.model_dir(model)
+        staging = model_dir / f"{REVISIONS_FILE}.{uuid.uuid4().hex[:12]}"
+        staging.write_text(json.dumps({"current": current, "revisions": revisions}))
+        _fsync(staging)
+        os.replace(staging, model_dir / REVISIONS_FILE)
+        _fsync(model_dir)
+
+    def _remove(self, model: str, revision: str) -> None:
+        """Remove a revision's folder: renamed aside at once (atomic), then deleted."""
+        try:
+            folder = self.revision_dir(model, revision)
+        except ServerError as exc:
+            logger.warning("model %r: listed revision %r is not removed: %s", model, revision[:200], exc)
+            return
+        if not folder.is_dir():
+            return
+        aside = folder.parent / f".{revision}.removing-{uuid.uuid4().hex[:12]}"
+        os.rename(folder, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        logger.info("model %r: revision %s removed from %s (no longer kept)", model, revision, folder.parent)
+
+    def recover(self) -> list[Persisted]:
+        """Each model's revisions written here before, as listed (those whose folders exist, names checked),
+        after removing the folders a write or removal that did not finish left (logged)."""
+        found: list[Persisted] = []
+        for folder, names in self._model_folders():
+            for name in names:
+                match = _STAGING.fullmatch(name)
+                if match is not None:
+                    logger.warning("removing %s, left by a write or removal that did not finish", folder / name)
+                    shutil.rmtree(folder / name, ignore_errors=True)
+            if REVISIONS_FILE not in names:
+                continue
+            model = folder.relative_to(self.root).as_posix()
+            try:
+                listed = self._read_list(model)
+            except ServerError as exc:
+                logger.warning("%s: not a model's folder: %s", folder, exc)
+                continue
+            if listed is None:
+                continue
+            revisions = []
+            for revision in listed.revisions:
+                try:
+                    if self.revision_dir(model, revision).is_dir():
+                        revisions.append(revision)
+                except ServerError as exc:
+                    logger.warning("%s: revision %r is skipped: %s", folder / REVISIONS_FILE, revision[:200], exc)
+            if revisions:
+                current = listed.current if listed.current in revisions else revisions[-1]
+                found.append(Persisted(model, revisions, current))
+        return found
+
+    def _model_folders(self) -> Iterator[tuple[Path, list[str]]]:
+        """Each folder under the root that is not hidden, with the names in it (links not followed)."""
+        for folder, dirs, files in os.walk(self.root, followlinks=False):
+            names = [*dirs, *files]
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            yield Path(folder), names
 
 
-def write_revision(directory: Path, revision: Revision) -> Path:
-    """Write revision under directory/<model>/<revision>/, atomically; the folder written."""
+def load_revision_files(folder: Path) -> list[Path]:
+    """The safetensors files of a revision's folder, in part order."""
+    return sorted(p for p in folder.glob("model-*-of-*.safetensors") if p.is_file() and not p.is_symlink())
+
+
+def _write_files(revision: Revision, model_dir: Path, final: Path) -> None:
     manifest = revision.manifest
     source = cast(PublishedSource, manifest.source)
-    model_dir = directory / manifest.model
-    model_dir.mkdir(parents=True, exist_ok=True)
-    final = model_dir / revision.id
     staging = model_dir / f".{revision.id}.partial-{uuid.uuid4().hex[:12]}"
     staging.mkdir()
     try:
@@ -83,14 +252,11 @@ def write_revision(directory: Path, revision: Revision) -> Path:
             save_file(tensors, str(path), metadata={"revision": revision.id, "model": manifest.model})
             _fsync(path)
         _fsync(staging)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(staging, final)
+        os.rename(staging, final)  # a folder that appeared meanwhile: OSError, never replaced
         _fsync(model_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return final
 
 
 def _view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -21,6 +21,7 @@ PublishedSource: the parts' buffers stand for its files.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -32,11 +33,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from weightstream.allocator import PopulateAhead
+from weightstream.protocol import dtypes
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import (
     AccessDenied,
+    CorruptCheckpoint,
     InvalidRequest,
     ModelNotFound,
     PublishConflict,
@@ -46,7 +50,7 @@ from weightstream_server.errors import (
 )
 from weightstream_server.revisions.layout import Placed, lay_out
 from weightstream_server.revisions.parts import Part, PartInFlight
-from weightstream_server.revisions.persist import upload_in_background, write_in_background
+from weightstream_server.revisions.persist import PublishDir, load_revision_files, upload_in_background
 from weightstream_server.revisions.published_source import PUBLISHED_SCHEME, PublishedSource, Shared
 from weightstream_server.revisions.store import PUBLISHED, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest, TensorEntry
@@ -84,6 +88,8 @@ class _Pending:
     shared: dict[str, Shared] = field(default_factory=dict)
     # The revision's tensor order, when the parts do not give it (a relay).
     order: list[str] | None = None
+    # Read back from --publish-dir at start-up: not written there again.
+    persisted: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ class Publisher:
         # Where complete revisions are uploaded (an S3 client and prefix, revisions.persist); None: not.
         self._upload = upload
         # Where complete revisions are written (revisions.persist); None: they live in memory only.
-        self._publish_dir = publish_dir
+        self._publish_dir = PublishDir(publish_dir) if publish_dir is not None else None
         self._catalog = catalog
         self._max_bytes = max_bytes
         self._message_timeout = message_timeout
@@ -259,7 +265,7 @@ class Publisher:
         except (ModelNotFound, AccessDenied):
             return None  # a model only published here
 
-    def _join(self, start: pb.PublishStart, parts: int, nbytes: int, peer: str) -> _Pending:
+    def _join(self, start: pb.PublishStart, parts: int, nbytes: int, peer: str, from_disk: bool = False) -> _Pending:
         model = start.model
         with self._lock:
             pending = self._pending.get(model)
@@ -272,6 +278,16 @@ class Publisher:
                 raise PublishConflict(f"model {model!r}: part {start.part} of revision {pending.name!r} is being sent")
             if start.revision and self._store.find(model, start.revision) is not None:
                 raise PublishConflict(f"model {model!r} has a revision {start.revision!r} already; name another")
+            if (
+                start.revision
+                and self._publish_dir is not None
+                and not from_disk
+                and (pending is None or pending.name != start.revision)
+                and self._publish_dir.holds(model, start.revision)
+            ):
+                raise PublishConflict(
+                    f"model {model!r} has a revision {start.revision!r} in the publish dir already; name another"
+                )
             held = self._store.held_bytes() + sum(p.reserved_bytes for p in self._pending.values())
             if held + nbytes > self._max_bytes:
                 raise PublishTooLarge(
@@ -284,6 +300,67 @@ class Publisher:
             pending.receiving.add(start.part)
             pending.reserved_bytes += nbytes
             return pending
+
+    def _kept(self, model: str) -> tuple[list[str], str]:
+        """The revisions of model kept here, and its current one ("" if none)."""
+        current = self._store.current(model)
+        return self._store.kept(model), current.id if current is not None else ""
+
+    def restore(self) -> int:
+        """Take again the revisions --publish-dir holds from before a restart (each model's newest
+        --keep-revisions, its current one last, so that it is current again); how many were taken.
+        A revision that cannot be read back is logged and skipped."""
+        if self._publish_dir is None:
+            return 0
+        taken = 0
+        for persisted in self._publish_dir.recover():
+            names = [r for r in persisted.revisions if r != persisted.current][-(self._store.keep - 1) :]
+            if self._store.keep == 1:
+                names = []
+            for name in [*names, persisted.current]:
+                try:
+                    self._restore(persisted.model, name)
+                    taken += 1
+                except (OSError, ValueError, RuntimeError, KeyError, ServerError) as exc:
+                    logger.warning(
+                        "model %r: revision %s in the publish dir is not taken again: %s", persisted.model, name, exc
+                    )
+        return taken
+
+    def _restore(self, model: str, name: str) -> None:
+        assert self._publish_dir is not None
+        folder = self._publish_dir.revision_dir(model, name)
+        files = load_revision_files(folder)
+        if not files:
+            raise CorruptCheckpoint(f"{folder} holds no model-*-of-*.safetensors file")
+        peer = f"the publish dir ({folder})"
+        pending: _Pending | None = None
+        for index, path in enumerate(files):
+            with safe_open(str(path), framework="pt") as opened:
+                metadata = opened.metadata() or {}
+                if metadata.get("model") != model or metadata.get("revision") != name:
+                    raise CorruptCheckpoint(f"{path} says it is {metadata.get('model')!r} {metadata.get('revision')!r}")
+                start = pb.PublishStart(model=model, revision=name, part=index, parts=len(files), new_layout=True)
+                for key in opened.keys():
+                    sliced = opened.get_slice(key)
+                    dtype = dtypes.BY_SAFETENSORS.get(sliced.get_dtype())
+                    if dtype is None:
+                        raise CorruptCheckpoint(f"{path}: tensor {key!r} of dtype {sliced.get_dtype()}")
+                    start.tensors.append(pb.PublishedTensor(name=key, dtype=dtype.wire, shape=sliced.get_shape()))
+                layout = lay_out(model, start.tensors)
+                pending = self._join(start, len(files), layout.nbytes, peer, from_disk=True)
+                pending.persisted = True
+                try:
+                    part = Part.allocate(index, layout)
+                    for tensor in layout.tensors.values():
+                        part.view(tensor).copy_(opened.get_tensor(tensor.name))
+                    part.compute_blocks()
+                except BaseException:
+                    self._fail(pending, index, f"{path} could not be read")
+                    raise
+            self._take(pending, part)
+        if pending is None or pending.revision is None:
+            raise PublishConflict(f"model {model!r}: revision {name!r} was not taken: {pending and pending.failure}")
 
     def _finish(
         self, pending: _Pending, part: Part, payload_bytes: int, alive: Callable[[], bool]
@@ -336,9 +413,9 @@ class Publisher:
             self._store.add_published(revision, time.monotonic() - pending.started)
             pending.revision = revision
             pending.done.set()
-        if self._publish_dir is not None:
-            write_in_background(self._publish_dir, revision)
-        if self._upload is not None:
+        if self._publish_dir is not None and not pending.persisted:
+            self._publish_dir.write_in_background(revision, functools.partial(self._kept, revision.model))
+        if self._upload is not None and not pending.persisted:
             upload_in_background(*self._upload, revision)
         logger.info(
             "model %r: published revision %s is current: %d tensors, %d bytes in %d parts, %.3f s, from %s",

@@ -51,6 +51,7 @@ from weightstream_server.revisions.published_source import PublishedSource, Shar
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest
 from weightstream_server.settings import ServerSettings
+from weightstream_server.storage.model_ids import check_revision_name
 from weightstream_server.storage.open_files import OpenFiles
 from weightstream_server.storage.tiers import TieredSource
 from weightstream_server.storage.upstream import UpstreamSource, upstream_client
@@ -233,8 +234,24 @@ class Relay:
                 self._resting.pop(next(iter(self._resting)))
 
     def _take(self, follower: _Follower, event: RevisionEvent) -> None:
-        """Make the upstream's revision event.revision this server's current one."""
-        model = event.model
+        """Make the upstream's revision event.revision this server's current one.
+
+        What the event names is the upstream's word: a watch event for another model is dropped, a
+        revision name that a publisher could not give is refused, and a published revision that is no
+        longer the upstream's current one is skipped (the watch reports the newer one next), so a
+        sidecar takes the latest revision, not each one.
+        """
+        model = follower.model
+        if event.model != model:
+            logger.warning(
+                "model %r: the upstream's watch reported model %r; the event is dropped", model, event.model[:200]
+            )
+            return
+        try:
+            check_revision_name(model, event.revision, "the upstream's watch")
+        except ServerError as exc:
+            logger.warning("model %r: %s; the event is dropped", model, exc)
+            return
         if event.origin != PUBLISHED:
             follower.source.forget_listing(model)
             try:
@@ -245,6 +262,15 @@ class Relay:
         if self._store.find(model, event.revision) is not None:
             return
         try:
+            current = self._client.manifest(model).revision
+            if current != event.revision:
+                logger.debug(
+                    "model %r: revision %s of the upstream is not its current one (%s); skipped",
+                    model,
+                    event.revision,
+                    current[:200],
+                )
+                return
             if self._store.current(model) is None:
                 # The model's files first (if it has any): seen after the published revision, they
                 # would count as a newer storage revision and take its place.
