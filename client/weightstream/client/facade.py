@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -575,38 +576,54 @@ class WeightStreamClient:
             plans[name] = (dest, keep)
         if unchecked:
             logger.info("update of %s: the server sent no block CRC32Cs of %d kept tensors (trusted)", model, unchecked)
-        stale = unchanged.stale(checks, changes.block_bytes, APPLIER_THREADS) if checks else {}
         dests: dict[str, Destination] = {}
         landed: dict[str, list[tuple[int, int]]] = {}
         # Tensors whose parameters hold since's bytes in place, of the same layout: deltas apply.
         held: set[str] = set()
-        changed_bytes = stale_bytes = 0
+        changed_bytes = 0
         for name, (dest, keep) in plans.items():
             info = manifest[name]
-            differing = stale.get(name)
-            if keep is not None and differing:
-                keep = unchanged.without(keep, differing)
-                stale_bytes += sum(e - s for s, e in differing)
             if keep is not None and sum(e - s for s, e in keep) == info.nbytes:
-                continue  # this rank's slice did not change (and holds the new revision where checked)
+                continue  # this rank's slice did not change
             if keep:
                 landed[name] = keep
-            if deltas and not dest.staged and changes.tensors.get(name) is not None and not differing:
+            if deltas and not dest.staged and changes.tensors.get(name) is not None:
                 held.add(name)
             changed_bytes += revisions.changed_bytes(info, keep)
             dests[name] = dest
-        report = self._receive_into(
-            model,
-            manifest,
-            dests,
-            started,
-            matched.missing,
-            matched.unexpected,
-            landed=landed,
-            delta_base=changes.since if held else "",
-            delta_tensors=frozenset(held),
+        # The kept bytes are checked while the changed ones arrive: the load writes none of them (they
+        # count as landed; a chunk there is refused), and the check reads nothing else. An error leaves
+        # once the check has stopped reading the module (the pool's exit waits for it).
+        with ThreadPoolExecutor(1, thread_name_prefix="weightstream-unchanged") as background:
+            checking = background.submit(unchanged.stale, checks, changes.block_bytes, APPLIER_THREADS)
+            report = self._receive_into(
+                model,
+                manifest,
+                dests,
+                started,
+                matched.missing,
+                matched.unexpected,
+                landed=landed,
+                delta_base=changes.since if held else "",
+                delta_tensors=frozenset(held),
+            )
+            stale = checking.result()
+        report = dataclasses.replace(
+            report, bytes=changed_bytes, revision=changes.revision, seconds=time.perf_counter() - started
         )
-        report = dataclasses.replace(report, bytes=changed_bytes, revision=changes.revision, stale_bytes=stale_bytes)
+        if stale:
+            targets = {name: plans[name][0].target for name in stale}
+            again = self._receive_stale(model, manifest, targets, stale, started, bool(dests))
+            stale_bytes = sum(e - s for ranges in stale.values() for s, e in ranges)
+            report = dataclasses.replace(
+                report,
+                tensors=len(dests.keys() | stale.keys()),
+                bytes=changed_bytes + stale_bytes,
+                seconds=again.seconds,
+                retries=report.retries + again.retries,
+                resent_bytes=report.resent_bytes + again.resent_bytes,
+                stale_bytes=stale_bytes,
+            )
         logger.info(
             "updated %s from %s to %s: %d tensors, %d bytes in %.3f s (%d chunks as deltas of %d bytes, %d fell back; "
             "%d bytes kept as unchanged were not since's)",
@@ -623,6 +640,28 @@ class WeightStreamClient:
         )
         return report
 
+    def _receive_stale(
+        self,
+        model: str,
+        manifest: Manifest,
+        targets: dict[str, torch.Tensor],
+        stale: dict[str, list[tuple[int, int]]],
+        started: float,
+        written: bool,
+    ) -> LoadReport:
+        """Receive the stale ranges of targets (kept as unchanged by an update, but not the new revision's
+        bytes there), whole; written: whether the update wrote into the module before."""
+        dests = {name: Destination(name, targets[name]) for name in stale}
+        landed = {name: unchanged.without([(0, dests[name].nbytes)], ranges) for name, ranges in stale.items()}
+        logger.warning(
+            "update of %s: %d bytes of %d tensors that did not change since the revision named were not that "
+            "revision's in the module (their block CRC32Cs differ); fetching them",
+            model,
+            sum(e - s for ranges in stale.values() for s, e in ranges),
+            len(stale),
+        )
+        return self._receive_into(model, manifest, dests, started, landed=landed, written_before=written)
+
     def _receive_into(
         self,
         model: str,
@@ -634,9 +673,11 @@ class WeightStreamClient:
         landed: Mapping[str, list[tuple[int, int]]] | None = None,
         delta_base: str = "",
         delta_tensors: frozenset[str] = frozenset(),
+        written_before: bool = False,
     ) -> LoadReport:
         """Receive dests' tensors of manifest into them (but the landed ranges; delta_tensors' may come as
-        deltas against delta_base); the report, or the error with the write state."""
+        deltas against delta_base); the report, or the error with the write state (written_before: the
+        call this receive is part of wrote into the module already)."""
         infos = {name: manifest[name] for name in dests}
         session = LoadSession(
             self._session_config, manifest, infos, dests.__getitem__, landed, delta_base, delta_tensors
@@ -654,9 +695,11 @@ class WeightStreamClient:
                 detail = (
                     f"the module was partly written: {complete} of {len(dests)} tensors complete, {written} touched"
                 )
+            elif written_before:
+                detail = "the module was partly written (before these tensors)"
             else:
                 detail = "the module was not written"
-            raise exc.with_write_state(bool(written), detail) from exc
+            raise exc.with_write_state(bool(written) or written_before, detail) from exc
         return LoadReport(
             model,
             len(dests),
