@@ -263,7 +263,10 @@ class FrameSender:
         self.plain = not isinstance(conn, ssl.SSLSocket)
         self.chunks = 0
         self.nbytes = 0
-        conn.settimeout(stall_timeout)
+        try:
+            conn.settimeout(stall_timeout)
+        except OSError as exc:  # the call ended (and closed the connection) as the stream began
+            raise DataConnectionLost(f"the data connection to {peer} closed before the first frame: {exc}") from None
 
     def from_memory(self, place: ChunkPlace, crc32c: int, data: np.ndarray, encoding: int = 0) -> None:
         """One chunk from memory: a CHUNK frame of its bytes, or a DELTA frame of an encoded payload (encoding set)."""
