@@ -268,6 +268,8 @@ def read_object_units(
     streamer: PooledStreamer, model: str, files: Sequence[SourceFile], plan: ReadPlan, read_ahead_bytes: int
 ) -> Generator[tuple[int, int, torch.Tensor]]:
     """As read_units, for a plan of objects (files of an object store) read by this process's streamers."""
+    if not plan.files:
+        return
     yield from _read_units(streamer, model, files, plan, read_ahead_bytes, _ObjectUrls(files))
 
 

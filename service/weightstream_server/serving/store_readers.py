@@ -11,12 +11,16 @@ then serves s3://, gs:// and az:// models at once.
 
 The reader process is `python -m weightstream_server.serving.store_readers`, with this process's
 environment (the streamer's and the stores' variables, set at start-up) and a StreamerPool of
---max-streams streamers. It listens on a Unix socket in a folder only this user can enter, and
-every connection must prove the random key the parent gave it on stdin; it exits when its stdin
-closes, that is when the server's process ends. Each stream is one connection: the parent sends
-(model, files, plan, read-ahead), the reader process reads the plan with reader.read_object_units
-(windows, the storage timeout, stuck streamers and every length and count check, as in the server's
-own process) and sends each read unit as it arrives, then "end" or the error.
+--max-streams streamers. It listens on a Unix socket in a folder of mode 0700, so that only this
+user (who could read the server's memory anyway) may connect; it exits when its stdin closes, that
+is when the server's process ends. Every wait on it is bounded: its listen backlog holds more
+connections than streams may be open, so connecting never blocks, and each reply is awaited for
+the storage timeout (which it enforces on its reads itself) plus REPLY_MARGIN_S.
+
+Each stream is one connection: the parent sends (model, files, plan, read-ahead), the reader
+process reads the plan with reader.read_object_units (windows, the storage timeout, stuck
+streamers and every length and count check, as in the server's own process) and sends each read
+unit as it arrives, then "end" or the error.
 
 Copies: one more than in the server's process: the reader process's ring -> the socket -> the
 parent's receive buffer. Memory: each stream's receive buffer is as large as its largest read unit,
@@ -32,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -41,7 +44,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import TYPE_CHECKING
 
@@ -64,19 +66,26 @@ START_TIMEOUT_S = 60.0
 # process enforces itself: past both, the reader process is taken to be stuck.
 REPLY_MARGIN_S = 30.0
 STOP_TIMEOUT_S = 5.0
-_KEY_BYTES = 32
 _POLL_S = 0.05
+# Connections queued beyond those of --max-streams streams (see _backlog).
+_SPARE_BACKLOG = 16
 
 
 class StoreReader:
     """The reader process of one kind of object store (scheme: "s3://", "gs://" or "az://"), started when first used.
 
     size, storage_timeout, s3_credentials: those of the reader process's StreamerPool (see
-    reader.StreamerPool). Thread-safe: read_units may run on many threads at once.
+    reader.StreamerPool). reply_margin: how much longer than storage_timeout a reply is awaited.
+    Thread-safe: read_units may run on many threads at once.
     """
 
     def __init__(
-        self, scheme: str, size: int, storage_timeout: float, s3_credentials: S3Credentials | None = None
+        self,
+        scheme: str,
+        size: int,
+        storage_timeout: float,
+        s3_credentials: S3Credentials | None = None,
+        reply_margin: float = REPLY_MARGIN_S,
     ) -> None:
         self.scheme = scheme
         # The S3 settings travel as "-" (none) or the endpoint and region, "" where unset.
@@ -86,12 +95,11 @@ class StoreReader:
             else ["+", s3_credentials.endpoint or "", s3_credentials.region_name or ""]
         )
         self._args = [scheme, str(size), repr(storage_timeout), *s3]
-        self._storage_timeout = storage_timeout
+        self._reply_wait = storage_timeout + reply_margin
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._folder: str | None = None
         self._address = ""
-        self._key = b""
         self._closed = False
 
     def read_units(
@@ -125,6 +133,12 @@ class StoreReader:
                     )
                 yield file_id, index, buffer[:length]
 
+    @property
+    def pid(self) -> int | None:
+        """The reader process's id while one was started (it may have exited since)."""
+        proc = self._proc
+        return None if proc is None else proc.pid
+
     def close(self) -> None:
         """Stop the reader process (it ends its streams in flight) and remove its socket's folder."""
         with self._lock:
@@ -132,7 +146,7 @@ class StoreReader:
             self._stop()
 
     def _receive(self, conn: Connection, model: str) -> tuple[object, ...]:
-        wait = self._storage_timeout + REPLY_MARGIN_S
+        wait = self._reply_wait
         try:
             if not conn.poll(wait):
                 raise StorageUnavailable(
@@ -162,12 +176,12 @@ class StoreReader:
                     )
                 self._stop()
                 self._start()
-            address, key, proc = self._address, self._key, self._proc
+            address, proc = self._address, self._proc
         assert proc is not None
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
-                return Client(address, family="AF_UNIX", authkey=key)
+                return Client(address, family="AF_UNIX")
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 # Still starting: it listens once it has imported the streamer.
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -179,13 +193,9 @@ class StoreReader:
     def _start(self) -> None:
         self._folder = tempfile.mkdtemp(prefix="weightstream-reader-")  # mode 0700
         self._address = os.path.join(self._folder, "socket")
-        self._key = secrets.token_bytes(_KEY_BYTES)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         command = [sys.executable, "-m", __name__, *self._args, self._address, str(level)]
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE)
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(self._key)
-        self._proc.stdin.flush()
         logger.info("started the %s reader process (pid %d)", self.scheme, self._proc.pid)
 
     def _stop(self) -> None:
@@ -260,7 +270,6 @@ def _exit_with_parent() -> None:
 def main(argv: Sequence[str]) -> None:
     scheme, size, storage_timeout, has_s3, endpoint, region, address, level = argv
     logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s %(name)s [{scheme} reader]: %(message)s")
-    key = sys.stdin.buffer.read(_KEY_BYTES)
     # Ctrl-C in a terminal reaches the whole process group: this process ends with the server's (stdin).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from weightstream_server.serving.reader import StreamerPool, claim_backend
@@ -269,12 +278,13 @@ def main(argv: Sequence[str]) -> None:
     credentials = S3Credentials(endpoint=endpoint or None, region_name=region or None) if has_s3 == "+" else None
     pool = StreamerPool(int(size), credentials, float(storage_timeout))
     threading.Thread(target=_exit_with_parent, name="weightstream-reader-parent", daemon=True).start()
-    with Listener(address, family="AF_UNIX", authkey=key) as listener:
+    with Listener(address, family="AF_UNIX", backlog=int(size) + _SPARE_BACKLOG) as listener:
         while True:
             try:
                 conn = listener.accept()
-            except (OSError, EOFError, AuthenticationError) as exc:  # one that failed the key's challenge, say
-                logger.warning("refused a connection: %s", exc)
+            except OSError as exc:  # out of descriptors, say: the streams in flight go on
+                logger.warning("cannot accept a stream: %s", exc)
+                time.sleep(_POLL_S)
                 continue
             threading.Thread(target=_serve_stream, args=(pool, conn), name="weightstream-reader", daemon=True).start()
 
