@@ -176,3 +176,22 @@ def test_a_publish_stream_that_ends_without_commit_is_invalid_argument_naming_wh
         with pytest.raises(Exception, match="not"):
             client.manifest(MODEL)  # nothing became current
     assert threading.active_count() < 200
+
+
+def test_a_model_whose_folder_would_lie_in_another_models_revision_is_not_written_and_links_are_refused(
+    tmp_path: Path,
+) -> None:
+    publish_dir = tmp_path / "published"
+    settings = loopback_settings(model_root=tmp_path, allow_publish=True, publish_dir=publish_dir, keep_revisions=1)
+    with serving(settings) as server, client_of(server) as client:
+        client.publish(MODEL, state(1), revision="x", new_layout=True)
+        eventually(lambda: (publish_dir / MODEL / REVISIONS_FILE).exists(), "revision x listed")
+        inner = f"{MODEL}/x"
+        client.publish(inner, state(2), revision="r1", new_layout=True)
+        client.publish(MODEL, state(3), revision="y", new_layout=True)  # prunes x: never what lies inside it
+        eventually(lambda: (publish_dir / MODEL / "y").is_dir(), "revision y on disk")
+        (publish_dir / "linked").symlink_to(publish_dir / MODEL)
+        client.publish("linked", state(4), revision="z", new_layout=True)
+        time.sleep(0.5)
+    assert not (publish_dir / MODEL / "x" / "r1").exists(), "model m/x was never written inside revision x of m"
+    assert not (publish_dir / MODEL / "z").exists(), "a link in the publish dir is not followed"

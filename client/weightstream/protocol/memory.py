@@ -1,7 +1,7 @@
 """Raw memory that one side allocated, and the one way its writers find where to write.
 
-A writer into raw memory (a publish part, a relay's buffer, a ring slot, a receive buffer, a delta
-apply) holds the Region of the buffer it writes into and asks it for every destination:
+A writer into raw memory that the server allocated for a publish (a part's buffer, a relay's, the
+chunks and deltas landed there) holds the Region of the buffer and asks it for every destination:
 Region.at(offset, length) checks the whole range against the buffer, so a layout that disagrees with
 the buffer's size, or an offset from the wire that was not checked, is an error instead of a write
 past the end. Both sides import it.

@@ -99,6 +99,12 @@ class PublishDir:
             return False
 
     def _inside(self, path: Path, what: str) -> Path:
+        # No link anywhere below the root: a link could make one model's folder another's.
+        for parent in [path, *path.parents]:
+            if parent == self.root or len(parent.parts) <= len(self.root.parts):
+                break
+            if parent.is_symlink():
+                raise OutsidePublishDir(f"{what}: {parent} is a link; the publish dir holds no links")
         resolved = path.resolve()
         if resolved != self.root and not resolved.is_relative_to(self.root):
             raise OutsidePublishDir(f"{what}: {resolved} is outside the publish dir {self.root}")
@@ -136,8 +142,14 @@ class PublishDir:
         written before that the model no longer keeps; the folder written. FileExistsError if that
         revision's folder exists (it is never overwritten)."""
         with self._lock:
+            if revision.id not in kept()[0]:
+                raise FileExistsError(f"revision {revision.id} is no longer kept; not written")
             model_dir = self.model_dir(revision.model)
             final = self.revision_dir(revision.model, revision.id)
+            if self._in_a_revision(revision.model):
+                raise OutsidePublishDir(
+                    f"model {revision.model!r}: its folder would lie inside a revision folder of another model"
+                )
             if final.exists():
                 raise FileExistsError(f"{final} exists; a revision folder is never overwritten")
             model_dir.mkdir(parents=True, exist_ok=True)
@@ -150,6 +162,16 @@ class PublishDir:
             listed = [r for r in listed if r in keep or r == revision.id][-MAX_LISTED:]
             self._save_list(revision.model, listed, current if current in listed else revision.id)
             return final
+
+    def _in_a_revision(self, model: str) -> bool:
+        """Whether a folder of model's id would lie inside a listed revision of an ancestor model ("m/x"
+        inside revision x of model "m")."""
+        parts = model.split("/")
+        for cut in range(1, len(parts)):
+            ancestor, below = "/".join(parts[:cut]), parts[cut]
+            if below in self._listed(ancestor):
+                return True
+        return False
 
     def _listed(self, model: str) -> list[str]:
         found = self._read_list(model)
@@ -184,6 +206,9 @@ class PublishDir:
             logger.warning("model %r: listed revision %r is not removed: %s", model, revision[:200], exc)
             return
         if not folder.is_dir():
+            return
+        if next(folder.rglob(REVISIONS_FILE), None) is not None:
+            logger.warning("model %r: %s holds another model's revisions; it is not removed", model, folder)
             return
         aside = folder.parent / f".{revision}.removing-{uuid.uuid4().hex[:12]}"
         os.rename(folder, aside)

@@ -321,7 +321,7 @@ class Publisher:
                 try:
                     self._restore(persisted.model, name)
                     taken += 1
-                except (OSError, ValueError, RuntimeError, KeyError, ServerError) as exc:
+                except Exception as exc:  # a file that cannot be read back (SafetensorError too): logged
                     logger.warning(
                         "model %r: revision %s in the publish dir is not taken again: %s", persisted.model, name, exc
                     )
@@ -334,6 +334,21 @@ class Publisher:
         if not files:
             raise CorruptCheckpoint(f"{folder} holds no model-*-of-*.safetensors file")
         peer = f"the publish dir ({folder})"
+        pending: _Pending | None = None
+        try:
+            self._restore_parts(model, name, files, peer)
+        except BaseException:
+            with self._lock:
+                pending = self._pending.get(model)
+            if pending is not None and pending.persisted:
+                self._fail(pending, 0, f"{folder} could not be read back")
+            raise
+        with self._lock:
+            restored = self._store.find(model, name)
+        if restored is None:
+            raise PublishConflict(f"model {model!r}: revision {name!r} was not taken")
+
+    def _restore_parts(self, model: str, name: str, files: list[Path], peer: str) -> None:
         pending: _Pending | None = None
         for index, path in enumerate(files):
             with safe_open(str(path), framework="pt") as opened:
@@ -359,8 +374,6 @@ class Publisher:
                     self._fail(pending, index, f"{path} could not be read")
                     raise
             self._take(pending, part)
-        if pending is None or pending.revision is None:
-            raise PublishConflict(f"model {model!r}: revision {name!r} was not taken: {pending and pending.failure}")
 
     def _finish(
         self, pending: _Pending, part: Part, payload_bytes: int, alive: Callable[[], bool]
@@ -404,8 +417,8 @@ class Publisher:
                 return
             try:
                 revision = self._assemble(pending)
-            except ServerError as exc:
-                pending.failure = str(exc)
+            except Exception as exc:  # whatever went wrong, the model takes publishes again
+                pending.failure = str(exc) if isinstance(exc, ServerError) else f"it could not be assembled ({exc!r})"
                 self._pending.pop(pending.model, None)
                 pending.done.set()
                 return

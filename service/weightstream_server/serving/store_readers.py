@@ -106,16 +106,27 @@ class StoreReader:
         self, model: str, files: Sequence[SourceFile], plan: ReadPlan, read_ahead_bytes: int
     ) -> Iterator[tuple[int, int, torch.Tensor]]:
         """As reader.read_units: (index in plan.files, index of the unit, its bytes as flat uint8) per read
-        unit, each a view of this stream's receive buffer valid until the next item is taken."""
-        conn = self._connect(model)
-        with conn:
+        unit, each a view of this stream's receive buffer valid until the next item is taken.
+
+        A reader process that is found gone before its first answer (killed, crashed) is started
+        again and asked once more; one that fails after that fails the stream."""
+        for attempt in (1, 2):
+            conn = self._connect(model)
             try:
                 conn.send((model, tuple(files), plan, read_ahead_bytes))
-            except OSError as exc:
-                raise self._gone(model, exc) from exc
+                first = self._receive(conn, model)
+                break
+            except (OSError, StorageUnavailable) as exc:
+                conn.close()
+                gone = exc if isinstance(exc, StorageUnavailable) else self._gone(model, exc)
+                if attempt == 2 or "sent nothing" in str(gone):
+                    raise gone from exc
+                with self._lock:
+                    self._stop()  # whatever is left of it: the next connect starts another
+        with conn:
             buffer = torch.empty(0, dtype=torch.uint8)
             while True:
-                message = self._receive(conn, model)
+                message, first = first or self._receive(conn, model), ()
                 if message[0] == "end":
                     return
                 if message[0] == "error":
