@@ -219,8 +219,9 @@ class ServerSettings(BaseSettings):
     )
     publish_assembly_timeout: float = Field(
         default=30.0,
-        description="seconds the parts of a revision published in several parts may take to all arrive, from the "
-        "first part's start; a part whose call fails or is cancelled drops the revision at once",
+        description="seconds a revision published in several parts waits, after its first part is complete, for a "
+        "part that has not begun to arrive (parts arriving are bounded by --stall-timeout per message); a part "
+        "whose call fails or is cancelled drops the revision at once",
     )
     delta_cache_bytes: ByteCount = Field(
         default=256 * 1024 * 1024,

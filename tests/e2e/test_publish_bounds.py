@@ -11,6 +11,7 @@ stream that ends without commit, or before its start, is INVALID_ARGUMENT.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -136,7 +137,7 @@ def test_a_part_whose_sibling_never_comes_frees_the_model_after_the_assembly_tim
         with pytest.raises(grpc.RpcError) as failed:
             list(stub.PublishTensors(iter([start_of(part0, "halves", 0, 2), *whole(part0)]), timeout=30))
         assert failed.value.code() == grpc.StatusCode.ABORTED
-        assert "did not all arrive within 2 s" in (failed.value.details() or "")
+        assert "did not begin to arrive within 2 s" in (failed.value.details() or "")
         assert time.monotonic() - started < 10
     with client_of(server) as client:  # the model takes publishes again
         assert client.publish(MODEL, state(2), revision="after", new_layout=True) == "after"
@@ -195,3 +196,78 @@ def test_a_model_whose_folder_would_lie_in_another_models_revision_is_not_writte
         time.sleep(0.5)
     assert not (publish_dir / MODEL / "x" / "r1").exists(), "model m/x was never written inside revision x of m"
     assert not (publish_dir / MODEL / "z").exists(), "a link in the publish dir is not followed"
+
+
+class HeldOpen:
+    """Request messages handed to a call one at a time, the call's request side open until close()."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[pb.PublishRequest | None] = queue.Queue()
+
+    def send(self, message: pb.PublishRequest) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def __iter__(self) -> Iterator[pb.PublishRequest]:
+        while (message := self._queue.get(timeout=30)) is not None:
+            yield message
+
+
+def test_a_dropped_revision_counts_its_parts_memory_until_their_calls_end(tmp_path: Path) -> None:
+    settings = loopback_settings(model_root=tmp_path, allow_publish=True, publish_max_bytes=1024 * 1024)
+    big = {"big": torch.zeros(150_000, dtype=torch.float32)}  # 600 KB: two would not fit
+    small = {"small": torch.ones(4)}
+    with serving(settings) as server, grpc.insecure_channel(f"{LOOPBACK}:{server.port}") as channel:
+        stub = pb_grpc.WeightStreamServiceStub(channel)
+        part0 = HeldOpen()
+        part0.send(start_of(big, "halves", 0, 2))
+        call0 = stub.PublishTensors(iter(part0))
+        assert server.publisher is not None
+        eventually(lambda: server.publisher is not None and server.publisher.pending_bytes() >= 600_000, "part 0 held")
+        bad = pb.TensorChunk(tensor="small", offset=0, length=16, data=b"\0" * 16, crc32c=1)
+        with pytest.raises(grpc.RpcError) as failed:
+            list(
+                stub.PublishTensors(
+                    iter([start_of(small, "halves", 1, 2), pb.PublishRequest(chunks=[bad])]), timeout=30
+                )
+            )
+        assert failed.value.code() == grpc.StatusCode.DATA_LOSS
+        # Part 0's call still holds its buffer: its memory still counts.
+        assert server.publisher.pending_bytes() >= 600_000
+        with client_of(server) as client, pytest.raises(Exception, match="publish-max-bytes"):
+            client.publish("other", {"big": torch.zeros(150_000)}, new_layout=True)
+        # Its next chunk is refused: the revision is gone.
+        part0.send(next(whole(big)))
+        with pytest.raises(grpc.RpcError) as ended:
+            list(call0)
+        assert ended.value.code() == grpc.StatusCode.ABORTED, ended.value.details()
+        assert "dropped" in (ended.value.details() or "")
+        eventually(
+            lambda: server.publisher is not None and server.publisher.pending_bytes() == 0, "memory counted free"
+        )
+        part0.close()
+        with client_of(server) as client:
+            assert client.publish("other", {"big": torch.zeros(150_000)}, new_layout=True)
+
+
+def test_empty_tensors_count_against_the_publish_memory(tmp_path: Path) -> None:
+    settings = loopback_settings(model_root=tmp_path, allow_publish=True, publish_max_bytes=100 * 1024)
+    empties = {f"e{i}": torch.zeros(0) for i in range(1000)}
+    with serving(settings) as server, client_of(server) as client:
+        with pytest.raises(Exception, match="publish-max-bytes"):
+            client.publish(MODEL, empties, new_layout=True)
+        assert client.publish(MODEL, dict(list(empties.items())[:10]), new_layout=True)
+
+
+def test_revisions_published_faster_than_the_disk_takes_them_use_one_writer(tmp_path: Path) -> None:
+    publish_dir = tmp_path / "published"
+    settings = loopback_settings(model_root=tmp_path, allow_publish=True, publish_dir=publish_dir, keep_revisions=2)
+    with serving(settings) as server, client_of(server) as client:
+        for step in range(20):
+            client.publish(MODEL, state(step), revision=f"s{step}", new_layout=True)
+            writers = [t for t in threading.enumerate() if t.name == "weightstream-persist"]
+            assert len(writers) <= 1
+        eventually(lambda: (publish_dir / MODEL / "s19").is_dir(), "the newest revision on disk")
+        eventually(lambda: len(revision_folders(publish_dir)) <= 2, "at most the kept revisions on disk")

@@ -20,6 +20,11 @@ from weightstream_server.errors import InvalidRequest
 ALIGN = 64
 # The longest tensor name a publish may announce.
 MAX_TENSOR_NAME = 1024
+# The most tensors one part may announce (a request may name as many).
+MAX_TENSORS_PER_PART = 1_000_000
+# Memory a tensor of a published revision costs besides its bytes (its entries, names and block
+# checksums), counted against --publish-max-bytes so that empty tensors are not free.
+TENSOR_OVERHEAD_BYTES = 512
 
 
 @dataclass(frozen=True)
@@ -40,9 +45,18 @@ class Layout:
     tensors: dict[str, Placed]
     nbytes: int
 
+    @property
+    def accounted_bytes(self) -> int:
+        """What the part counts against --publish-max-bytes: its buffer and each tensor's overhead."""
+        return self.nbytes + len(self.tensors) * TENSOR_OVERHEAD_BYTES
+
 
 def lay_out(model: str, announced: Sequence[pb.PublishedTensor]) -> Layout:
     """The part's tensors placed in its buffer; InvalidRequest names a bad name, dtype or shape."""
+    if len(announced) > MAX_TENSORS_PER_PART:
+        raise InvalidRequest(
+            f"publish of model {model!r}: a part announces {len(announced)} tensors, more than {MAX_TENSORS_PER_PART}"
+        )
     tensors: dict[str, Placed] = {}
     offset = 0
     for tensor in announced:

@@ -91,6 +91,9 @@ class Assembly(Protocol):
 
     def drop(self, index: int, reason: str) -> None: ...
 
+    def check_open(self) -> None:
+        """Raise (PublishConflict) once the revision was dropped: its parts stop receiving."""
+
     def hand_over(self, part: Part, payload_bytes: int, alive: Callable[[], bool]) -> pb.PublishResponse: ...
 
 
@@ -196,6 +199,7 @@ class PartInFlight:
 
     def _placed(self, name: str, offset: int, length: int) -> Placed:
         """The announced tensor of a chunk at offset of length bytes, checked to come next and to fit."""
+        self._assembly.check_open()
         part, model = self.part, self.model
         tensor = part.tensors.get(name)
         if tensor is None:

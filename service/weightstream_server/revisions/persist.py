@@ -81,6 +81,10 @@ class PublishDir:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root.resolve()
         self._lock = threading.Lock()
+        # The revision of each model waiting to be written (the newest only), and the one writer thread.
+        self._due: dict[str, tuple[Revision, Callable[[], tuple[list[str], str]]]] = {}
+        self._due_lock = threading.Lock()
+        self._writer: threading.Thread | None = None
 
     def model_dir(self, model: str) -> Path:
         """PUBLISH_DIR/model, checked to lie inside it (model checked as a publisher's model id)."""
@@ -110,14 +114,38 @@ class PublishDir:
             raise OutsidePublishDir(f"{what}: {resolved} is outside the publish dir {self.root}")
         return resolved
 
-    def write_in_background(self, revision: Revision, kept: Callable[[], tuple[list[str], str]]) -> threading.Thread:
-        """write() on a thread of its own; a failure is logged. kept gives the model's kept revisions and
-        its current one when the write is done (what the folder keeps)."""
-        thread = threading.Thread(
-            target=self._write_logged, args=(revision, kept), name="weightstream-persist", daemon=True
-        )
-        thread.start()
-        return thread
+    def write_in_background(self, revision: Revision, kept: Callable[[], tuple[list[str], str]]) -> None:
+        """write() on the writer thread; a failure is logged. kept gives the model's kept revisions and
+        its current one when the write is done (what the folder keeps).
+
+        One thread writes, one revision at a time; a model's revision still waiting when a newer one
+        comes is not written (the newer one is), so revisions published faster than the disk takes
+        them hold neither memory nor threads beyond the newest of each model.
+        """
+        with self._due_lock:
+            replaced = self._due.get(revision.model)
+            self._due[revision.model] = (revision, kept)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_due, name="weightstream-persist", daemon=True)
+                self._writer.start()
+        if replaced is not None:
+            logger.info(
+                "model %r: revision %s is not written to %s: revision %s came before it was",
+                revision.model,
+                replaced[0].id,
+                self.root,
+                revision.id,
+            )
+
+    def _write_due(self) -> None:
+        while True:
+            with self._due_lock:
+                if not self._due:
+                    self._writer = None  # the next write starts another
+                    return
+                model = next(iter(self._due))
+                revision, kept = self._due.pop(model)
+            self._write_logged(revision, kept)
 
     def _write_logged(self, revision: Revision, kept: Callable[[], tuple[list[str], str]]) -> None:
         started = time.monotonic()

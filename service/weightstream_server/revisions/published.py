@@ -67,7 +67,7 @@ MAX_PARTS = 1024
 _ALIVE_POLL_S = 0.25
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pending:
     """A revision whose parts are arriving."""
 
@@ -77,6 +77,8 @@ class _Pending:
     new_layout: bool
     peer: str
     started: float = field(default_factory=time.monotonic)
+    # When the first part was complete (the assembly timeout counts from there); 0 until then.
+    first_taken: float = 0.0
     taken: dict[int, Part] = field(default_factory=dict)
     # Parts whose calls are still receiving.
     receiving: set[int] = field(default_factory=set)
@@ -101,6 +103,11 @@ class _Assembly:
 
     def drop(self, index: int, reason: str) -> None:
         self.publisher._fail(self.pending, index, reason)
+
+    def check_open(self) -> None:
+        pending = self.pending
+        if pending.done.is_set():
+            raise PublishConflict(f"model {pending.model!r}: revision {pending.name!r} was dropped: {pending.failure}")
 
     def hand_over(self, part: Part, payload_bytes: int, alive: Callable[[], bool]) -> pb.PublishResponse:
         return self.publisher._finish(self.pending, part, payload_bytes, alive)
@@ -130,12 +137,18 @@ class Publisher:
         self._assembly_timeout = assembly_timeout
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
+        # Dropped revisions whose parts are still receiving: their memory is held until those calls end.
+        self._dropped: list[_Pending] = []
         # Payload bytes publishers sent for the parts taken (what changed only, for a delta publish).
         self.received_bytes = 0
 
     def pending_bytes(self) -> int:
         with self._lock:
-            return sum(p.reserved_bytes for p in self._pending.values())
+            return self._pending_bytes()
+
+    def _pending_bytes(self) -> int:
+        # Under the lock: revisions arriving, and dropped ones whose parts still hold their buffers.
+        return sum(p.reserved_bytes for p in (*self._pending.values(), *self._dropped))
 
     def publish(
         self,
@@ -168,7 +181,7 @@ class Publisher:
         layout = lay_out(start.model, start.tensors)
         self._check_layout(start, layout.tensors)
         base = self._delta_base(start)
-        pending = self._join(start, parts, layout.nbytes, peer)
+        pending = self._join(start, parts, layout.accounted_bytes, peer)
         try:
             part = Part.allocate(start.part, layout)
             if base is not None:
@@ -211,7 +224,7 @@ class Publisher:
         """
         check_revision_name(start.model, start.revision, "relay")
         layout = lay_out(start.model, start.tensors)
-        pending = self._join(start, 1, layout.nbytes, peer)
+        pending = self._join(start, 1, layout.accounted_bytes, peer)
         pending.shared = {s.name: s for s in shared}
         pending.order = order
         try:
@@ -288,7 +301,7 @@ class Publisher:
                 raise PublishConflict(
                     f"model {model!r} has a revision {start.revision!r} in the publish dir already; name another"
                 )
-            held = self._store.held_bytes() + sum(p.reserved_bytes for p in self._pending.values())
+            held = self._store.held_bytes() + self._pending_bytes()
             if held + nbytes > self._max_bytes:
                 raise PublishTooLarge(
                     f"publish of model {model!r}: {nbytes} bytes would hold {held + nbytes} bytes of published "
@@ -322,8 +335,15 @@ class Publisher:
                     self._restore(persisted.model, name)
                     taken += 1
                 except Exception as exc:  # a file that cannot be read back (SafetensorError too): logged
-                    logger.warning(
-                        "model %r: revision %s in the publish dir is not taken again: %s", persisted.model, name, exc
+                    log = logger.error if name == persisted.current else logger.warning
+                    log(
+                        "model %r: revision %s in the publish dir is not taken again%s: %s",
+                        persisted.model,
+                        name,
+                        " (it was the current one: the model's current revision is now an older one, if any)"
+                        if name == persisted.current
+                        else "",
+                        exc,
                     )
         return taken
 
@@ -363,7 +383,7 @@ class Publisher:
                         raise CorruptCheckpoint(f"{path}: tensor {key!r} of dtype {sliced.get_dtype()}")
                     start.tensors.append(pb.PublishedTensor(name=key, dtype=dtype.wire, shape=sliced.get_shape()))
                 layout = lay_out(model, start.tensors)
-                pending = self._join(start, len(files), layout.nbytes, peer, from_disk=True)
+                pending = self._join(start, len(files), layout.accounted_bytes, peer, from_disk=True)
                 pending.persisted = True
                 try:
                     part = Part.allocate(index, layout)
@@ -378,20 +398,24 @@ class Publisher:
     def _finish(
         self, pending: _Pending, part: Part, payload_bytes: int, alive: Callable[[], bool]
     ) -> pb.PublishResponse:
-        """Take a complete part; the answer once its revision is complete. The revision is dropped when
-        its parts do not all arrive within the assembly timeout, or when this part's call goes away
-        first (every other part's call is then told, PublishConflict)."""
+        """Take a complete part; the answer once its revision is complete.
+
+        The revision is dropped when a part has not even begun arriving within the assembly timeout of
+        the first part's completion (parts still receiving are bounded by --stall-timeout per message
+        instead), or when this part's call goes away first; every other part's call is then told
+        (PublishConflict)."""
         with self._lock:
             self.received_bytes += payload_bytes
         self._take(pending, part)
-        deadline = pending.started + self._assembly_timeout
-        while not pending.done.wait(min(_ALIVE_POLL_S, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
+        while not pending.done.wait(_ALIVE_POLL_S):
+            with self._lock:
+                absent = pending.parts - len(pending.taken) - len(pending.receiving)
+            if absent > 0 and time.monotonic() >= pending.first_taken + self._assembly_timeout:
                 self._fail(
                     pending,
                     part.index,
-                    f"its {pending.parts} parts did not all arrive within {self._assembly_timeout:.0f} s "
-                    "(--publish-assembly-timeout)",
+                    f"{absent} of its {pending.parts} parts did not begin to arrive within "
+                    f"{self._assembly_timeout:.0f} s of the first one's completion (--publish-assembly-timeout)",
                 )
             elif not alive():
                 self._fail(pending, part.index, f"part {part.index}'s call ended while it waited for the other parts")
@@ -407,16 +431,30 @@ class Publisher:
             bytes=sum(t.nbytes for t in part.tensors.values()),
         )
 
+    def _ended(self, pending: _Pending, index: int) -> None:
+        # Under the lock: part index's call stopped receiving (a dropped revision frees its memory's count
+        # once the last one did).
+        pending.receiving.discard(index)
+        if not pending.receiving and pending in self._dropped:
+            self._dropped.remove(pending)
+
     def _take(self, pending: _Pending, part: Part) -> None:
+        try:
+            # Read before the lock: it may list storage or ask the upstream.
+            current = None if pending.new_layout else self._current_manifest(pending.model)
+        except ServerError as exc:
+            self._fail(pending, part.index, f"the model's current revision could not be read: {exc}")
+            return
         with self._lock:
-            pending.receiving.discard(part.index)
+            self._ended(pending, part.index)
             if pending.done.is_set():
                 return
             pending.taken[part.index] = part
+            pending.first_taken = pending.first_taken or time.monotonic()
             if len(pending.taken) < pending.parts:
                 return
             try:
-                revision = self._assemble(pending)
+                revision = self._assemble(pending, current)
             except Exception as exc:  # whatever went wrong, the model takes publishes again
                 pending.failure = str(exc) if isinstance(exc, ServerError) else f"it could not be assembled ({exc!r})"
                 self._pending.pop(pending.model, None)
@@ -443,16 +481,18 @@ class Publisher:
 
     def _fail(self, pending: _Pending, index: int, reason: str) -> None:
         with self._lock:
-            pending.receiving.discard(index)
+            self._ended(pending, index)
             if pending.done.is_set():
                 return
             pending.failure = reason or f"part {index}'s publisher went away"
             self._pending.pop(pending.model, None)
             pending.taken.clear()
             pending.done.set()
+            if pending.receiving:
+                self._dropped.append(pending)
         logger.warning("model %r: publish of revision %r dropped: %s", pending.model, pending.name, pending.failure)
 
-    def _assemble(self, pending: _Pending) -> Revision:
+    def _assemble(self, pending: _Pending, current: Manifest | None) -> Revision:
         parts = [pending.taken[i] for i in range(pending.parts)]
         by_name: dict[str, tuple[int, Placed]] = {}
         for part in parts:
@@ -460,7 +500,6 @@ class Publisher:
                 if name in by_name:
                     raise PublishConflict(f"tensor {name!r} is in parts {by_name[name][0]} and {part.index}")
                 by_name[name] = (part.index, tensor)
-        current = None if pending.new_layout else self._current_manifest(pending.model)
         if current is not None and pending.parts > 1:
             missing = [t.name for t in current.tensors if t.name not in by_name]
             if missing:
@@ -478,7 +517,11 @@ class Publisher:
         if pending.order is not None:
             order = pending.order
         else:
-            order = [t.name for t in current.tensors] if current is not None else list(by_name)
+            # The current revision's order for the tensors it has (its files may have changed since the
+            # layout was checked: only the tensors that arrived count), then the others as they came.
+            known = [t.name for t in current.tensors if t.name in by_name] if current is not None else []
+            seen = set(known)
+            order = known + [n for n in by_name if n not in seen]
         name = pending.name or _content_name(order, by_name, blocks)
         files = tuple(
             SourceFile(
