@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from weightstream.client.errors import IntegrityError
-from weightstream.protocol import dtypes, wire
+from weightstream.protocol import digests, dtypes, wire
 from weightstream.protocol.names import FILE_KINDS_BY_WIRE, FileKind
 from weightstream.protocol.wire import TensorSlice
 from weightstream.v1 import weightstream_pb2 as pb
@@ -33,6 +34,25 @@ class Manifest:
     tensors: tuple[TensorInfo, ...]
     files: tuple[str, ...]
     by_name: dict[str, TensorInfo] = field(repr=False, compare=False)
+    # The revision's BLAKE3 digest (weightstream.protocol.digests); "" where the server has none yet.
+    digest: str = ""
+
+    def digest_of(self, tensors: Mapping[str, torch.Tensor]) -> str:
+        """The digest of the bytes tensors hold (by name, every tensor of this manifest, on any device):
+        equal to digest only if they are exactly this revision's bytes. Device tensors are copied to
+        host memory one at a time to be hashed."""
+        hashes = []
+        for info in self.tensors:
+            tensor = tensors[info.name]
+            if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
+                raise ValueError(
+                    f"tensor {info.name!r} is {tensor.dtype} {list(tensor.shape)}, not as the manifest says"
+                )
+            flat = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()
+            hashes.append(
+                (info.name, dtypes.BY_TORCH[info.dtype].safetensors, info.shape, digests.tensor_hash(flat.data))
+            )
+        return digests.revision_digest(hashes)
 
     def __getitem__(self, name: str) -> TensorInfo:
         return self.by_name[name]
@@ -59,7 +79,9 @@ def manifest_from_proto(response: pb.GetManifestResponse) -> Manifest:
     by_name = {t.name: t for t in tensors}
     if len(by_name) != len(tensors) or sum(t.nbytes for t in tensors) != response.total_bytes:
         raise IntegrityError(f"model {response.model!r}: manifest is inconsistent (duplicate names or total)")
-    return Manifest(response.model, response.revision, response.total_bytes, tuple(tensors), files, by_name)
+    return Manifest(
+        response.model, response.revision, response.total_bytes, tuple(tensors), files, by_name, response.digest
+    )
 
 
 @dataclass(frozen=True)

@@ -69,18 +69,20 @@ class GetManifestRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class GetManifestResponse(_message.Message):
-    __slots__ = ("model", "revision", "total_bytes", "files", "tensors")
+    __slots__ = ("model", "revision", "total_bytes", "files", "tensors", "digest")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     total_bytes: int
     files: _containers.RepeatedCompositeFieldContainer[FileInfo]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., total_bytes: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+    digest: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., total_bytes: _Optional[int] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class FileInfo(_message.Message):
     __slots__ = ("name", "size_bytes")

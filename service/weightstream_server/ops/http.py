@@ -84,6 +84,10 @@ class RevisionStatus(BaseModel):
     current: str = Field(description="the model's current revision")
     origin: str = Field(description="where it came from: published or storage")
     total_bytes: int = Field(description="tensor bytes of the current revision")
+    digest: str = Field(
+        description="the current revision's BLAKE3 digest over its tensors' block hashes; empty for a storage "
+        "revision not digested yet"
+    )
     kept: list[str] = Field(description="the revisions served by name, oldest first (--keep-revisions)")
     last_publish_s: float | None = Field(description="seconds the model's last publish took; null if none")
 
@@ -267,6 +271,7 @@ def _revisions(server: WeightStreamServer) -> RevisionsStatus | None:
                 current=current.id,
                 origin=current.origin,
                 total_bytes=current.manifest.total_bytes,
+                digest=current.digest,
                 kept=kept,
                 last_publish_s=store.publish_seconds.get(model),
             )

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from weightstream.protocol import digests
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import RevisionNotKept
 from weightstream_server.revisions.published_source import BLOCK_BYTES, block_crcs
@@ -47,7 +48,7 @@ class Changes:
     def __init__(self, store: RevisionStore) -> None:
         self._store = store
         self._lock = threading.Lock()
-        self._files: OrderedDict[tuple[str, str], dict[str, Blocks]] = OrderedDict()
+        self._files: OrderedDict[tuple[str, str], dict[str, tuple[Blocks, bytes]]] = OrderedDict()
         self._flights: dict[tuple[str, str], threading.Lock] = {}
         self._followed: set[str] = set()
         self.bytes_digested = 0  # what the tests and the benchmark count
@@ -116,14 +117,18 @@ class Changes:
         if revision.blocks is not None or not revision.servable:
             return revision.blocks
         manifest = revision.manifest
-        blocks: dict[str, Blocks] = {}
+        digested: dict[str, tuple[Blocks, bytes]] = {}
         for file_index in range(len(manifest.files)):
             tensors = [t for t in manifest.tensors if t.file_index == file_index]
-            blocks.update(self._file_blocks(manifest, file_index, tensors))
-        revision.blocks = blocks
-        return blocks
+            digested.update(self._file_blocks(manifest, file_index, tensors))
+        revision.set_hashes({name: hashed for name, (_, hashed) in digested.items()})
+        revision.blocks = {name: crcs for name, (crcs, _) in digested.items()}
+        return revision.blocks
 
-    def _file_blocks(self, manifest: Manifest, file_index: int, tensors: Sequence[TensorEntry]) -> dict[str, Blocks]:
+    def _file_blocks(
+        self, manifest: Manifest, file_index: int, tensors: Sequence[TensorEntry]
+    ) -> dict[str, tuple[Blocks, bytes]]:
+        """Each tensor's block CRC32Cs and BLAKE3 hash (weightstream.protocol.digests) in one read of its bytes."""
         file = manifest.files[file_index]
         key = (file.path, file.fingerprint)
         with self._lock:
@@ -137,16 +142,18 @@ class Changes:
                 kept = self._files.get(key)
             if kept is not None:
                 return kept
-            digested: dict[str, Blocks] = {}
+            digested: dict[str, tuple[Blocks, bytes]] = {}
             with OpenFiles(manifest.source, manifest.model, {file_index: file}) as opened:
                 for tensor in tensors:
                     crcs: list[int] = []
+                    hasher = digests.TensorHasher()
                     for start in range(0, tensor.nbytes, READ_BYTES):
                         length = min(READ_BYTES, tensor.nbytes - start)
                         data = opened.read_range(file_index, tensor.file_offset + start, length)
                         crcs.extend(block_crcs(np.frombuffer(data, dtype=np.uint8)))
+                        hasher.update(memoryview(data))
                         self.bytes_digested += len(data)
-                    digested[tensor.name] = tuple(crcs)
+                    digested[tensor.name] = (tuple(crcs), hasher.digest())
                 opened.check_unchanged(file_index)
             with self._lock:
                 self._files[key] = digested

@@ -24,7 +24,7 @@ import torch
 
 from weightstream.allocator import PopulateAhead
 from weightstream.protocol import deltas as delta_forms
-from weightstream.protocol import wire
+from weightstream.protocol import digests, wire
 from weightstream.protocol.memory import Region
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import (
@@ -49,6 +49,7 @@ class Part:
     buffer: torch.Tensor
     received: dict[str, int] = field(default_factory=dict)
     blocks: dict[str, Blocks] = field(default_factory=dict)
+    hashes: dict[str, bytes] = field(default_factory=dict)
     # Tensors that start as the delta base's bytes (PublishStart.delta_base), and where each one's
     # chunks have reached: they come in order but may skip what did not change.
     based: dict[str, int] = field(default_factory=dict)
@@ -69,10 +70,13 @@ class Part:
         return flat.view(tensor.dtype.torch).view(tensor.shape)
 
     def compute_blocks(self) -> None:
+        """Each tensor's block CRC32Cs and its BLAKE3 hash (weightstream.protocol.digests)."""
         view = self.buffer.numpy()
         for tensor in self.tensors.values():
             self.region(f"tensor {tensor.name!r}").at(tensor.offset, tensor.nbytes)
-            self.blocks[tensor.name] = block_crcs(view[tensor.offset : tensor.offset + tensor.nbytes])
+            data = view[tensor.offset : tensor.offset + tensor.nbytes]
+            self.blocks[tensor.name] = block_crcs(data)
+            self.hashes[tensor.name] = digests.tensor_hash(data.data)
 
     def start_from(self, base: Manifest, base_buffer: Callable[[int], torch.Tensor]) -> None:
         """Fill the tensors that base holds with the same dtype and shape with base's bytes."""

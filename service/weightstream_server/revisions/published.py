@@ -505,6 +505,7 @@ class Publisher:
             if missing:
                 raise InvalidRequest(f"tensor {missing[0]!r} of revision {current.revision} is in no part")
         blocks = {name: parts[i].blocks[name] for name, (i, _) in by_name.items()}
+        hashes = {name: parts[i].hashes[name] for name, (i, _) in by_name.items()}
         buffers = [p.buffer for p in parts]
         where: dict[int, int] = {}
         for shared in pending.shared.values():
@@ -514,6 +515,7 @@ class Publisher:
             announced = Placed(shared.name, shared.dtype, shared.shape, shared.nbytes, shared.offset)
             by_name[shared.name] = (index, announced)
             blocks[shared.name] = shared.blocks
+            hashes[shared.name] = shared.hashed
         if pending.order is not None:
             order = pending.order
         else:
@@ -541,7 +543,9 @@ class Publisher:
         source = PublishedSource(pending.model, buffers)
         manifest = Manifest(pending.model, name, files, tensors, {t.name: t for t in tensors}, source)
         memory = tuple((int(b.data_ptr()), b.numel()) for b in buffers)
-        return Revision(pending.model, name, PUBLISHED, manifest, blocks=blocks, memory=memory)
+        revision = Revision(pending.model, name, PUBLISHED, manifest, blocks=blocks, memory=memory)
+        revision.set_hashes(hashes)
+        return revision
 
 
 def _content_name(order: list[str], by_name: dict[str, tuple[int, Placed]], blocks: dict[str, Blocks]) -> str:

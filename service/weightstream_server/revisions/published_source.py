@@ -45,6 +45,8 @@ class Shared:
     buffer: torch.Tensor
     offset: int
     blocks: Blocks
+    # Its BLAKE3 hash (weightstream.protocol.digests.tensor_hash).
+    hashed: bytes
 
 
 class PublishedSource:

@@ -384,13 +384,14 @@ class Relay:
         for info in tensors:
             entry = held.by_name.get(info.name)
             blocks = kept.blocks.get(info.name)
-            if entry is None or blocks is None or info.name in changed:
+            hashed = kept.tensor_hashes.get(info.name) if kept.tensor_hashes is not None else None
+            if entry is None or blocks is None or hashed is None or info.name in changed:
                 continue
             if entry.dtype.torch != info.dtype or entry.shape != tuple(info.shape):
                 continue
             buffer = held.source.part_buffer(entry.file_index)
             shared[info.name] = Shared(
-                info.name, entry.dtype, entry.shape, entry.nbytes, buffer, entry.file_offset, blocks
+                info.name, entry.dtype, entry.shape, entry.nbytes, buffer, entry.file_offset, blocks, hashed
             )
         return shared
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from weightstream.protocol import digests
 from weightstream_server.serving.catalog import Manifest
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,10 @@ class Revision:
     manifest: Manifest
     created: float = field(default_factory=time.time)
     blocks: dict[str, Blocks] | None = None
+    # Each tensor's BLAKE3 hash over its block hashes, and the revision's digest over them
+    # (weightstream.protocol.digests), set together with blocks by set_hashes; "" until then.
+    tensor_hashes: dict[str, bytes] | None = field(default=None, repr=False)
+    digest: str = ""
     # The memory this revision's tensors lie in, (address, bytes) per buffer (published ones);
     # empty for storage. A relayed revision may share buffers with an older one.
     memory: tuple[tuple[int, int], ...] = ()
@@ -53,6 +58,12 @@ class Revision:
     servable: bool = True
     # Called when the revision leaves the history (frees a published revision's memory).
     on_evict: Callable[[], None] | None = field(default=None, repr=False)
+
+    def set_hashes(self, hashes: dict[str, bytes]) -> None:
+        """Record each tensor's hash (every tensor of the manifest's) and the revision's digest over them."""
+        tensors = self.manifest.tensors
+        self.digest = digests.revision_digest((t.name, t.dtype.safetensors, t.shape, hashes[t.name]) for t in tensors)
+        self.tensor_hashes = hashes
 
 
 @dataclass

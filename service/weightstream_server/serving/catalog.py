@@ -87,6 +87,7 @@ class KeptRevision(Protocol):
     origin: str
     manifest: Manifest
     servable: bool
+    digest: str
 
 
 class RevisionLookup(Protocol):

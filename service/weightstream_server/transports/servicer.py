@@ -40,7 +40,10 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
 
     def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestResponse:
         try:
-            return manifest_to_proto(self._streams.catalog.manifest(request.model, request.revision))
+            manifest = self._streams.catalog.manifest(request.model, request.revision)
+            store = self._streams.catalog.revisions
+            kept = store.find(manifest.model, manifest.revision) if store is not None else None
+            return manifest_to_proto(manifest, kept.digest if kept is not None else "")
         except Exception as exc:
             rpc.abort(context, self._streams.stats, "GetManifest", request.model, exc)
 
@@ -129,9 +132,10 @@ def add_to_server(servicer: WeightStreamServicer, server: grpc.Server) -> None:
     )
 
 
-def manifest_to_proto(manifest: Manifest) -> pb.GetManifestResponse:
+def manifest_to_proto(manifest: Manifest, digest: str = "") -> pb.GetManifestResponse:
     return pb.GetManifestResponse(
         model=manifest.model,
+        digest=digest,
         revision=manifest.revision,
         total_bytes=manifest.total_bytes,
         files=[pb.FileInfo(name=f.name, size_bytes=f.size) for f in manifest.files],

@@ -1,0 +1,94 @@
+"""A revision's digest: BLAKE3 over its tensors' block hashes, served with the manifest and in /status,
+and computed by a client from the bytes it holds.
+
+A real server on 127.0.0.1 in this process: a published revision, a storage revision once its files
+are digested (GetChanges digests them) and a relayed revision each carry a digest that a client
+recomputes from what it loaded; one flipped byte, or bytes forged to keep every chunk's CRC32C,
+give another digest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tests.support.ports import LOOPBACK
+from tests.support.servers import eventually, loopback_settings, running, serving
+from weightstream.client import WeightStreamClient
+from weightstream.protocol import digests, wire
+
+MODEL = "digested"
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(600_000, generator=generator),  # 2.4 MB: three blocks
+        "norm": torch.randn(100, generator=generator).to(torch.bfloat16),
+        "ids": torch.arange(7, dtype=torch.int64),
+    }
+
+
+def loaded(client: WeightStreamClient, revision: str = "") -> dict[str, torch.Tensor]:
+    into = {name: torch.empty_like(t) for name, t in state(0).items()}
+    client.load_into(into, MODEL, revision=revision)
+    return into
+
+
+def test_a_published_revision_has_a_digest_a_client_recomputes_from_what_it_holds(tmp_path: Path) -> None:
+    with (
+        running(tmp_path, allow_publish=True) as r,
+        WeightStreamClient(f"{LOOPBACK}:{r.server.port}", progress=False) as client,
+    ):
+        revision = client.publish(MODEL, state(1), revision="one", new_layout=True)
+        manifest = client.manifest(MODEL)
+        assert manifest.revision == revision
+        assert manifest.digest.startswith(digests.PREFIX) and len(manifest.digest) == len(digests.PREFIX) + 64
+        held = loaded(client)
+        assert manifest.digest_of(held) == manifest.digest
+        assert r.get("/status").json()["revisions"]["models"][MODEL]["digest"] == manifest.digest
+
+        flipped = {name: t.clone() for name, t in held.items()}
+        flipped["big"].view(torch.uint8)[1_500_000] ^= 1
+        assert manifest.digest_of(flipped) != manifest.digest
+
+        # Bytes that keep every chunk's CRC32C (two 4 KiB chunks swapped: each arrives with its own CRC)
+        # are another revision all the same.
+        swapped = {name: t.clone() for name, t in held.items()}
+        raw = swapped["big"].view(torch.uint8)
+        first, second = raw[:4096].clone(), raw[4096:8192].clone()
+        raw[:4096], raw[4096:8192] = second, first
+        crcs = sorted(wire.crc32c(bytes(raw[i : i + 4096].numpy())) for i in (0, 4096))
+        assert crcs == sorted(wire.crc32c(bytes(c.numpy())) for c in (first, second))
+        assert manifest.digest_of(swapped) != manifest.digest
+
+        other = client.publish(MODEL, state(2), revision="two")
+        assert client.manifest(MODEL, revision=other).digest != manifest.digest
+        assert client.manifest(MODEL, revision=revision).digest == manifest.digest
+
+
+def test_a_storage_revision_is_digested_with_its_block_checksums_and_a_relay_keeps_the_digest(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    (root / MODEL).mkdir(parents=True)
+    save_file(state(3), str(root / MODEL / "model.safetensors"))
+    with serving(loopback_settings(model_root=root, allow_publish=True, watch_interval=0.2)) as upstream:
+        with WeightStreamClient(f"{LOOPBACK}:{upstream.port}", progress=False) as client:
+            first = client.manifest(MODEL)
+            assert first.digest == ""  # not digested yet: no files read for it
+            client.changes(MODEL, since=first.revision)  # digests the storage revision's files
+            manifest = client.manifest(MODEL)
+            assert manifest.digest.startswith(digests.PREFIX)
+            assert manifest.digest_of(loaded(client)) == manifest.digest
+            published = client.publish(MODEL, state(4), revision="pub")
+            digest = client.manifest(MODEL, revision=published).digest
+        sidecar_settings = loopback_settings(upstream=f"{LOOPBACK}:{upstream.port}", disk_cache=tmp_path / "cache")
+        with serving(sidecar_settings) as sidecar:
+            with WeightStreamClient(f"{LOOPBACK}:{sidecar.port}", progress=False) as client:
+                eventually(lambda: client.manifest(MODEL).revision == published, "the published revision relayed")
+                relayed = client.manifest(MODEL)
+                assert relayed.digest == digest
+                assert relayed.digest_of(loaded(client)) == digest
