@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from tests.support.faults import CuttingProxy
 from tests.support.ports import LOOPBACK, free_ports
+from tests.support.proxies import TamperingProxy
 from tests.support.servers import loopback_settings, serving
-from tests.support.tampering import TamperingProxy
 from weightstream.client import IntegrityError, RetryPolicy, WeightStreamClient
 from weightstream.protocol import deltas as delta_forms
 from weightstream.protocol import wire

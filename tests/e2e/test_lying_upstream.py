@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.support.lying_upstream import LyingUpstream
 from tests.support.ports import LOOPBACK, free_ports
+from tests.support.proxies import LyingUpstream
 from tests.support.servers import eventually, loopback_settings, serving
 from weightstream.client import WeightStreamClient
 from weightstream_server import WeightStreamServer
