@@ -27,7 +27,7 @@ from weightstream_server import WeightStreamServer
 from weightstream_server.serving import deltas as server_deltas
 from weightstream_server.serving.chunks import ServedChunk
 from weightstream_server.serving.deltas import Deltas
-from weightstream_server.serving.read_plan import ChunkPlace
+from weightstream_server.storage.reads import ChunkPlace
 
 MODEL = "sparse"
 # 12 bfloat16 tensors of 1 MiB and one of 4 MiB.

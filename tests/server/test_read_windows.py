@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import itertools
 
-from weightstream_server.serving.read_plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 from weightstream_server.serving.reader import SLOW_START_BYTES, read_windows
+from weightstream_server.storage.reads import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 
 MIB = 1024 * 1024
 

@@ -19,8 +19,8 @@ import pytest
 
 from tests.support.object_stores import Emulator, gcs_client, gcs_emulator
 from weightstream_server.errors import StorageUnavailable
-from weightstream_server.serving.read_plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 from weightstream_server.serving.store_readers import StoreReader
+from weightstream_server.storage.reads import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 from weightstream_server.storage.sources import SourceFile
 
 # Reader processes import torch and the streamer as they start (seconds each).

@@ -16,7 +16,7 @@ import torch
 from weightstream.protocol import dtypes, wire
 from weightstream_server.errors import ModelNotFound
 from weightstream_server.revisions.store import Blocks
-from weightstream_server.serving.read_plan import ReadPlan
+from weightstream_server.storage.reads import ReadPlan
 from weightstream_server.storage.sources import ModelFiles, SourceFile
 
 # Block CRC32Cs are kept per this many bytes of each tensor (what GetChanges compares).

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weightstream_server.serving.read_plan import ChunkPlace
+from weightstream_server.storage.reads import ChunkPlace
 
 UnitKey = tuple[str, int, str, int, int]  # path, file size, file fingerprint, offset, length
 # How long a stream waits for another stream's read of a unit before reading it itself: the other

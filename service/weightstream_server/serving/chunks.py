@@ -27,9 +27,9 @@ import numpy as np
 from weightstream.protocol import wire
 from weightstream_server.serving.cache import SHARED_READ_WAIT_S, CachedUnit, Claim, UnitCache, UnitKey
 from weightstream_server.serving.catalog import Manifest
-from weightstream_server.serving.read_plan import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 from weightstream_server.serving.reader import PooledStreamer, open_plan, read_units
 from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.reads import ChunkPlace, FilePlan, ReadPlan, UnitPlace
 from weightstream_server.storage.sources import SourceFile
 
 logger = logging.getLogger(__name__)

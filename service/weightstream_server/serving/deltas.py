@@ -43,7 +43,8 @@ from weightstream.protocol.wire import TensorSlice
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Manifest
 from weightstream_server.serving.chunks import ServedChunk, unit_key, unit_output
-from weightstream_server.serving.read_plan import ChunkPlace, UnitPlace, plan_reads, slice_layout
+from weightstream_server.serving.read_plan import plan_reads, slice_layout
+from weightstream_server.storage.reads import ChunkPlace, UnitPlace
 
 logger = logging.getLogger(__name__)
 

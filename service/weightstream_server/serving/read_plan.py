@@ -23,12 +23,12 @@ caller, and validation.check_stream_request checks the tensor count before a req
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from weightstream.protocol import wire
 from weightstream.protocol.wire import TensorSlice
 from weightstream_server.errors import InvalidRequest, RangeOutOfBounds
 from weightstream_server.serving.catalog import Manifest, TensorEntry
+from weightstream_server.storage.reads import ChunkPlace, FilePlan, Gather, ReadPlan, UnitPlace
 
 MAX_REQUESTED_TENSORS = 1_000_000
 MAX_RANGES_PER_TENSOR = 4096
@@ -40,52 +40,6 @@ GATHER_BELOW_BYTES = 1024 * 1024
 
 # (tensor name, byte ranges, slice or None); an empty list of ranges means the whole tensor or slice.
 Requested = tuple[str, Sequence[tuple[int, int]], TensorSlice | None]
-
-
-@dataclass(frozen=True)
-class Gather:
-    """How a unit of whole rows becomes slice bytes: of each row_bytes, keep [first, first + width)."""
-
-    row_bytes: int
-    first: int
-    width: int
-
-
-@dataclass(frozen=True)
-class ChunkPlace:
-    """Where bytes belong: their tensor and the byte offset within it (within the slice, for a slice)."""
-
-    tensor: str
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True)
-class UnitPlace:
-    """Where one read unit's bytes go: to place (whose length is the bytes sent), through gather if set."""
-
-    place: ChunkPlace
-    gather: Gather | None = None
-
-
-@dataclass
-class FilePlan:
-    """The read units of one file (offsets and sizes in the file), with a UnitPlace for each, in order."""
-
-    file_index: int
-    offsets: list[int] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    places: list[UnitPlace] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class ReadPlan:
-    files: tuple[FilePlan, ...]
-    # Bytes to send (slices count their own bytes only).
-    total_bytes: int
-    num_reads: int
-    # Largest payload of one sent chunk; every read unit is a whole number of these but its last.
-    chunk_bytes: int
 
 
 def plan_reads(manifest: Manifest, requested: Sequence[Requested], chunk_bytes: int) -> ReadPlan:

@@ -47,11 +47,11 @@ from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 from weightstream.protocol import wire
 from weightstream_server.errors import CorruptCheckpoint, ServerError, StorageUnavailable, TooManyStreams
 from weightstream_server.serving.catalog import Manifest
-from weightstream_server.serving.read_plan import ChunkPlace, ReadPlan
 from weightstream_server.serving.store_readers import StoreReader
 from weightstream_server.storage.file_errors import file_error
 from weightstream_server.storage.model_ids import OBJECT_SCHEMES, S3_SCHEME
 from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.reads import ChunkPlace, ReadPlan
 from weightstream_server.storage.sources import SourceFile
 
 logger = logging.getLogger(__name__)

@@ -37,14 +37,13 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,8 +53,7 @@ from weightstream_server import errors
 from weightstream_server.errors import ServerError, StorageUnavailable
 
 if TYPE_CHECKING:
-    from weightstream_server.serving.read_plan import ReadPlan
-    from weightstream_server.serving.reader import StreamerPool
+    from weightstream_server.storage.reads import ReadPlan
     from weightstream_server.storage.sources import SourceFile
 
 logger = logging.getLogger(__name__)
@@ -67,8 +65,8 @@ START_TIMEOUT_S = 60.0
 REPLY_MARGIN_S = 30.0
 STOP_TIMEOUT_S = 5.0
 _POLL_S = 0.05
-# Connections queued beyond those of --max-streams streams (see _backlog).
-_SPARE_BACKLOG = 16
+# What the reader process runs (named, not imported: it imports the reader, which imports this).
+_PROCESS_MODULE = "weightstream_server.serving.store_reader_process"
 
 
 class StoreReader:
@@ -205,7 +203,7 @@ class StoreReader:
         self._folder = tempfile.mkdtemp(prefix="weightstream-reader-")  # mode 0700
         self._address = os.path.join(self._folder, "socket")
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        command = [sys.executable, "-m", __name__, *self._args, self._address, str(level)]
+        command = [sys.executable, "-m", _PROCESS_MODULE, *self._args, self._address, str(level)]
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE)
         logger.info("started the %s reader process (pid %d)", self.scheme, self._proc.pid)
 
@@ -238,67 +236,3 @@ def _error(name: object, text: object) -> ServerError:
     if isinstance(kind, type) and issubclass(kind, ServerError):
         return kind(str(text))
     return StorageUnavailable(str(text))
-
-
-# -- the reader process --
-
-
-def _serve_stream(pool: StreamerPool, conn: Connection) -> None:
-    """Read the plan of one stream (one connection) and send its units, then "end" or the error."""
-    from weightstream_server.serving.reader import read_object_units
-
-    model = "?"
-    with conn:
-        try:
-            model, files, plan, read_ahead_bytes = conn.recv()
-            with pool.checkout() as streamer:
-                units = read_object_units(streamer, model, files, plan, read_ahead_bytes)
-                # Closed before the streamer goes back to the pool: its reads are drained by then.
-                with contextlib.closing(units):
-                    for file_id, index, data in units:
-                        conn.send(("unit", file_id, index, data.numel()))
-                        conn.send_bytes(data.numpy().data)
-            conn.send(("end",))
-        except (OSError, EOFError):
-            return  # the stream ended on the server's side (a client that cancelled, say)
-        except ServerError as exc:
-            with contextlib.suppress(OSError):
-                conn.send(("error", type(exc).__name__, str(exc)))
-        except Exception as exc:
-            logger.exception("model %r: the read failed", model)
-            with contextlib.suppress(OSError):
-                conn.send(("error", "StorageUnavailable", f"model {model!r}: the read failed: {exc}"))
-
-
-def _exit_with_parent() -> None:
-    """Wait until stdin closes (the server stopped this process, or ended), then exit at once."""
-    with contextlib.suppress(OSError):
-        while sys.stdin.buffer.read(4096):
-            pass
-    os._exit(0)
-
-
-def main(argv: Sequence[str]) -> None:
-    scheme, size, storage_timeout, has_s3, endpoint, region, address, level = argv
-    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s %(name)s [{scheme} reader]: %(message)s")
-    # Ctrl-C in a terminal reaches the whole process group: this process ends with the server's (stdin).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from weightstream_server.serving.reader import StreamerPool, claim_backend
-
-    claim_backend(scheme)
-    credentials = S3Credentials(endpoint=endpoint or None, region_name=region or None) if has_s3 == "+" else None
-    pool = StreamerPool(int(size), credentials, float(storage_timeout))
-    threading.Thread(target=_exit_with_parent, name="weightstream-reader-parent", daemon=True).start()
-    with Listener(address, family="AF_UNIX", backlog=int(size) + _SPARE_BACKLOG) as listener:
-        while True:
-            try:
-                conn = listener.accept()
-            except OSError as exc:  # out of descriptors, say: the streams in flight go on
-                logger.warning("cannot accept a stream: %s", exc)
-                time.sleep(_POLL_S)
-                continue
-            threading.Thread(target=_serve_stream, args=(pool, conn), name="weightstream-reader", daemon=True).start()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

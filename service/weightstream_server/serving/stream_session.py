@@ -46,10 +46,11 @@ from weightstream_server.serving.catalog import Catalog, Manifest
 from weightstream_server.serving.chunks import ServedChunk, serve_chunks
 from weightstream_server.serving.deltas import Deltas
 from weightstream_server.serving.files import FilePiece, read_file
-from weightstream_server.serving.read_plan import ReadPlan, plan_reads
+from weightstream_server.serving.read_plan import plan_reads
 from weightstream_server.serving.reader import PooledStreamer, StreamerPool
 from weightstream_server.serving.stalls import StallWatch
 from weightstream_server.settings import ServerSettings
+from weightstream_server.storage.reads import ReadPlan
 from weightstream_server.transports import rpc
 
 logger = logging.getLogger(__name__)

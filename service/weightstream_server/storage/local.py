@@ -24,7 +24,7 @@ from weightstream_server.storage.safe_walk import SafeWalk
 from weightstream_server.storage.sources import COMPANION_FILES, LocalFile, ModelFiles, SourceFile
 
 if TYPE_CHECKING:
-    from weightstream_server.serving.read_plan import ReadPlan
+    from weightstream_server.storage.reads import ReadPlan
 
 
 class LocalSource:

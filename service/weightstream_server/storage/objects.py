@@ -32,7 +32,7 @@ from weightstream_server.storage.parse_once import ParseOnce
 from weightstream_server.storage.sources import COMPANION_FILES, ModelFiles, SourceFile
 
 if TYPE_CHECKING:
-    from weightstream_server.serving.read_plan import ReadPlan
+    from weightstream_server.storage.reads import ReadPlan
 
 T = TypeVar("T")
 

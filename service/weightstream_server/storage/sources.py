@@ -20,7 +20,7 @@ from weightstream_server.storage.index import INDEX_FILE
 if TYPE_CHECKING:
     import torch
 
-    from weightstream_server.serving.read_plan import ReadPlan
+    from weightstream_server.storage.reads import ReadPlan
 
 
 # The small files served next to a model's weights; every other name in a model folder stays private.

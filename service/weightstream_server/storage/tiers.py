@@ -31,8 +31,8 @@ import grpc
 import torch
 
 from weightstream_server.errors import CorruptCheckpoint, StorageUnavailable, UpstreamError
-from weightstream_server.serving.read_plan import ReadPlan
 from weightstream_server.storage.disk_cache import DiskCache, Fill
+from weightstream_server.storage.reads import ReadPlan
 from weightstream_server.storage.sources import ModelFiles, Source, SourceFile
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from weightstream_server.settings import ServerSettings
 from weightstream_server.storage.sources import ModelFiles, SourceFile
 
 if TYPE_CHECKING:
-    from weightstream_server.serving.read_plan import ReadPlan
+    from weightstream_server.storage.reads import ReadPlan
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import grpc
 from weightstream.protocol.shm import aligned
 from weightstream_server.errors import ClientGone, InvalidRequest, RequestTimeout, ServerError
 from weightstream_server.serving.chunks import ServedChunk
-from weightstream_server.serving.read_plan import ChunkPlace
 from weightstream_server.serving.reader import DirectRead
+from weightstream_server.storage.reads import ChunkPlace
 from weightstream_server.transports.shm.segments import Segment
 
 logger = logging.getLogger(__name__)

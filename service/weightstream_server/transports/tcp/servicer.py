@@ -50,11 +50,11 @@ from weightstream_server.errors import (
     TcpUnavailable,
 )
 from weightstream_server.serving.checksums import KeptChecksums
-from weightstream_server.serving.read_plan import ChunkPlace
 from weightstream_server.serving.reader import open_plan, page_cached, reads_directly, unit_chunks
 from weightstream_server.serving.stream_session import Streams, StreamSession
 from weightstream_server.storage.file_errors import file_error
 from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.reads import ChunkPlace
 from weightstream_server.transports import rpc
 from weightstream_server.transports.tcp.listener import DataPort, Pending, peer_host
 
