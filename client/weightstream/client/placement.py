@@ -26,6 +26,7 @@ from weightstream.client.cuda_host import HostRegion
 from weightstream.client.errors import IntegrityError
 from weightstream.client.ranges import RangeSet
 from weightstream.protocol import wire
+from weightstream.protocol.memory import Region
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,8 +90,8 @@ class CpuPlacer:
 
         The caller keeps the source alive, and checks the CRC32C before it counts the bytes as landed.
         """
-        # Bounds were checked by the caller against dest.nbytes; the copy itself checks nothing.
-        return wire.copy_crc32c(dest.buffer.data_ptr() + offset, address, length)
+        into = Region(dest.buffer.data_ptr(), dest.nbytes, f"tensor {dest.name!r}")
+        return into.copy_crc32c(offset, address, length)
 
     def finish(self, dest: Destination) -> None:
         dest.finish()

@@ -33,7 +33,6 @@ Concurrency: every method of DiskCache and Fill may be called from any thread.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import hashlib
 import json
@@ -433,8 +432,9 @@ class Fill:
         self._error: BaseException | None = None
         self._copying = False
 
-    def read_into(self, offset: int, length: int, address: int) -> None:
-        """Copy length bytes of the file from offset to address, once they are written; raises the fill's error."""
+    def read_into(self, offset: int, into: memoryview) -> None:
+        """Copy len(into) bytes of the file from offset into into, once they are written; raises the fill's error."""
+        length = len(into)
         end = offset + length
         with self._changed:
             while self._done < end and self._error is None:
@@ -449,8 +449,7 @@ class Fill:
                 raise self._error
         done = 0
         while done < length:
-            buffer = (ctypes.c_char * (length - done)).from_address(address + done)
-            n = os.preadv(self._fd, [buffer], offset + done)
+            n = os.preadv(self._fd, [into[done:]], offset + done)
             if n <= 0:
                 raise CorruptCheckpoint(f"{self.file.path}: the disk cache's copy ended at {offset + done} bytes")
             done += n
@@ -458,7 +457,7 @@ class Fill:
     def read(self, offset: int, length: int) -> bytes:
         data = bytearray(length)
         if length:
-            self.read_into(offset, length, ctypes.addressof(ctypes.c_char.from_buffer(data)))
+            self.read_into(offset, memoryview(data))
         return bytes(data)
 
     def run(self) -> None:

@@ -20,7 +20,6 @@ Concurrency: safe to use from many threads, as its parts are.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -30,6 +29,7 @@ from typing import Protocol
 import grpc
 import torch
 
+from weightstream.protocol.memory import Region
 from weightstream_server.errors import CorruptCheckpoint, StorageUnavailable, UpstreamError
 from weightstream_server.storage.disk_cache import DiskCache, Fill
 from weightstream_server.storage.reads import ReadPlan
@@ -138,7 +138,7 @@ class TieredSource:
             for index, (offset, size) in enumerate(zip(file_plan.offsets, file_plan.sizes, strict=True)):
                 view = buffer[:size]
                 if fill is not None:
-                    fill.read_into(offset, size, view.data_ptr())
+                    fill.read_into(offset, _region_of(view, file.path).view(0, size))
                 else:
                     self._read_into(file, offset, view)
                 yield file_id, index, view
@@ -149,7 +149,7 @@ class TieredSource:
         for data, _ in self._counted(self.inner.read_from(file, offset, view.numel())):
             if done + len(data) > view.numel():
                 raise CorruptCheckpoint(f"{file.path}: the source sent more than the {view.numel()} bytes asked for")
-            ctypes.memmove(view.data_ptr() + done, data, len(data))
+            _region_of(view, file.path).put(done, data)
             done += len(data)
         if done != view.numel():
             raise StorageUnavailable(f"{file.path}: the source sent {done} of {view.numel()} bytes at {offset}")
@@ -188,3 +188,7 @@ class Tiers:
             source.close()
         if self.cache is not None:
             self.cache.close()
+
+
+def _region_of(view: torch.Tensor, path: str) -> Region:
+    return Region(view.data_ptr(), view.numel(), f"the receive buffer of {path}")

@@ -241,7 +241,7 @@ def fill_slots(
                         raise ClientGone()
                 current = _Filling(slot)
                 at = 0
-            current.chunks.append((item, at, item.write(segment.slot_address(current.slot) + at)))
+            current.chunks.append((item, at, item.write(segment.slot_region(current.slot).at(at, length))))
             current.nbytes += length
             used = at + length
             if aligned(used) >= segment.slot_bytes:

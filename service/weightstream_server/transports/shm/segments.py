@@ -31,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 
 from weightstream.protocol import shm
+from weightstream.protocol.memory import Region
 from weightstream.protocol.shm import NONCE_PREFIX, is_nonce_name, is_segment_name, is_socket_name, map_segment
 from weightstream_server.errors import InvalidRequest, RequestTimeout, ShmUnavailable
 
@@ -90,6 +91,10 @@ class Segment:
 
     def slot_address(self, slot: int) -> int:
         return shm.slot_address(self.address, self.slot_bytes, slot)
+
+    def slot_region(self, slot: int) -> Region:
+        """Slot slot's memory: what a chunk written into it is checked against."""
+        return Region(self.slot_address(slot), self.slot_bytes, f"slot {slot} of a shared-memory ring")
 
     def hand_over(self, timeout: float, ended: Callable[[], bool]) -> None:
         """Give the memfd to the first connection that sends the ticket, then close the socket.

@@ -24,6 +24,7 @@ import ssl
 import numpy as np
 
 from weightstream.protocol import tcp, wire
+from weightstream.protocol.memory import Region
 from weightstream_server.errors import DataConnectionLost, InvalidRequest
 from weightstream_server.revisions.parts import PartInFlight
 
@@ -59,7 +60,7 @@ def receive_part(conn: socket.socket, part: PartInFlight, stall_timeout: float) 
                 raise InvalidRequest(f"publish of model {part.model!r}: a delta frame of {size} payload bytes")
             if payload is None:
                 payload = np.empty(wire.MAX_CHUNK_BYTES, dtype=np.uint8)
-            address = int(payload.ctypes.data)
+            address = Region(int(payload.ctypes.data), payload.size, "a delta frame's payload buffer").at(0, size)
             reader.into(address, size)
             part.land_delta(name, frame.offset, frame.length, frame.crc32c, encoding, address, size)
             continue
