@@ -10,17 +10,20 @@ its publish dir, and still relays an honest revision, written where it belongs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from google.protobuf.message import Message
 from safetensors.torch import save_file
 
 from tests.support.ports import LOOPBACK, free_ports
-from tests.support.proxies import LyingUpstream
+from tests.support.proxies import LyingUpstream, RewritingProxy
 from tests.support.servers import eventually, loopback_settings, serving
 from weightstream.client import WeightStreamClient
+from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server import WeightStreamServer
 
 pytestmark = pytest.mark.slow
@@ -92,3 +95,42 @@ def test_a_sidecar_drops_what_a_lying_upstream_names_and_writes_only_inside_its_
         assert sorted(p.name for p in (publish_dir / MODEL).iterdir() if p.is_dir()) == ["step-2"]
     else:
         assert not publish_dir.exists() or not any(publish_dir.iterdir())
+
+
+class Replaying(RewritingProxy):
+    """An upstream whose watch announces every revision in names before each real event (older ones it
+    still keeps): a sidecar that took each announcement would pull them all."""
+
+    def __init__(self, upstream_port: int, names: list[str]) -> None:
+        super().__init__(upstream_port)
+        self.names = names
+
+    def answer(self, method: str, response: Message) -> Iterable[Message]:
+        if method != "WatchModel":
+            return (response,)
+        assert isinstance(response, pb.WatchModelResponse)
+        replayed = []
+        for name in self.names:
+            old = pb.WatchModelResponse()
+            old.CopyFrom(response)
+            old.revision = name
+            replayed.append(old)
+        return [*replayed, response]
+
+
+def test_a_sidecar_takes_the_upstreams_current_revision_not_each_one_announced(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / MODEL).mkdir(parents=True)
+    save_file(state(0), str(root / MODEL / "model.safetensors"))
+    names = [f"burst-{step}" for step in range(8)]
+    upstream_settings = loopback_settings(model_root=root, allow_publish=True, keep_revisions=10, watch_interval=0.2)
+    with serving(upstream_settings) as upstream, client_of(upstream.port) as trainer:
+        for step, name in enumerate(names):
+            trainer.publish(MODEL, state(step), revision=name)
+        with Replaying(upstream.port, names[:-1]) as replaying:
+            settings = loopback_settings(upstream=replaying.target, disk_cache=tmp_path / "cache", watch_interval=0.2)
+            with serving(settings) as sidecar, client_of(sidecar.port) as reader:
+                eventually(lambda: reader.manifest(MODEL).revision == names[-1], "the current revision relayed")
+                time.sleep(1.0)  # every announcement handled
+                assert sidecar.relay is not None
+                assert sidecar.relay.counts.revisions == 1, sidecar.relay.counts
