@@ -149,3 +149,23 @@ def test_idle_connections_do_not_keep_a_client_out_of_the_tls_data_port(
             assert held(conns)
     for name, parameter in module.named_parameters():
         assert torch.equal(parameter.detach(), state[name]), name
+
+
+def test_ipv6_peers_share_the_slots_of_their_64_network() -> None:
+    """One IPv6 subscriber may use every address of its /64: those count as one host (a unit test of the
+    slots, since loopback has one IPv6 address)."""
+    assert listener.peer_group("2001:db8::1") == listener.peer_group("2001:db8::ffff:1") == "2001:db8::/64"
+    assert listener.peer_group("2001:db8:0:1::1") == "2001:db8:0:1::/64"
+    assert listener.peer_group("192.0.2.7") == "192.0.2.7"
+    slots = listener.HandshakeSlots(total=8, per_host=2)
+    pairs = [socket.socketpair() for _ in range(4)]
+    try:
+        taken = [slots.take(listener.peer_group(f"2001:db8::{n}"), pairs[n][0]) for n in range(3)]
+        assert all(t is not None for t in taken)
+        assert taken[0] is not None and taken[0].shed  # the third address of the same /64 shed the first
+        other = slots.take(listener.peer_group("2001:db8:0:1::1"), pairs[3][0])
+        assert other is not None and taken[1] is not None and not taken[1].shed
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()

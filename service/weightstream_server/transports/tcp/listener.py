@@ -130,6 +130,18 @@ def normal_host(host: str) -> str:
     return str(address)
 
 
+def peer_group(host: str) -> str:
+    """Whose share of the handshake slots a connection from host counts against: its IPv4 address, or
+    its IPv6 /64 network (one subscriber's, which may use any address in it); other text as given."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return host
+
+
 @dataclass(eq=False)
 class Handshake:
     """One connection being read: its peer host, and a duplicate of its socket through which it can be shed."""
@@ -247,7 +259,7 @@ class DataPort:
             except OSError as exc:
                 self._refuse(conn, address[0], f"{type(exc).__name__}: {exc}")
                 continue
-            slot = self._handshakes.take(normal_host(address[0]), handle)
+            slot = self._handshakes.take(peer_group(normal_host(address[0])), handle)
             if slot is None:
                 handle.close()
                 self._refuse(conn, address[0], "every handshake slot it may use holds a connection being admitted")
