@@ -271,3 +271,21 @@ def test_revisions_published_faster_than_the_disk_takes_them_use_one_writer(tmp_
             assert len(writers) <= 1
         eventually(lambda: (publish_dir / MODEL / "s19").is_dir(), "the newest revision on disk")
         eventually(lambda: len(revision_folders(publish_dir)) <= 2, "at most the kept revisions on disk")
+
+
+def test_a_revision_that_cannot_be_read_back_is_skipped_and_the_server_starts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    publish_dir = tmp_path / "published"
+    settings = loopback_settings(model_root=tmp_path, allow_publish=True, publish_dir=publish_dir, keep_revisions=2)
+    with serving(settings) as server, client_of(server) as client:
+        for step in range(2):
+            client.publish(MODEL, state(step), revision=f"step-{step}", new_layout=True)
+        listed = publish_dir / MODEL / REVISIONS_FILE
+        eventually(lambda: listed.exists() and json.loads(listed.read_text())["current"] == "step-1", "step-1 listed")
+    (publish_dir / MODEL / "step-1" / "model-00001-of-00001.safetensors").write_bytes(b"\xff" * 64)  # garbage
+    with serving(settings) as server, client_of(server) as client:
+        assert any("step-1" in r.getMessage() and "current" in r.getMessage() for r in caplog.records)
+        assert client.manifest(MODEL).revision == "step-0"  # the older one, said loudly
+        assert holds(client, "step-0", state(0))
+        assert client.publish(MODEL, state(5), revision="step-5")  # the model is not locked

@@ -327,10 +327,8 @@ class Publisher:
             return 0
         taken = 0
         for persisted in self._publish_dir.recover():
-            names = [r for r in persisted.revisions if r != persisted.current][-(self._store.keep - 1) :]
-            if self._store.keep == 1:
-                names = []
-            for name in [*names, persisted.current]:
+            older = [r for r in persisted.revisions if r != persisted.current]
+            for name in [*older[max(0, len(older) - self._store.keep + 1) :], persisted.current]:
                 try:
                     self._restore(persisted.model, name)
                     taken += 1
@@ -353,47 +351,39 @@ class Publisher:
         files = load_revision_files(folder)
         if not files:
             raise CorruptCheckpoint(f"{folder} holds no model-*-of-*.safetensors file")
-        peer = f"the publish dir ({folder})"
-        pending: _Pending | None = None
         try:
-            self._restore_parts(model, name, files, peer)
+            for index, path in enumerate(files):
+                self._take(*self._restored_part(model, name, index, len(files), path))
         except BaseException:
             with self._lock:
                 pending = self._pending.get(model)
-            if pending is not None and pending.persisted:
+            if pending is not None and pending.persisted:  # the parts taken before one failed
                 self._fail(pending, 0, f"{folder} could not be read back")
             raise
-        with self._lock:
-            restored = self._store.find(model, name)
-        if restored is None:
+        if self._store.find(model, name) is None:
             raise PublishConflict(f"model {model!r}: revision {name!r} was not taken")
 
-    def _restore_parts(self, model: str, name: str, files: list[Path], peer: str) -> None:
-        pending: _Pending | None = None
-        for index, path in enumerate(files):
-            with safe_open(str(path), framework="pt") as opened:
-                metadata = opened.metadata() or {}
-                if metadata.get("model") != model or metadata.get("revision") != name:
-                    raise CorruptCheckpoint(f"{path} says it is {metadata.get('model')!r} {metadata.get('revision')!r}")
-                start = pb.PublishStart(model=model, revision=name, part=index, parts=len(files), new_layout=True)
-                for key in opened.keys():
-                    sliced = opened.get_slice(key)
-                    dtype = dtypes.BY_SAFETENSORS.get(sliced.get_dtype())
-                    if dtype is None:
-                        raise CorruptCheckpoint(f"{path}: tensor {key!r} of dtype {sliced.get_dtype()}")
-                    start.tensors.append(pb.PublishedTensor(name=key, dtype=dtype.wire, shape=sliced.get_shape()))
-                layout = lay_out(model, start.tensors)
-                pending = self._join(start, len(files), layout.accounted_bytes, peer, from_disk=True)
-                pending.persisted = True
-                try:
-                    part = Part.allocate(index, layout)
-                    for tensor in layout.tensors.values():
-                        part.view(tensor).copy_(opened.get_tensor(tensor.name))
-                    part.compute_blocks()
-                except BaseException:
-                    self._fail(pending, index, f"{path} could not be read")
-                    raise
-            self._take(pending, part)
+    def _restored_part(self, model: str, name: str, index: int, parts: int, path: Path) -> tuple[_Pending, Part]:
+        """Part index of revision name of model, read back from its file at path (checked, its memory held)."""
+        with safe_open(str(path), framework="pt") as opened:
+            metadata = opened.metadata() or {}
+            if metadata.get("model") != model or metadata.get("revision") != name:
+                raise CorruptCheckpoint(f"{path} says it is {metadata.get('model')!r} {metadata.get('revision')!r}")
+            start = pb.PublishStart(model=model, revision=name, part=index, parts=parts, new_layout=True)
+            for key in opened.keys():
+                sliced = opened.get_slice(key)
+                dtype = dtypes.BY_SAFETENSORS.get(sliced.get_dtype())
+                if dtype is None:
+                    raise CorruptCheckpoint(f"{path}: tensor {key!r} of dtype {sliced.get_dtype()}")
+                start.tensors.append(pb.PublishedTensor(name=key, dtype=dtype.wire, shape=sliced.get_shape()))
+            layout = lay_out(model, start.tensors)
+            pending = self._join(start, parts, layout.accounted_bytes, f"the publish dir ({path.parent})", True)
+            pending.persisted = True
+            part = Part.allocate(index, layout)
+            for tensor in layout.tensors.values():
+                part.view(tensor).copy_(opened.get_tensor(tensor.name))
+            part.compute_blocks()
+            return pending, part
 
     def _finish(
         self, pending: _Pending, part: Part, payload_bytes: int, alive: Callable[[], bool]
