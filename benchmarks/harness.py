@@ -257,3 +257,17 @@ def _timed(action: Callable[[], object]) -> float:
     started = time.perf_counter()
     action()
     return time.perf_counter() - started
+
+
+def reset_module(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Put state (by name) back into module's parameters."""
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            parameter.copy_(state[name])
+
+
+def check_module(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Exit naming the first parameter of module whose bytes are not state's (2-byte dtypes)."""
+    for name, parameter in module.named_parameters():
+        if not torch.equal(parameter.detach().cpu().view(torch.int16), state[name].view(torch.int16)):
+            raise SystemExit(f"{name}: not bit-exact after the update")

@@ -46,7 +46,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import free_port, process_cpu_seconds, serve_weightstream, write_checkpoint
+from benchmarks.harness import (
+    check_module,
+    free_port,
+    process_cpu_seconds,
+    reset_module,
+    serve_weightstream,
+    write_checkpoint,
+)
 from weightstream.client import WeightStreamClient
 from weightstream.client.deltas import APPLIER_THREADS
 from weightstream.protocol import wire
@@ -83,12 +90,6 @@ def stepped(state: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[
         flat[places] = (flat[places].float() * 1.01 + 0.01).to(tensor.dtype)
         out[name] = flat.view(tensor.shape)
     return out
-
-
-def reset(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, parameter in module.named_parameters():
-            parameter.copy_(state[name])
 
 
 def main() -> int:
@@ -171,7 +172,7 @@ def main() -> int:
                                     statistics.median(m[2] for m in measured),
                                 )
                             )
-                    check(loader, b)
+                    check_module(loader, b)
                 if device.type == "cpu" and fraction < 1.0:
                     base = next(
                         row[2] for row in rows if row[0] == f"{fraction:.1%}" and row[1].endswith("full load_into")
@@ -259,11 +260,11 @@ def _floor(module: torch.nn.Module, a: dict[str, torch.Tensor], b: dict[str, tor
     times = []
     with ThreadPoolExecutor(APPLIER_THREADS) as pool:
         for _ in range(runs):
-            reset(module, a)
+            reset_module(module, a)
             started = time.perf_counter()
             list(pool.map(apply, [blocks[i::APPLIER_THREADS] for i in range(APPLIER_THREADS)]))
             times.append(time.perf_counter() - started)
-    check(module, b)
+    check_module(module, b)
     return statistics.median(times)
 
 
@@ -279,7 +280,7 @@ def _update(
 ) -> tuple[float, int, float]:
     """loader set back to a, then updated to revision_b (with deltas or not): the update's seconds,
     the bytes the server sent for it and the server's CPU seconds meanwhile."""
-    reset(loader, a)
+    reset_module(loader, a)
     before, cpu_before = served(http_port), process_cpu_seconds(server_pid)
     report = client.update_into(loader, MODEL, since=revision_a, deltas=use)
     cpu = process_cpu_seconds(server_pid) - cpu_before
@@ -291,12 +292,6 @@ def received(http_port: int) -> int:
     return int(status(http_port)["revisions"]["publish_received_bytes_total"])  # type: ignore[index]
 
 
-def check(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    for name, parameter in module.named_parameters():
-        if not torch.equal(parameter.detach().cpu().view(torch.int16), state[name].view(torch.int16)):
-            raise SystemExit(f"{name}: not bit-exact after the update")
-
-
 def _fleet(
     port: int, http_port: int, shapes: dict, a: dict[str, torch.Tensor], revision_a: str, device: torch.device
 ) -> str:
@@ -306,7 +301,7 @@ def _fleet(
         client.publish(MODEL, b, revision="b-fleet")
     modules = [ParameterTree(shapes).to(device) for _ in range(4)]
     for module in modules:
-        reset(module, a)
+        reset_module(module, a)
     before = deltas(http_port)
     sent_before = served(http_port)
     seconds: list[float] = [0.0] * 4
@@ -329,7 +324,7 @@ def _fleet(
     if errors:
         raise errors[0]
     for module in modules:
-        check(module, b)
+        check_module(module, b)
     after = deltas(http_port)
     computed = after["computed_total"] - before["computed_total"]
     reused = after["reused_total"] - before["reused_total"]

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import serve_weightstream, write_checkpoint
+from benchmarks.harness import check_module, reset_module, serve_weightstream, write_checkpoint
 from weightstream.client import WeightStreamClient
 from weightstream.client.deltas import APPLIER_THREADS
 from weightstream.client.unchanged import Kept, stale
@@ -58,18 +58,6 @@ def stepped(state: dict[str, torch.Tensor], share: float, seed: int) -> dict[str
         flat[places] = (flat[places].float() * 1.01 + 0.01).to(tensor.dtype)
         out[name] = flat.view(tensor.shape)
     return out
-
-
-def reset(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, parameter in module.named_parameters():
-            parameter.copy_(state[name])
-
-
-def check(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    for name, parameter in module.named_parameters():
-        if not torch.equal(parameter.detach().cpu().view(torch.int16), state[name].view(torch.int16)):
-            raise SystemExit(f"{name}: not bit-exact after the update")
 
 
 def check_alone(module: torch.nn.Module, runs: int) -> float:
@@ -123,14 +111,14 @@ def main() -> int:
                     kept = 0
                     for _ in range(args.runs):
                         for verify in (True, False):
-                            reset(module, a)
+                            reset_module(module, a)
                             report = client.update_into(
                                 module, MODEL, since=revision_a, revision=revision_b, verify_unchanged=verify
                             )
                             assert report.revision == revision_b and not report.stale_bytes
                             seconds[verify].append(report.seconds)
                             kept = total - report.bytes
-                    check(module, b)
+                    check_module(module, b)
                     on, off = statistics.median(seconds[True]), statistics.median(seconds[False])
                     rows.append((label, kept / total, on, off))
         alone = check_alone(module, args.runs) if device.type == "cpu" else 0.0

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from tests.support.reliability_report import record
+from tests.support.surfaces import mutated
 from weightstream.protocol import dtypes, wire
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
@@ -474,22 +475,6 @@ def test_manifest_requests(good: dict[str, torch.Tensor], stub: pb_grpc.WeightSt
     assert counts["cases"] > 0
 
 
-def _mutated(valid: bytes, data: Any) -> bytes:
-    """valid with a few bytes replaced, inserted or cut away."""
-    raw = bytearray(valid)
-    for _ in range(data.draw(st.integers(1, 4))):
-        position = data.draw(st.integers(0, len(raw)))
-        change = data.draw(st.sampled_from(["replace", "insert", "cut"]))
-        byte = data.draw(st.integers(0, 255))
-        if change == "insert" or position == len(raw):
-            raw.insert(position, byte)
-        elif change == "replace":
-            raw[position] = byte
-        else:
-            del raw[position:]
-    return bytes(raw)
-
-
 @pytest.mark.usefixtures("still_serving")
 def test_raw_request_bytes(good: dict[str, torch.Tensor], raw_channel: grpc.Channel) -> None:
     """Random and mutated bytes as the request of each RPC; malformed protobuf included."""
@@ -511,7 +496,7 @@ def test_raw_request_bytes(good: dict[str, torch.Tensor], raw_channel: grpc.Chan
     @given(method=st.sampled_from(sorted(valid)), how=st.sampled_from(["random", "mutated"]), data=st.data())
     def run(method: str, how: str, data: Any) -> None:
         counts["cases"] += 1
-        payload = data.draw(st.binary(max_size=256)) if how == "random" else _mutated(valid[method], data)
+        payload = data.draw(st.binary(max_size=256)) if how == "random" else data.draw(mutated(valid[method]))
         code, details, _ = outcome(lambda: list(calls[method](payload, timeout=CALL_TIMEOUT_S)))
         if code == Code.INVALID_ARGUMENT and "is not a valid weightstream.v1." in details:
             counts["malformed"] += 1

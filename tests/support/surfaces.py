@@ -41,7 +41,8 @@ from safetensors.torch import save_file
 
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.servers import loopback_settings, serving
-from weightstream.client import WeightStreamClient
+from weightstream.client import WeightStreamClient, revisions
+from weightstream.client.revisions import chunk_message
 from weightstream.protocol import deltas, dtypes, tcp, wire
 from weightstream.samples import ParameterTree
 from weightstream.v1 import weightstream_pb2 as pb
@@ -370,12 +371,19 @@ def publish_cases(*, data_port: bool = False) -> st.SearchStrategy[PublishCase]:
 
 @dataclass
 class OutChunk:
+    """A chunk of a generated publish (revisions.OutChunk, but one a case may break field by field)."""
+
     tensor: str
     offset: int
     length: int
     crc32c: int
     encoding: int
     payload: bytes
+
+    def sent(self) -> revisions.OutChunk:
+        return revisions.OutChunk(
+            self.tensor, self.offset, self.length, self.crc32c, self.encoding, memoryview(self.payload)
+        )
 
 
 @dataclass
@@ -563,18 +571,7 @@ def messages_of(plan: Plan, per_message: int) -> tuple[list[pb.PublishRequest], 
     for first in range(0, len(plan.chunks), per_message):
         group = plan.chunks[first : first + per_message]
         message = pb.PublishRequest()
-        for c in group:
-            message.chunks.append(
-                pb.TensorChunk(
-                    tensor=c.tensor,
-                    offset=c.offset,
-                    length=c.length,
-                    crc32c=c.crc32c,
-                    encoding=c.encoding,  # type: ignore[arg-type]
-                    encoded_length=len(c.payload) if c.encoding else 0,
-                    data=c.payload,
-                )
-            )
+        message.chunks.extend(chunk_message(c.sent()) for c in group)
         body.append((message, group))
     ends = not any(what == "no_commit" for _, what in plan.extra)
     for position, what in sorted(plan.extra, reverse=True):
@@ -1231,7 +1228,7 @@ class RawCase:
 
 
 @st.composite
-def _mutated(draw: Any, valid: bytes) -> bytes:
+def mutated(draw: Any, valid: bytes) -> bytes:
     """valid with a few bytes replaced, inserted or cut away."""
     raw = bytearray(valid)
     for _ in range(draw(st.integers(1, 4))):
@@ -1250,7 +1247,7 @@ def _mutated(draw: Any, valid: bytes) -> bytes:
 @st.composite
 def raw_cases(draw: Any) -> RawCase:
     method = draw(st.sampled_from(sorted(VALID_REQUESTS)))
-    one = st.binary(max_size=200) | _mutated(VALID_REQUESTS[method])
+    one = st.binary(max_size=200) | mutated(VALID_REQUESTS[method])
     count = draw(st.integers(1, 3)) if method in _CLIENT_STREAMING else 1
     return RawCase(method, tuple(draw(one) for _ in range(count)))
 

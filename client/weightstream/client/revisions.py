@@ -142,17 +142,21 @@ def publish_requests(start: pb.PublishStart, chunks: Iterator[OutChunk]) -> Iter
     """The messages of one publish over gRPC: start, each chunk, then commit."""
     yield pb.PublishRequest(start=start)
     for c in chunks:
-        chunk = pb.TensorChunk(
-            tensor=c.tensor,
-            offset=c.offset,
-            length=c.length,
-            crc32c=c.crc32c,
-            encoding=c.encoding,  # type: ignore[arg-type]
-            encoded_length=len(c.payload) if c.encoding else 0,
-            data=bytes(c.payload),
-        )
-        yield pb.PublishRequest(chunks=[chunk])
+        yield pb.PublishRequest(chunks=[chunk_message(c)])
     yield pb.PublishRequest(commit=True)
+
+
+def chunk_message(c: OutChunk) -> pb.TensorChunk:
+    """The PublishRequest chunk that carries c."""
+    return pb.TensorChunk(
+        tensor=c.tensor,
+        offset=c.offset,
+        length=c.length,
+        crc32c=c.crc32c,
+        encoding=c.encoding,  # type: ignore[arg-type]
+        encoded_length=len(c.payload) if c.encoding else 0,
+        data=bytes(c.payload),
+    )
 
 
 @dataclass(frozen=True)
