@@ -36,7 +36,7 @@ from weightstream.client.transports import tcp as tcp_transport
 from weightstream.client.transports.tcp import STREAM_TENSORS_BULK_METHOD
 from weightstream.protocol import tcp
 from weightstream.v1 import weightstream_pb2 as pb
-from weightstream_server import WeightStreamServer
+from weightstream_server import WeightStreamServer, errors
 from weightstream_server.transports.tcp import listener
 from weightstream_server.transports.tcp import servicer as tcp_servicer
 from weightstream_server.transports.tcp.listener import Tickets
@@ -532,3 +532,12 @@ def test_data_advertise_is_host_or_host_and_port() -> None:
     assert advertised(ServerSettings(model_root=root, data_advertise="10.2.2.2")) == ("10.2.2.2", None)
     with pytest.raises(ValueError, match="data_advertise"):
         ServerSettings(model_root=root, data_advertise="not a host")
+
+
+def test_a_stream_whose_connection_closed_as_it_was_admitted_is_a_lost_connection_not_an_internal_error() -> None:
+    """The call ended (and closed its data connection) between admission and the first frame."""
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    ours.close()
+    with pytest.raises(errors.DataConnectionLost, match="closed before the first frame"):
+        tcp_servicer.FrameSender(ours, "127.0.0.1", stall_timeout=1.0)
