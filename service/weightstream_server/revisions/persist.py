@@ -38,7 +38,7 @@ from typing import Any, cast
 import torch
 from safetensors.torch import save_file
 
-from weightstream_server.errors import ServerError
+from weightstream_server.errors import AccessDenied, ServerError
 from weightstream_server.revisions.published_source import PublishedSource
 from weightstream_server.revisions.store import Revision
 from weightstream_server.storage.index import INDEX_FILE
@@ -55,7 +55,7 @@ _STAGING = re.compile(r"\.(?P<revision>.+)\.(?P<kind>partial|removing)-[0-9a-f]{
 MAX_LISTED = 1024
 
 
-class OutsidePublishDir(ServerError):
+class OutsidePublishDir(AccessDenied):
     """A path made from a model id and a revision name would lie outside --publish-dir."""
 
 
@@ -66,9 +66,6 @@ class Persisted:
     model: str
     revisions: list[str]
     current: str
-
-    def folders(self, directory: PublishDir) -> list[Path]:
-        return [directory.revision_dir(self.model, r) for r in self.revisions]
 
 
 class PublishDir:
