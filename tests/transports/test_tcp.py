@@ -37,6 +37,7 @@ from weightstream.client.transports.tcp import STREAM_TENSORS_BULK_METHOD
 from weightstream.protocol import tcp
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server import WeightStreamServer, errors
+from weightstream_server.storage.reads import ChunkPlace
 from weightstream_server.transports.tcp import listener
 from weightstream_server.transports.tcp import servicer as tcp_servicer
 from weightstream_server.transports.tcp.listener import Tickets
@@ -541,3 +542,22 @@ def test_a_stream_whose_connection_closed_as_it_was_admitted_is_a_lost_connectio
     ours.close()
     with pytest.raises(errors.DataConnectionLost, match="closed before the first frame"):
         tcp_servicer.FrameSender(ours, "127.0.0.1", stall_timeout=1.0)
+
+
+def test_a_connection_closed_while_a_file_is_sent_is_a_lost_connection(tmp_path: Path) -> None:
+    """The call ended (and closed its data connection) while the stream sent a file's bytes."""
+    ours, theirs = socket.socketpair()
+    sender = tcp_servicer.FrameSender(ours, "127.0.0.1", stall_timeout=1.0)
+    ours.close()
+    theirs.close()
+    path = tmp_path / "bytes"
+    path.write_bytes(b"x" * 4096)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(errors.DataConnectionLost, match="broke"):
+            sender.from_file(ChunkPlace("t", 0, 4096), 0, fd, 0, lambda: None)
+        # Closed between the frame's header and its bytes: an OSError too (what _sending maps), not a ValueError.
+        with pytest.raises(OSError, match="closed"):
+            sender._sendfile(fd, 0, 4096, lambda: None)
+    finally:
+        os.close(fd)

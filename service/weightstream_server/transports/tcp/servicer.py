@@ -307,6 +307,8 @@ class FrameSender:
 
     def _sendfile(self, fd: int, offset: int, length: int, check_unchanged: Callable[[], None]) -> None:
         out = self._conn.fileno()
+        if out < 0:  # the call ended and closed the connection meanwhile
+            raise ConnectionAbortedError("the data connection was closed")
         writable = select.poll()
         writable.register(out, select.POLLOUT)
         done = 0
