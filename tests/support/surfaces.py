@@ -48,6 +48,8 @@ from weightstream.samples import ParameterTree
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server import WeightStreamServer
+from weightstream_server.errors import ServerError
+from weightstream_server.revisions.layout import lay_out
 
 Code: TypeAlias = grpc.StatusCode
 CALL_TIMEOUT_S = 15.0
@@ -582,7 +584,8 @@ def messages_of(plan: Plan, per_message: int) -> tuple[list[pb.PublishRequest], 
     if ends:
         body.append((pb.PublishRequest(commit=True), []))
     read: list[OutChunk] = []
-    second_start = not ends  # a stream with no commit is as wrong as one with a second start
+    # A stream with no commit at all is as wrong as one with a second start before its first commit.
+    second_start = not any(message.commit for message, _ in body)
     for message, group in body:
         if message.commit:
             break
@@ -732,8 +735,10 @@ def _publish_parts(target: Target, plans: list[Plan], per_message: int) -> list[
     assert publisher is not None
     reserved = 0
     for plan in plans:
-        total = sum(wire.numel(s) * torch.empty(0, dtype=d).element_size() for d, s in plan.layout.values())
-        reserved += total + (-total % 64)
+        try:
+            reserved += lay_out(plan.start.model, plan.start.tensors).accounted_bytes
+        except ServerError:
+            reserved += 0  # a part refused at its start holds nothing
 
     def part(index: int) -> None:
         results[index] = _publish_part(target, plans[index], per_message, ready)
@@ -930,7 +935,9 @@ class _Checker:
         revision = request.revision or (target.current[model].revision if model in target.current else "")
         self.expected = target.revisions.get((model, revision))
         self.base = target.revisions.get((model, request.delta_base)) if request.delta_base else None
-        wanted = list(request.tensors) or [pb.TensorRequest(name=n) for n in LAYOUT]
+        # No tensors named: every tensor of the revision (a published one may have another layout).
+        everything = self.expected if self.expected is not None else LAYOUT
+        wanted = list(request.tensors) or [pb.TensorRequest(name=n) for n in everything]
         self.requests = {t.name: t for t in wanted}
         self.codec = deltas.Codec()
         self.chunks = 0
