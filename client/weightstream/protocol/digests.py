@@ -19,40 +19,23 @@ DIGEST_BLOCK_BYTES = 1024 * 1024
 PREFIX = "blake3:"
 
 
-class TensorHasher:
-    """The hash of one tensor's bytes, fed in order, in pieces of any size."""
+def block_hash(block: memoryview) -> bytes:
+    """The BLAKE3 of one DIGEST_BLOCK_BYTES block of a tensor (its last may be shorter)."""
+    return blake3(block).digest()
 
-    def __init__(self) -> None:
-        self._tensor = blake3()
-        self._block = blake3()
-        self._in_block = 0
 
-    def update(self, data: memoryview) -> None:
-        done = 0
-        while done < len(data):
-            take = min(DIGEST_BLOCK_BYTES - self._in_block, len(data) - done)
-            self._block.update(data[done : done + take])
-            self._in_block += take
-            done += take
-            if self._in_block == DIGEST_BLOCK_BYTES:
-                self._next_block()
-
-    def digest(self) -> bytes:
-        if self._in_block:
-            self._next_block()
-        return self._tensor.digest()
-
-    def _next_block(self) -> None:
-        self._tensor.update(self._block.digest())
-        self._block = blake3()
-        self._in_block = 0
+def hash_of_blocks(block_hashes: Iterable[bytes]) -> bytes:
+    """A tensor's hash from its blocks' hashes, in order (what tensor_hash computes from its bytes)."""
+    digest = blake3()
+    for hashed in block_hashes:
+        digest.update(hashed)
+    return digest.digest()
 
 
 def tensor_hash(data: memoryview) -> bytes:
     """The hash of a tensor's bytes (flat, as the checkpoint holds them)."""
-    hasher = TensorHasher()
-    hasher.update(data)
-    return hasher.digest()
+    step = DIGEST_BLOCK_BYTES
+    return hash_of_blocks(block_hash(data[start : start + step]) for start in range(0, len(data), step))
 
 
 def revision_digest(tensors: Iterable[tuple[str, str, Sequence[int], bytes]]) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 from weightstream.protocol import digests
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import RevisionNotKept
-from weightstream_server.revisions.published_source import BLOCK_BYTES, block_crcs
+from weightstream_server.revisions.published_source import BLOCK_BYTES, block_checks
 from weightstream_server.revisions.store import STORAGE, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Manifest, TensorEntry
 from weightstream_server.storage.open_files import OpenFiles
@@ -146,14 +146,15 @@ class Changes:
             with OpenFiles(manifest.source, manifest.model, {file_index: file}) as opened:
                 for tensor in tensors:
                     crcs: list[int] = []
-                    hasher = digests.TensorHasher()
-                    for start in range(0, tensor.nbytes, READ_BYTES):
+                    hashes: list[bytes] = []
+                    for start in range(0, tensor.nbytes, READ_BYTES):  # READ_BYTES: whole blocks
                         length = min(READ_BYTES, tensor.nbytes - start)
                         data = opened.read_range(file_index, tensor.file_offset + start, length)
-                        crcs.extend(block_crcs(np.frombuffer(data, dtype=np.uint8)))
-                        hasher.update(memoryview(data))
+                        more_crcs, more_hashes = block_checks(np.frombuffer(data, dtype=np.uint8))
+                        crcs.extend(more_crcs)
+                        hashes.extend(more_hashes)
                         self.bytes_digested += len(data)
-                    digested[tensor.name] = (tuple(crcs), hasher.digest())
+                    digested[tensor.name] = (tuple(crcs), digests.hash_of_blocks(hashes))
                 opened.check_unchanged(file_index)
             with self._lock:
                 self._files[key] = digested

@@ -35,7 +35,7 @@ from weightstream_server.errors import (
     ServerError,
 )
 from weightstream_server.revisions.layout import Layout, Placed
-from weightstream_server.revisions.published_source import block_crcs
+from weightstream_server.revisions.published_source import block_checks
 from weightstream_server.revisions.store import Blocks
 from weightstream_server.serving.catalog import Manifest
 
@@ -75,8 +75,9 @@ class Part:
         for tensor in self.tensors.values():
             self.region(f"tensor {tensor.name!r}").at(tensor.offset, tensor.nbytes)
             data = view[tensor.offset : tensor.offset + tensor.nbytes]
-            self.blocks[tensor.name] = block_crcs(data)
-            self.hashes[tensor.name] = digests.tensor_hash(data.data)
+            crcs, hashes = block_checks(data)
+            self.blocks[tensor.name] = tuple(crcs)
+            self.hashes[tensor.name] = digests.hash_of_blocks(hashes)
 
     def start_from(self, base: Manifest, base_buffer: Callable[[int], torch.Tensor]) -> None:
         """Fill the tensors that base holds with the same dtype and shape with base's bytes."""

@@ -7,13 +7,15 @@ bytes never change). Shared is a tensor of one kept revision that a newer one ho
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from weightstream.protocol import dtypes, wire
+from weightstream.protocol import digests, dtypes, wire
 from weightstream_server.errors import ModelNotFound
 from weightstream_server.revisions.store import Blocks
 from weightstream_server.storage.reads import ReadPlan
@@ -21,16 +23,41 @@ from weightstream_server.storage.sources import ModelFiles, SourceFile
 
 # Block CRC32Cs are kept per this many bytes of each tensor (what GetChanges compares).
 BLOCK_BYTES = 1024 * 1024
+assert BLOCK_BYTES == digests.DIGEST_BLOCK_BYTES  # one pass over a block checks and hashes it
 PUBLISHED_SCHEME = "published://"
 
 
-def block_crcs(data: np.ndarray) -> Blocks:
-    """The CRC32C of each BLOCK_BYTES of data (flat uint8), the last block shorter."""
-    address = int(data.ctypes.data)
-    return tuple(
-        wire.crc32c_at(address + start, min(BLOCK_BYTES, data.size - start))
-        for start in range(0, data.size, BLOCK_BYTES)
-    )
+# Threads that checksum and hash blocks (CRC32C and BLAKE3 both release the GIL).
+_CHECK_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
+_checking = ThreadPoolExecutor(_CHECK_THREADS, thread_name_prefix="weightstream-blocks")
+# Below this many blocks a tensor is checked on the caller's thread (a handoff costs more).
+_SPLIT_BLOCKS = 8
+
+
+def block_checks(data: np.ndarray) -> tuple[list[int], list[bytes]]:
+    """The CRC32C and the BLAKE3 hash (weightstream.protocol.digests) of each BLOCK_BYTES block of data
+    (flat uint8, the last block shorter): one pass over each block while it is in the core's cache, the
+    blocks shared out among the checking threads."""
+    address, size = int(data.ctypes.data), data.size
+    view = wire.memory_at(address, size)
+    starts = range(0, size, BLOCK_BYTES)
+
+    def check(part: range) -> tuple[list[int], list[bytes]]:
+        crcs, hashes = [], []
+        for start in part:
+            length = min(BLOCK_BYTES, size - start)
+            crcs.append(wire.crc32c_at(address + start, length))
+            hashes.append(digests.block_hash(view[start : start + length]))
+        return crcs, hashes
+
+    if len(starts) < _SPLIT_BLOCKS or _CHECK_THREADS == 1:
+        return check(starts)
+    step = -(-len(starts) // _CHECK_THREADS)
+    crcs, hashes = [], []
+    for part_crcs, part_hashes in _checking.map(check, [starts[i : i + step] for i in range(0, len(starts), step)]):
+        crcs.extend(part_crcs)
+        hashes.extend(part_hashes)
+    return crcs, hashes
 
 
 @dataclass(frozen=True)
