@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig
 
 from tests.support.commands import clean_env, weightstream_cmd
-from tests.support.ports import LOOPBACK, free_ports
 from tests.support.servers import Running, running
 from tests.support.vllm_runs import (
     ENGINE_TIMEOUT_S,
@@ -34,6 +32,8 @@ from tests.support.vllm_runs import (
     VLLM_PYTHON,
     ensure_vllm_venv,
     run_engine,
+    served_completions,
+    serving_vllm,
     vllm_llama_config,
     write_config_folder,
     write_vllm_llama,
@@ -209,25 +209,6 @@ def test_a_sparse_step_reaches_vllm_as_deltas_at_tp2(tmp_path: Path) -> None:
     )
 
 
-PROMPTS = ["w1 w2 w3 w4", "w10 w200 w30", "w5 w5 w5 w5 w5 w5"]
-
-
-def completions(http: httpx.Client, base: str, model: str) -> list[list[int]]:
-    """Greedy token ids of PROMPTS from a vLLM OpenAI server, as the offline engine script asks for them."""
-    body = {
-        "model": model,
-        "prompt": PROMPTS,
-        "max_tokens": 8,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    response = http.post(f"{base}/v1/completions", json=body, timeout=120.0)
-    assert response.status_code == 200, response.text
-    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
-    return [list(c["token_ids"]) for c in choices]
-
-
 def test_vllm_serve_pulls_a_published_revision_through_its_weight_transfer_http_routes(
     folders: tuple[Path, Path], server: Running, tmp_path: Path
 ) -> None:
@@ -235,70 +216,42 @@ def test_vllm_serve_pulls_a_published_revision_through_its_weight_transfer_http_
     config_dir = tmp_path / "config" / MODEL
     with WeightStreamClient(server.target, progress=False) as client:
         client.fetch(MODEL, config_dir, metadata_only=True)
-    (port,) = free_ports(1)
-    base = f"http://{LOOPBACK}:{port}"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
-    # The server's own entry (the `vllm` script asks for package metadata this environment's build lacks).
-    args = [
-        str(VLLM_PYTHON),
-        *("-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server"),
-        *("--model", str(config_dir)),
-        *("--host", LOOPBACK, "--port", str(port), "--load-format", "weightstream"),
-        *("--model-loader-extra-config", json.dumps({"target": server.target, "model": MODEL})),
-        *("--weight-transfer-config", json.dumps({"backend": "weightstream"})),
-        *("--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0"),
-    ]
-    log = tmp_path / "vllm-serve.log"
-    with log.open("w") as sink:
-        engine = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
-    try:
-        with httpx.Client(trust_env=False) as http:
-            deadline = time.monotonic() + ENGINE_TIMEOUT_S
-            while time.monotonic() < deadline and engine.poll() is None:
-                with contextlib.suppress(httpx.HTTPError):
-                    if http.get(f"{base}/health", timeout=2.0).status_code == 200:
-                        break
-                time.sleep(0.5)
-            else:
-                raise AssertionError(f"vllm serve did not come up (exit {engine.poll()}):\n{log.read_text()[-6000:]}")
-            before = completions(http, base, str(config_dir))
-            held = json.loads(http.get(f"{base}/weight_info", timeout=10.0).text or "{}").get("weight_version")
-            sent_before = int(server.get("/status").json()["bytes_served_total"])
-            # The deployment loop: `weightstream update --follow` watches the model and has the engine
-            # pull each revision through its HTTP routes; the first is the one it holds already.
-            follow = subprocess.Popen(
-                [
-                    *weightstream_cmd(),
-                    *("update", MODEL, "--target", server.target, "--vllm", base, "--follow", "--count", "2"),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=clean_env(),
-            )
-            try:
-                assert follow.stdout is not None
-                first = json.loads(follow.stdout.readline() or "null")
-                assert first is not None, follow.stderr.read() if follow.stderr else ""
-                state: dict[str, torch.Tensor] = {}
-                for file in sorted(new.glob("*.safetensors")):
-                    state.update(load_file(str(file)))
-                with WeightStreamClient(server.target, progress=False) as trainer:
-                    revision = trainer.publish(MODEL, state)
-                second = json.loads(follow.stdout.readline() or "null")
-                assert follow.wait(timeout=120) == 0, follow.stderr.read() if follow.stderr else ""
-            finally:
-                follow.kill()
-            assert (first["since"], second["since"], second["revision"]) == (held, first["revision"], revision)
-            sent = int(server.get("/status").json()["bytes_served_total"]) - sent_before
-            assert http.get(f"{base}/weight_info", timeout=10.0).json()["weight_version"] == revision
-            after = completions(http, base, str(config_dir))
-    finally:
-        engine.terminate()
+    with (
+        serving_vllm(config_dir, server.target, MODEL, tmp_path / "vllm-serve.log") as base,
+        httpx.Client(trust_env=False) as http,
+    ):
+        before = served_completions(http, base, str(config_dir))
+        held = json.loads(http.get(f"{base}/weight_info", timeout=10.0).text or "{}").get("weight_version")
+        sent_before = int(server.get("/status").json()["bytes_served_total"])
+        # The deployment loop: `weightstream update --follow` watches the model and has the engine
+        # pull each revision through its HTTP routes; the first is the one it holds already.
+        follow = subprocess.Popen(
+            [
+                *weightstream_cmd(),
+                *("update", MODEL, "--target", server.target, "--vllm", base, "--follow", "--count", "2"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
         try:
-            engine.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            engine.kill()
+            assert follow.stdout is not None
+            first = json.loads(follow.stdout.readline() or "null")
+            assert first is not None, follow.stderr.read() if follow.stderr else ""
+            state: dict[str, torch.Tensor] = {}
+            for file in sorted(new.glob("*.safetensors")):
+                state.update(load_file(str(file)))
+            with WeightStreamClient(server.target, progress=False) as trainer:
+                revision = trainer.publish(MODEL, state)
+            second = json.loads(follow.stdout.readline() or "null")
+            assert follow.wait(timeout=120) == 0, follow.stderr.read() if follow.stderr else ""
+        finally:
+            follow.kill()
+        assert (first["since"], second["since"], second["revision"]) == (held, first["revision"], revision)
+        sent = int(server.get("/status").json()["bytes_served_total"]) - sent_before
+        assert http.get(f"{base}/weight_info", timeout=10.0).json()["weight_version"] == revision
+        after = served_completions(http, base, str(config_dir))
     fresh = run_engine(new, "safetensors")
     assert after == fresh.token_ids, "the engine updated over HTTP must generate what one loaded from B does"
     assert before != after

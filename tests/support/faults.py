@@ -37,10 +37,19 @@ class CuttingProxy:
     "freeze" stops relaying both ways but keeps the sockets open; "stall" (bytes ignored)
     never reaches the server: the proxy speaks HTTP/2 itself, answers SETTINGS and PING (so
     keepalive finds the connection alive) and never answers a stream. Connections past the plan
-    are relayed untouched. At most max_connections are accepted; two threads relay each one.
+    are relayed untouched. At most max_connections are accepted; two threads relay each one. With
+    from_client, the bytes of the plan are counted from the client instead (a cut during an upload).
     """
 
-    def __init__(self, upstream_port: int, plan: Sequence[tuple[int, str]], max_connections: int = 32) -> None:
+    def __init__(
+        self,
+        upstream_port: int,
+        plan: Sequence[tuple[int, str]],
+        max_connections: int = 32,
+        *,
+        from_client: bool = False,
+    ) -> None:
+        self._from_client = from_client
         self._upstream = upstream_port
         self._plan = list(plan)
         self._listener = socket.create_server((LOOPBACK, 0))
@@ -96,8 +105,9 @@ class CuttingProxy:
             with self._lock:
                 self._sockets += [client, server]
             pair = _Pair(client, server)
-            self._pool.submit(self._relay, pair, client, server, False, None, "")
-            self._pool.submit(self._relay, pair, server, client, True, limit, how)
+            upload, download = ((limit, how), (None, "")) if self._from_client else ((None, ""), (limit, how))
+            self._pool.submit(self._relay, pair, client, server, False, *upload)
+            self._pool.submit(self._relay, pair, server, client, True, *download)
 
     def _relay(
         self,

@@ -6,18 +6,22 @@ interpreter (vLLM is not installed where pytest runs).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from tests.support.ports import LOOPBACK, free_ports
 from weightstream.samples import save_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,3 +176,65 @@ def run_engine(model_dir: Path, load_format: str, extra: dict[str, object] | Non
         wall_seconds=wall,
         weightstream_lines=[m.group(0) for m in _WEIGHTSTREAM_LINE.finditer(logs)],
     )
+
+
+# The prompts the served engines are asked for, as engine.py asks its LLM.
+PROMPTS = ["w1 w2 w3 w4", "w10 w200 w30", "w5 w5 w5 w5 w5 w5"]
+
+
+@contextlib.contextmanager
+def serving_vllm(config_dir: Path, target: str, model: str, log: Path, *, tp: int = 1) -> Iterator[str]:
+    """`vllm serve` (its OpenAI server module) on config_dir with load_format weightstream from target and
+    the weightstream weight-transfer backend, its RL routes on (VLLM_SERVER_DEV_MODE=1), float32, greedy
+    runs reproducible; yields its base URL once /health answers, and stops it on the way out."""
+    (port,) = free_ports(1)
+    base = f"http://{LOOPBACK}:{port}"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    # The server's own entry (the `vllm` script asks for package metadata this environment's build lacks).
+    args = [
+        str(VLLM_PYTHON),
+        *("-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server"),
+        *("--model", str(config_dir)),
+        *("--host", LOOPBACK, "--port", str(port), "--load-format", "weightstream"),
+        *("--model-loader-extra-config", json.dumps({"target": target, "model": model})),
+        *("--weight-transfer-config", json.dumps({"backend": "weightstream"})),
+        *("--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0"),
+        *("--tensor-parallel-size", str(tp)),
+    ]
+    with log.open("w") as sink:
+        engine = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
+    try:
+        with httpx.Client(trust_env=False) as http:
+            deadline = time.monotonic() + ENGINE_TIMEOUT_S
+            while time.monotonic() < deadline and engine.poll() is None:
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(f"{base}/health", timeout=2.0).status_code == 200:
+                        break
+                time.sleep(0.5)
+            else:
+                raise AssertionError(f"vllm serve did not come up (exit {engine.poll()}):\n{log.read_text()[-6000:]}")
+        yield base
+    finally:
+        engine.terminate()
+        try:
+            engine.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+
+
+def served_completions(http: httpx.Client, base: str, model: str) -> list[list[int]]:
+    """Greedy token ids of PROMPTS from a vLLM OpenAI server, as engine.py asks its LLM for them."""
+    body = {
+        "model": model,
+        "prompt": PROMPTS,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    response = http.post(f"{base}/v1/completions", json=body, timeout=120.0)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    return [list(c["token_ids"]) for c in choices]

@@ -24,7 +24,7 @@ from weightstream.client.errors import (
     UnavailableError,
     WeightStreamError,
 )
-from weightstream.client.facade import LoadReport, WeightStreamClient
+from weightstream.client.facade import LoadReport, PublishReport, WeightStreamClient
 from weightstream.client.fetch import FetchReport
 from weightstream.client.manifest import Manifest, ModelFile, ModelFileList, TensorInfo
 from weightstream.client.retry import RetryPolicy
@@ -44,6 +44,7 @@ __all__ = [
     "ModelFileList",
     "NotFoundError",
     "PermissionDeniedError",
+    "PublishReport",
     "ResourceExhaustedError",
     "RetryPolicy",
     "RevisionEvent",

@@ -89,6 +89,21 @@ class LoadReport:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class PublishReport:
+    """What the last publish did: its revision, the tensors and bytes of the part, what went on the wire
+    (chunk payloads: the whole part, or the deltas of what changed), how, and how long it took."""
+
+    model: str
+    revision: str
+    tensors: int
+    bytes: int
+    sent_bytes: int
+    seconds: float
+    transport: str
+    delta_base: str = ""
+
+
 class WeightStreamClient:
     """A client of a weightstream service: one server, or several replicas.
 
@@ -167,6 +182,8 @@ class WeightStreamClient:
         )
         # What publish(deltas=True) published last, per (model, part): the base of the next one.
         self._published: dict[tuple[str, int], revisions.HeldPublish] = {}
+        # What the last publish from this client did (None before the first).
+        self.last_publish: PublishReport | None = None
 
     def __enter__(self) -> WeightStreamClient:
         return self
@@ -410,20 +427,30 @@ class WeightStreamClient:
         key = (model, part)
         held = self._published.get(key) if deltas else None
         chunk_bytes = self._session_config.chunk_bytes
+        sent = [0]  # payload bytes of the chunks sent, by the try that succeeded
+        delta_base = held.revision if held is not None else ""
         with translated(self.target):
             try:
-                response, how = self._publish_part(model, tensors, revision, part, parts, new_layout, held, chunk_bytes)
+                response, how = self._publish_part(
+                    model, tensors, revision, part, parts, new_layout, held, chunk_bytes, sent
+                )
             except grpc.RpcError as exc:
                 if held is None or exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
                 logger.warning("publish of %s: the server no longer keeps %s; publishing whole", model, held.revision)
-                response, how = self._publish_part(model, tensors, revision, part, parts, new_layout, None, chunk_bytes)
+                delta_base = ""
+                response, how = self._publish_part(
+                    model, tensors, revision, part, parts, new_layout, None, chunk_bytes, sent
+                )
         if deltas:
             self._published[key] = revisions.HeldPublish.after(held, str(response.revision), tensors)
         else:
             self._published.pop(key, None)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         seconds = time.perf_counter() - started
+        self.last_publish = PublishReport(
+            model, str(response.revision), len(tensors), nbytes, sent[0], seconds, how, delta_base
+        )
         logger.info(
             "published %s revision %s: %d tensors, %d bytes in %.3f s (%.2f GB/s) over %s%s",
             model,
@@ -433,7 +460,7 @@ class WeightStreamClient:
             seconds,
             nbytes / seconds / 1e9 if seconds else 0.0,
             how,
-            f", what changed since {held.revision}" if held is not None else "",
+            f", what changed since {delta_base} ({sent[0]} bytes sent)" if delta_base else "",
         )
         return str(response.revision)
 
@@ -447,8 +474,10 @@ class WeightStreamClient:
         new_layout: bool,
         held: revisions.HeldPublish | None,
         chunk_bytes: int,
+        sent: list[int],
     ) -> tuple[pb.PublishResponse, str]:
-        """One publish of tensors (whole, or what changed since held); the answer and how it went."""
+        """One publish of tensors (whole, or what changed since held); the answer and how it went. sent[0]:
+        the payload bytes of the chunks it sent."""
         start = revisions.publish_start(
             model,
             tensors,
@@ -459,10 +488,16 @@ class WeightStreamClient:
             delta_base=held.revision if held is not None else "",
         )
         base = held.tensors if held is not None else None
-        response = self._publish_over_data_port(start, revisions.publish_chunks(tensors, chunk_bytes, base))
+        sent[0] = 0
+        response = self._publish_over_data_port(
+            start, _counted(revisions.publish_chunks(tensors, chunk_bytes, base), sent)
+        )
         if response is not None:
             return response, "the data port"
-        requests = revisions.publish_requests(start, revisions.publish_chunks(tensors, chunk_bytes, base))
+        sent[0] = 0
+        requests = revisions.publish_requests(
+            start, _counted(revisions.publish_chunks(tensors, chunk_bytes, base), sent)
+        )
         return next(iter(self.stub.PublishTensors(requests, metadata=self._channels.metadata))), "gRPC"
 
     def _publish_over_data_port(
@@ -730,3 +765,10 @@ def _select(manifest: Manifest, names: Iterable[str] | None) -> dict[str, Tensor
             raise NotFoundError(f"model {manifest.model!r} has no tensor {name!r}")
         selected[name] = manifest[name]
     return selected
+
+
+def _counted(chunks: Iterator[revisions.OutChunk], sent: list[int]) -> Iterator[revisions.OutChunk]:
+    """chunks, their payload bytes added to sent[0] as they are taken."""
+    for chunk in chunks:
+        sent[0] += len(chunk.payload)
+        yield chunk

@@ -256,11 +256,22 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(
             TRANSFER_BACKEND, "weightstream.client.vllm_transfer", "WeightStreamWeightTransferEngine"
         )
+    register_trainer()
 
     # vLLM loads plugins once per process, but a user may also call this; a second registration
     # would only log vLLM's "already registered" warning.
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not WeightStreamModelLoader:
         register_model_loader(LOAD_FORMAT)(WeightStreamModelLoader)
+
+
+def register_trainer() -> None:
+    """Make the trainer-side backend "weightstream" known to vLLM's WeightTransferTrainerFactory here."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    with contextlib.suppress(ValueError):  # registered already in this process
+        WeightTransferTrainerFactory.register_engine(
+            TRANSFER_BACKEND, "weightstream.client.vllm_trainer", "WeightStreamTrainerEngine"
+        )
 
 
 def _parameter_device(model: nn.Module) -> torch.device:

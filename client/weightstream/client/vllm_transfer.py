@@ -2,7 +2,10 @@
 each new revision of their weights from a weightstream server, only what changed.
 
 Registered (lazily: this module is imported when an engine is made) by the `vllm.general_plugins`
-entry point, vllm_loader.register, in every vLLM process.
+entry point, vllm_loader.register, in every vLLM process. The trainer side (vllm_trainer:
+WeightStreamTrainerInitInfo, re-exported here) is registered in vLLM's WeightTransferTrainerFactory
+by the same entry point and whenever this module is imported, since a trainer process may never
+load vLLM's plugins.
 An RL loop needs three calls per step once the engine is set up::
 
     llm = LLM(model="/configs/m", load_format="weightstream", model_loader_extra_config={"target": T},
@@ -51,13 +54,24 @@ from vllm.distributed.weight_transfer.base import (
 from weightstream.client.errors import FailedPreconditionError, NotFoundError
 from weightstream.client.facade import WeightStreamClient
 from weightstream.client.sharding import sliced_manifest
-from weightstream.client.vllm_loader import LOADED, Loaded, LoaderSettings
+from weightstream.client.vllm_loader import LOADED, Loaded, LoaderSettings, register_trainer
+from weightstream.client.vllm_trainer import OfflineLLMClient, WeightStreamTrainerInitInfo, WeightSyncError
 from weightstream.protocol.wire import TensorSlice
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger("vllm.weightstream")
+
+__all__ = [
+    "OfflineLLMClient",
+    "WeightStreamInitInfo",
+    "WeightStreamTrainerInitInfo",
+    "WeightStreamUpdateInfo",
+    "WeightStreamWeightTransferEngine",
+    "WeightSyncError",
+    "sync_weights",
+]
 
 LATEST = "latest"
 
@@ -338,3 +352,6 @@ def sync_weights(llm: Any, revision: str = LATEST) -> None:
     llm.start_weight_update()
     llm.update_weights({"update_info": {"revision": revision}})
     llm.finish_weight_update(weight_version=None if revision == LATEST else revision)
+
+
+register_trainer()

@@ -80,6 +80,16 @@ class DiskCacheStatus(BaseModel):
     bypassed: int = Field(description="files served from above uncached because they did not fit")
 
 
+class PublishStatus(BaseModel):
+    revision: str = Field(description="the revision published")
+    parts: int = Field(description="the parts it was published in (one per trainer rank that sent one)")
+    bytes: int = Field(description="its tensor bytes")
+    received_bytes: int = Field(description="payload bytes its parts sent (a delta publish: what changed only)")
+    seconds: float = Field(description="from its first part's start to complete")
+    updates: int = Field(description="GetChanges answered to it since: one per engine rank that updated to it")
+    update_bytes: int = Field(description="changed bytes those answers named (what the updates then fetched)")
+
+
 class RevisionStatus(BaseModel):
     current: str = Field(description="the model's current revision")
     origin: str = Field(description="where it came from: published or storage")
@@ -90,6 +100,9 @@ class RevisionStatus(BaseModel):
     )
     kept: list[str] = Field(description="the revisions served by name, oldest first (--keep-revisions)")
     last_publish_s: float | None = Field(description="seconds the model's last publish took; null if none")
+    publishes: list[PublishStatus] = Field(
+        default_factory=list, description="the model's last publishes, oldest first: what each training step cost"
+    )
 
 
 class RelayStatus(BaseModel):
@@ -274,6 +287,7 @@ def _revisions(server: WeightStreamServer) -> RevisionsStatus | None:
                 digest=current.digest,
                 kept=kept,
                 last_publish_s=store.publish_seconds.get(model),
+                publishes=[PublishStatus(**dataclasses.asdict(r)) for r in store.publish_records(model)],
             )
             for model, (current, kept) in store.snapshot().items()
         },

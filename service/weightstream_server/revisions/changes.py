@@ -102,6 +102,7 @@ class Changes:
         with self._lock:
             self.asked += 1
             self.changed_bytes += response.changed_bytes
+        self._store.count_update(model, revision.id, response.changed_bytes)
         logger.info(
             "model %r: changes from %s to %s: %d tensors, %d bytes",
             model,

@@ -92,6 +92,8 @@ class _Pending:
     order: list[str] | None = None
     # Read back from --publish-dir at start-up: not written there again.
     persisted: bool = False
+    # Payload bytes the parts sent.
+    received_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -396,6 +398,7 @@ class Publisher:
         (PublishConflict)."""
         with self._lock:
             self.received_bytes += payload_bytes
+            pending.received_bytes += payload_bytes
         self._take(pending, part)
         while not pending.done.wait(_ALIVE_POLL_S):
             with self._lock:
@@ -451,7 +454,9 @@ class Publisher:
                 pending.done.set()
                 return
             self._pending.pop(pending.model, None)
-            self._store.add_published(revision, time.monotonic() - pending.started)
+            self._store.add_published(
+                revision, time.monotonic() - pending.started, pending.parts, pending.received_bytes
+            )
             pending.revision = revision
             pending.done.set()
         if self._publish_dir is not None and not pending.persisted:

@@ -15,6 +15,7 @@ Concurrency: every method may be called from any thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 PUBLISHED, STORAGE = "published", "storage"
 # Names of evicted published revisions remembered per model.
 MAX_EVICTED = 64
+# Publishes remembered per model for /status (what each step of a training loop cost).
+MAX_PUBLISH_RECORDS = 16
 # Block CRC32Cs of one tensor: one per BLOCK_BYTES of its bytes, the last block shorter.
 Blocks = tuple[int, ...]
 
@@ -67,12 +70,33 @@ class Revision:
 
 
 @dataclass
+class PublishRecord:
+    """What one publish of a model cost here, and what the updates to its revision asked for since.
+
+    bytes: the revision's tensor bytes; received_bytes: the payload bytes its parts sent (a delta
+    publish: what changed); seconds: from its first part's start to complete; updates: GetChanges
+    answered to this revision (one per engine rank that updated to it), update_bytes: the changed
+    bytes they named (what those updates then fetched).
+    """
+
+    revision: str
+    parts: int
+    bytes: int
+    received_bytes: int
+    seconds: float
+    updates: int = 0
+    update_bytes: int = 0
+
+
+@dataclass
 class _History:
     revisions: list[Revision] = field(default_factory=list)
     # The storage revision last seen, current or not: a storage change is one that differs from it.
     storage: str = ""
     # Published revisions no longer kept, newest last (bounded): named, they are NOT_FOUND.
     evicted: list[str] = field(default_factory=list)
+    # The last publishes, newest last (bounded).
+    publishes: list[PublishRecord] = field(default_factory=list)
 
     @property
     def current(self) -> Revision | None:
@@ -142,15 +166,33 @@ class RevisionStore:
             listener(revision)
         return revision
 
-    def add_published(self, revision: Revision, seconds: float = 0.0) -> None:
-        """Make a complete published revision the model's current one (seconds: what its publish took)."""
+    def add_published(self, revision: Revision, seconds: float = 0.0, parts: int = 1, received_bytes: int = 0) -> None:
+        """Make a complete published revision the model's current one (seconds: what its publish took, in
+        parts sending received_bytes)."""
+        record = PublishRecord(revision.id, parts, revision.manifest.total_bytes, received_bytes, seconds)
         with self._lock:
             history = self._models.setdefault(revision.model, _History())
             evicted = self._append(history, revision)
+            history.publishes = [*history.publishes[-(MAX_PUBLISH_RECORDS - 1) :], record]
             self.publishes += 1
             self.published_bytes += revision.manifest.total_bytes
             self.publish_seconds[revision.model] = seconds
         self._evicted(evicted)
+
+    def count_update(self, model: str, revision: str, changed_bytes: int) -> None:
+        """An update to model's published revision asked what changed: changed_bytes."""
+        with self._lock:
+            history = self._models.get(model)
+            for record in history.publishes if history is not None else ():
+                if record.revision == revision:
+                    record.updates += 1
+                    record.update_bytes += changed_bytes
+
+    def publish_records(self, model: str) -> list[PublishRecord]:
+        """model's last publishes, oldest first (copies)."""
+        with self._lock:
+            history = self._models.get(model)
+            return [dataclasses.replace(r) for r in history.publishes] if history is not None else []
 
     def current(self, model: str) -> Revision | None:
         with self._lock:

@@ -1,0 +1,231 @@
+"""An RL loop as users write it, synced through vLLM's trainer API with the `weightstream` backend.
+
+A real `vllm serve` (the CPU build in .venv-vllm) loads revision A of a tiny Llama with
+--load-format weightstream and --weight-transfer-config '{"backend": "weightstream"}'. A trainer
+process (tests/support/vllm_scripts/trainer.py, also in .venv-vllm) builds the same Llama with
+transformers, takes real AdamW steps, and after each calls send_weights() of the engine that vLLM's
+WeightTransferTrainerFactory makes from WeightStreamTrainerInitInfo, with vLLM's own
+HTTPVLLMWeightSyncClient and ModuleSource. After the last step the served greedy tokens must be
+those of a fresh engine loaded from the trained weights with load_format="safetensors" (at the
+same tensor-parallel size). The same with a two-rank trainer (gloo), each rank publishing half the
+names as its part of the revision, and with a send cut midway by a proxy that resets the trainer's
+connection: the engine must go on serving the previous revision, and the next send must complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.commands import clean_env
+from tests.support.faults import CuttingProxy
+from tests.support.ports import free_ports
+from tests.support.servers import Running, running
+from tests.support.vllm_runs import (
+    ENGINE_TIMEOUT_S,
+    SCRIPTS,
+    VLLM_PYTHON,
+    ensure_vllm_venv,
+    run_engine,
+    served_completions,
+    serving_vllm,
+    vllm_llama_config,
+    write_vllm_llama,
+)
+from weightstream.client import WeightStreamClient
+
+pytestmark = pytest.mark.slow
+
+MODEL = "trained-llama"
+STEPS = 3
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[Running, int]]:
+    """A server whose root holds revision A of a tiny vLLM Llama, taking publishes; and A's bytes."""
+    ensure_vllm_venv()
+    nbytes = write_vllm_llama(tmp_path / "root" / MODEL, vllm_llama_config())
+    with running(tmp_path / "root", allow_publish=True) as r:
+        yield r, nbytes
+
+
+def config_folder(server: Running, tmp_path: Path) -> Path:
+    """What vLLM is started on: the model's config and tokenizer, fetched from the server (no weights)."""
+    folder = tmp_path / "config" / MODEL
+    with WeightStreamClient(server.target, progress=False) as client:
+        client.fetch(MODEL, folder, metadata_only=True)
+    return folder
+
+
+def train(tmp_path: Path, server: Running, base: str, config: Path, **settings: Any) -> list[dict[str, Any]]:
+    """Run the trainer script; the steps it reports."""
+    (master_port,) = free_ports(1)
+    full = {
+        "target": server.target,
+        "model": MODEL,
+        "vllm": base,
+        "served_model": str(config),
+        "weights": str(tmp_path / "root" / MODEL),
+        "config": str(config),
+        "out": str(tmp_path / "trained"),
+        "steps": STEPS,
+        "world_size": 1,
+        "master_port": master_port,
+        **settings,
+    }
+    env = clean_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [str(VLLM_PYTHON), str(SCRIPTS / "trainer.py"), json.dumps(full)],
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode != 0 or not lines:
+        raise AssertionError(
+            f"the trainer failed (exit {result.returncode})\n--- stdout\n{result.stdout[-6000:]}\n"
+            f"--- stderr\n{result.stderr[-8000:]}"
+        )
+    steps: list[dict[str, Any]] = json.loads(lines[-1].removeprefix("RESULT "))["steps"]
+    return steps
+
+
+def trained_folder(tmp_path: Path, config: Path) -> Path:
+    """The trained weights beside A's config and tokenizer: what the fresh engine loads."""
+    folder = tmp_path / "trained"
+    for item in config.iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
+            shutil.copy(item, folder / item.name)
+    return folder
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_rl_loop_synced_with_send_weights_serves_what_a_fresh_engine_on_the_trained_weights_does(
+    server: tuple[Running, int], tmp_path: Path, tp: int
+) -> None:
+    running_server, nbytes = server
+    config = config_folder(running_server, tmp_path)
+    with (
+        serving_vllm(config, running_server.target, MODEL, tmp_path / "vllm-serve.log", tp=tp) as base,
+        httpx.Client(trust_env=False) as http,
+    ):
+        before = served_completions(http, base, str(config))
+        steps = train(tmp_path, running_server, base, config)
+        version = http.get(f"{base}/weight_info", timeout=10.0).json()["weight_version"]
+    status = running_server.get("/status").json()
+    assert [s.get("error") for s in steps] == [None] * STEPS, steps
+    assert [s["revision"] for s in steps] == [f"step-{i}" for i in range(1, STEPS + 1)]
+    assert version == f"step-{STEPS}"
+    assert all(s["publish_bytes"] == nbytes == s["publish_sent_bytes"] for s in steps), (steps, nbytes)
+    assert all(s["update_seconds"] > 0 for s in steps)
+    # /status says what each step cost on the server: its publish, and the engine ranks' updates to it.
+    published = {r["revision"]: r for r in status["revisions"]["models"][MODEL]["publishes"]}
+    assert set(published) == {f"step-{i}" for i in range(1, STEPS + 1)}, published
+    for step in steps:
+        record = published[step["revision"]]
+        assert (record["bytes"], record["received_bytes"], record["parts"]) == (nbytes, nbytes, 1), record
+        assert record["updates"] == tp and 0 < record["update_bytes"] <= tp * nbytes, record
+    fresh = run_engine(trained_folder(tmp_path, config), "safetensors", tp=tp)
+    assert steps[-1]["tokens"] == fresh.token_ids, "the engine synced by send_weights must serve the trained weights"
+    assert steps[-1]["tokens"] != before, "the steps change the tokens: the sync did something"
+
+
+def test_a_two_rank_trainer_publishes_one_part_per_rank_and_the_engine_serves_the_trained_weights(
+    server: tuple[Running, int], tmp_path: Path
+) -> None:
+    running_server, nbytes = server
+    config = config_folder(running_server, tmp_path)
+    with (
+        serving_vllm(config, running_server.target, MODEL, tmp_path / "vllm-serve.log") as base,
+        httpx.Client(trust_env=False) as http,
+    ):
+        before = served_completions(http, base, str(config))
+        steps = train(tmp_path, running_server, base, config, world_size=2)
+    assert [s.get("error") for s in steps] == [None] * STEPS, steps
+    # Rank 0 published its half only: no gather of the whole model on one rank.
+    assert all(0 < s["publish_bytes"] < nbytes for s in steps), (steps, nbytes)
+    published = running_server.get("/status").json()["revisions"]["models"][MODEL]["publishes"]
+    assert {r["revision"]: (r["parts"], r["received_bytes"]) for r in published} == {
+        f"step-{i}": (2, nbytes) for i in range(1, STEPS + 1)
+    }
+    fresh = run_engine(trained_folder(tmp_path, config), "safetensors")
+    assert steps[-1]["tokens"] == fresh.token_ids
+    assert steps[-1]["tokens"] != before
+
+
+def test_a_send_cut_midway_leaves_the_engine_serving_the_previous_revision_and_the_next_send_completes(
+    server: tuple[Running, int], tmp_path: Path
+) -> None:
+    running_server, nbytes = server
+    config = config_folder(running_server, tmp_path)
+    port = int(running_server.target.rsplit(":", 1)[1])
+    # The trainer's one connection is reset halfway through its second publish (it has sent the first
+    # whole by then); the engine pulls from the server directly.
+    with (
+        CuttingProxy(port, [(int(1.5 * nbytes), "reset")], from_client=True) as proxy,
+        serving_vllm(config, running_server.target, MODEL, tmp_path / "vllm-serve.log") as base,
+    ):
+        steps = train(
+            tmp_path,
+            running_server,
+            base,
+            config,
+            target=proxy.target,
+            engine_target=running_server.target,
+            transport="grpc",
+        )
+        assert proxy.cuts == 1
+    assert [s.get("phase") for s in steps] == [None, "publish", None], steps
+    assert "the engine are as they were" in steps[1]["error"]
+    assert steps[1]["tokens"] == steps[0]["tokens"], "after the cut the engine must serve step 1's revision"
+    assert steps[2]["revision"] == "step-3"
+    assert steps[2]["tokens"] != steps[0]["tokens"]
+    fresh = run_engine(trained_folder(tmp_path, config), "safetensors")
+    assert steps[2]["tokens"] == fresh.token_ids
+
+
+def test_the_trainer_side_backend_is_registered_by_importing_the_module_and_by_the_plugin() -> None:
+    ensure_vllm_venv()
+    check = (
+        "from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F\n"
+        "assert 'weightstream' not in F._registry, list(F._registry)\n"
+        "import {module}\n"
+        "{call}\n"
+        "assert 'weightstream' in F._registry, list(F._registry)\n"
+        "from weightstream.client.vllm_transfer import WeightStreamTrainerInitInfo as I\n"
+        "assert F._registry['weightstream']().init_info_cls is I\n"
+        "for bad in ({{'target': ''}}, {{'transport': 'carrier-pigeon'}}, {{'world_size': 2, 'rank': 2}}):\n"
+        "    try:\n"
+        "        I(**{{'target': 't:1', 'model': 'm', 'rank': 0, **bad}})\n"
+        "    except ValueError as exc:\n"
+        "        print('refused:', exc)\n"
+        "    else:\n"
+        "        raise AssertionError(bad)\n"
+    )
+    env = clean_env(**{k: v for k, v in os.environ.items() if k.startswith("VLLM_")})
+    for module, call in [
+        ("weightstream.client.vllm_transfer", "pass"),
+        ("weightstream.client.vllm_loader", "weightstream.client.vllm_loader.register()"),
+    ]:
+        result = subprocess.run(
+            [str(VLLM_PYTHON), "-c", check.format(module=module, call=call)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert result.stdout.count("refused:") == 3, result.stdout
+        assert "WeightStreamTrainerInitInfo.transport must be one of" in result.stdout

@@ -1,0 +1,148 @@
+"""Run in the vLLM environment (.venv-vllm): an RL trainer as users write it, synced through vLLM's trainer API.
+
+Usage: python tests/support/vllm_scripts/trainer.py SETTINGS_JSON
+
+SETTINGS_JSON: {"target", "model", "vllm" (the engine's base URL), "weights" (a folder of the
+model's safetensors: revision A, what the engine serves), "config" (its config folder), "out" (where
+the trained weights are saved, as safetensors), "steps", "world_size" (1, or 2: two processes in a
+gloo group, each publishing half the names), and optionally "engine_target", "transport", "deltas"}.
+
+Each rank builds a transformers Llama from the config, loads A, and takes "steps" AdamW steps on
+random tokens (with two ranks, each on its own batch, gradients averaged over the group); after each
+step it calls send_weights() of the weightstream trainer engine made by vLLM's
+WeightTransferTrainerFactory with vLLM's own HTTPVLLMWeightSyncClient and ModuleSource. A failed
+send is recorded (its phase) and the loop goes on. After each step rank 0 asks the engine for greedy
+completions of PROMPTS. Rank 0 prints one line `RESULT {"steps": [{"revision", "error", "phase",
+"tokens", "publish_seconds", ...}, ...]}` and saves the weights as they are after the last step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+PROMPTS = ["w1 w2 w3 w4", "w10 w200 w30", "w5 w5 w5 w5 w5 w5"]
+
+
+def completions(base: str, model: str) -> list[list[int]]:
+    import requests
+
+    body = {
+        "model": model,
+        "prompt": PROMPTS,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    response = requests.post(f"{base}/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    return [list(c["token_ids"]) for c in choices]
+
+
+def train(rank: int, settings: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightstream.client.vllm_transfer import WeightStreamTrainerInitInfo, WeightSyncError
+
+    world = int(settings["world_size"])
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    config = LlamaConfig.from_pretrained(settings["config"])
+    model = LlamaForCausalLM(config).to(torch.float32)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(settings["weights"]).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    model.load_state_dict(state)
+    names = [name for name, _ in model.named_parameters()]
+
+    class HalfSource(ModuleSource):
+        """Every rank iterates the whole model; each holds (publishes) every other name."""
+
+        def held_names(self) -> list[str]:
+            return names[rank::world]
+
+    source = HalfSource(model) if world > 1 else ModuleSource(model)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        WeightStreamTrainerInitInfo(
+            target=settings["target"],
+            model=settings["model"],
+            engine_target=settings.get("engine_target"),
+            transport=settings.get("transport", "auto"),
+            deltas=bool(settings.get("deltas", False)),
+            rank=rank,
+            world_size=world,
+        ),
+        client=HTTPVLLMWeightSyncClient(settings["vllm"]),
+        source=source,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(settings.get("lr", 0.05)))
+    data = torch.Generator().manual_seed(100 + rank)
+    steps: list[dict[str, Any]] = []
+    for _ in range(int(settings["steps"])):
+        batch = torch.randint(3, config.vocab_size, (4, 16), generator=data)
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        if world > 1:
+            for param in model.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad)
+                    param.grad /= world
+        optimizer.step()
+        record: dict[str, Any] = {"loss": float(loss)}
+        try:
+            engine.send_weights()
+        except WeightSyncError as exc:
+            record.update(revision=exc.revision, error=str(exc), phase=exc.phase)
+        else:
+            step = engine.last_step
+            assert step is not None
+            record.update(
+                revision=step.revision,
+                publish_seconds=step.publish_seconds,
+                publish_bytes=step.publish_bytes,
+                publish_sent_bytes=step.publish_sent_bytes,
+                update_seconds=step.update_seconds,
+            )
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            record["tokens"] = completions(settings["vllm"], settings["served_model"])
+        steps.append(record)
+    engine.shutdown()
+    if rank == 0:
+        out = Path(settings["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(out / "model.safetensors"))
+        print("RESULT " + json.dumps({"steps": steps}), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    world = int(settings["world_size"])
+    if world == 1:
+        train(0, settings)
+        return
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(settings["master_port"]))
+    mp.spawn(train, args=(settings,), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
