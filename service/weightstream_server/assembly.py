@@ -36,6 +36,7 @@ from weightstream_server.revisions.relay import Relay
 from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog
+from weightstream_server.serving.checksums import ReadBlocks
 from weightstream_server.serving.deltas import Deltas
 from weightstream_server.serving.reader import StreamerPool
 from weightstream_server.serving.stalls import StallWatch
@@ -274,6 +275,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         stalls=StallWatch(settings.stall_timeout),
         cache=cache,
         deltas=Deltas(settings.delta_cache_bytes) if settings.delta_cache_bytes else None,
+        read_blocks=ReadBlocks(),
     )
     upload = None
     if settings.publish_s3_prefix is not None:
@@ -292,7 +294,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         assembly_timeout=settings.publish_assembly_timeout,
     )
     publisher.restore()
-    changes = Changes(revisions)
+    changes = Changes(revisions, streams.read_blocks)
     relay = Relay(settings, revisions, catalog, publisher) if settings.upstream is not None else None
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
     data_port = None

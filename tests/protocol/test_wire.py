@@ -80,6 +80,13 @@ def test_crc32c_is_castagnolis_over_bytes_and_raw_memory() -> None:
     assert wire.crc32c_at(address, 0, 1234) == 1234
 
 
+@pytest.mark.parametrize("split", [0, 1, 4095, 65536, 100_000])
+def test_crc32c_combine_gives_the_crc32c_of_the_two_runs_back_to_back(split: int) -> None:
+    data = random.Random(split).randbytes(100_000)
+    first, second = data[:split], data[split:]
+    assert wire.crc32c_combine(wire.crc32c(first), wire.crc32c(second), len(second)) == wire.crc32c(data)
+
+
 @pytest.mark.parametrize(
     "length", [0, 1, wire.CACHE_PIECE_BYTES - 1, wire.CACHE_PIECE_BYTES, 3 * wire.CACHE_PIECE_BYTES + 12_345]
 )

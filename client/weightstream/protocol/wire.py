@@ -53,6 +53,11 @@ def crc32c_extend(crc: int, data: bytes | memoryview) -> int:
     return int(checksums.crc32c(data, crc))
 
 
+def crc32c_combine(crc: int, then: int, then_length: int) -> int:
+    """CRC32C of two runs of bytes back to back, from each run's CRC32C (then: the second's, then_length bytes)."""
+    return int(checksums.combine_crc32c(crc, then, then_length))
+
+
 def crc32c_of_range(
     read_at: Callable[[int, int], bytes], start: int, length: int, *, block_bytes: int = 4 * 1024 * 1024, crc: int = 0
 ) -> tuple[int, int]:

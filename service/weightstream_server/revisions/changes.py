@@ -8,9 +8,11 @@ revision that has that file), so an update from storage costs the server a read 
 changed. Since a storage revision's files are gone once they are rewritten, the server digests the
 new storage revisions of the models clients follow (that asked for changes or watch) as soon as it
 sees them, in the background, and a GetChanges whose since is the current revision digests it at
-once (an updater saying which revision it holds: the baseline of its next update). A revision
-never digested is compared per file: tensors of a file whose version did not change are
-unchanged, the others changed whole.
+once (an updater saying which revision it holds: the baseline of its next update). A storage
+revision that streams read whole (a full load) needs neither: the block CRC32Cs they computed on
+its bytes, recorded as they went (serving.checksums.ReadBlocks), stand for the digest of a revision
+whose files are gone. A revision neither digested nor read is compared per file: tensors of a file
+whose version did not change are unchanged, the others changed whole.
 
 A tensor changed when it is new, has another dtype or shape, or a block's CRC32C differs: its
 changed ranges are the differing blocks, merged where adjacent. Concurrency: every method may be
@@ -32,6 +34,7 @@ from weightstream_server.errors import RevisionNotKept
 from weightstream_server.revisions.published_source import BLOCK_BYTES, block_checks
 from weightstream_server.revisions.store import STORAGE, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Manifest, TensorEntry
+from weightstream_server.serving.checksums import ReadBlocks
 from weightstream_server.storage.open_files import OpenFiles
 
 logger = logging.getLogger(__name__)
@@ -45,8 +48,9 @@ READ_BYTES = 16 * BLOCK_BYTES
 class Changes:
     """Digests revisions and compares them."""
 
-    def __init__(self, store: RevisionStore) -> None:
+    def __init__(self, store: RevisionStore, read_blocks: ReadBlocks | None = None) -> None:
         self._store = store
+        self._read_blocks = read_blocks
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[str, str], dict[str, tuple[Blocks, bytes]]] = OrderedDict()
         self._flights: dict[tuple[str, str], threading.Lock] = {}
@@ -82,7 +86,9 @@ class Changes:
         # from it, so its block CRC32Cs are the baseline, taken now (once), before its files can be
         # rewritten; they also let the caller check that it holds it.
         new_blocks = self.blocks(revision)
-        old_blocks = new_blocks if old.id == revision.id else self.blocks(old) if old.servable else old.blocks
+        old_blocks = (
+            new_blocks if old.id == revision.id else self.blocks(old) if old.servable else self._gone_blocks(old)
+        )
         for entry in revision.manifest.tensors:
             was = entry if old.id == revision.id else old.manifest.by_name.get(entry.name)
             ranges = _changed(entry, was, new_blocks, old_blocks, revision.manifest, old.manifest)
@@ -112,6 +118,12 @@ class Changes:
             response.changed_bytes,
         )
         return response
+
+    def _gone_blocks(self, revision: Revision) -> dict[str, Blocks] | None:
+        """The block CRC32Cs of a storage revision whose files are gone: digested, else as streams read them."""
+        if revision.blocks is not None or self._read_blocks is None:
+            return revision.blocks
+        return self._read_blocks.blocks(revision.manifest)
 
     def blocks(self, revision: Revision) -> dict[str, Blocks] | None:
         """revision's block CRC32Cs, digesting its files (those not digested before) if they are not known yet."""

@@ -9,7 +9,9 @@ its own first means two streams that wait on each other always progress).
 The plan's local files are opened (beneath the model root, checked against the manifest) when
 the chunks start and closed when they end; every read of the stream goes through those
 descriptors, and once every chunk is out the files are checked once more: a stream served from
-the cache whose files changed meanwhile ends with CheckpointChanged, like one that read them.
+the cache whose files changed meanwhile ends with CheckpointChanged, like one that read them. A
+stream given a BlockRecorder checksums the chunks it reads through it (checksums.BlockRecorder) and
+commits it only after that check.
 
 Memory ownership: a ServedChunk's data is valid until the next chunk is taken (it may lie in the
 streamer's ring).
@@ -27,6 +29,7 @@ import numpy as np
 from weightstream.protocol import wire
 from weightstream_server.serving.cache import SHARED_READ_WAIT_S, CachedUnit, Claim, UnitCache, UnitKey
 from weightstream_server.serving.catalog import Manifest
+from weightstream_server.serving.checksums import BlockRecorder
 from weightstream_server.serving.reader import PooledStreamer, open_plan, read_units
 from weightstream_server.storage.open_files import OpenFiles
 from weightstream_server.storage.reads import ChunkPlace, FilePlan, ReadPlan, UnitPlace
@@ -53,8 +56,10 @@ def serve_chunks(
     read_ahead_bytes: int,
     cache: UnitCache | None,
     on_read: Callable[[int], None],
+    record: BlockRecorder | None = None,
 ) -> Iterator[ServedChunk]:
-    """Every chunk of plan, in an order of the reads' choosing; on_read(n) is told of each n bytes read from storage."""
+    """Every chunk of plan, in an order of the reads' choosing; on_read(n) is told of each n bytes read from
+    storage, record of the block CRC32Cs of the chunks checksummed here (plan: whole tensors or byte ranges)."""
     if not plan.files:
         return
     with open_plan(manifest, plan) as files:
@@ -66,14 +71,16 @@ def serve_chunks(
                 file_plan = plan.files[file_id]
                 unit = file_plan.places[index]
                 if kept is None or unit.gather is not None:
-                    yield from _chunks(unit, data.numpy(), plan.chunk_bytes)
+                    yield from _chunks(unit, data.numpy(), plan.chunk_bytes, record)
                     continue
                 file, at = manifest.files[file_plan.file_index], file_plan.offsets[index] - unit.place.offset
                 for place, piece in _cut(unit.place, data.numpy(), plan.chunk_bytes):
                     yield ServedChunk(place, kept(file, at + place.offset, piece), piece)
         else:
-            yield from _through_cache(manifest, plan, streamer, read_ahead_bytes, cache, on_read, files)
+            yield from _through_cache(manifest, plan, streamer, read_ahead_bytes, cache, on_read, files, record)
         files.check_all_unchanged()
+        if record is not None:
+            record.commit()
 
 
 def _through_cache(
@@ -84,6 +91,7 @@ def _through_cache(
     cache: UnitCache,
     on_read: Callable[[int], None],
     files: OpenFiles,
+    record: BlockRecorder | None,
 ) -> Iterator[ServedChunk]:
     claims: list[tuple[UnitPlace, Claim]] = []
     for file_plan in plan.files:
@@ -95,22 +103,24 @@ def _through_cache(
     try:
         for unit, claim in claims:
             if claim.unit is not None:
-                yield from _from_cached(unit, claim.unit, plan.chunk_bytes)
+                yield from _from_cached(unit, claim.unit, plan.chunk_bytes, record)
                 claim.unit = None
         if leading:
             sub = _subplan(plan, {id(claim) for _, claim in leading}, claims)
             for file_id, index, data in read_units(streamer, manifest, sub.plan, read_ahead_bytes, files):
                 on_read(data.numel())
                 unit, claim = sub.claims[file_id][index]
-                cached = _to_cached(unit, data.numpy(), plan.chunk_bytes)
+                cached = _to_cached(unit, data.numpy(), plan.chunk_bytes, record)
                 cache.publish(claim, cached)
                 claim.future = None
-                yield from _from_cached(unit, cached, plan.chunk_bytes)
+                yield from _from_cached(unit, cached, plan.chunk_bytes, record)
         for unit, claim in claims:
             if claim.future is not None and not claim.leader:
-                cached = _wait_or_read(manifest, plan, streamer, read_ahead_bytes, cache, unit, claim, on_read, files)
+                cached = _wait_or_read(
+                    manifest, plan, streamer, read_ahead_bytes, cache, unit, claim, on_read, files, record
+                )
                 claim.future = None
-                yield from _from_cached(unit, cached, plan.chunk_bytes)
+                yield from _from_cached(unit, cached, plan.chunk_bytes, record)
     finally:
         for _, claim in leading:
             if claim.future is not None and not claim.future.done():
@@ -164,6 +174,7 @@ def _wait_or_read(
     claim: Claim,
     on_read: Callable[[int], None],
     files: OpenFiles,
+    record: BlockRecorder | None,
 ) -> CachedUnit:
     """The unit another stream is reading; read here instead if that read fails or takes too long."""
     assert claim.future is not None
@@ -183,7 +194,7 @@ def _wait_or_read(
     try:
         for _, _, data in read_units(streamer, manifest, one, read_ahead_bytes, files):
             on_read(data.numel())
-            cached = _to_cached(unit, data.numpy(), plan.chunk_bytes)
+            cached = _to_cached(unit, data.numpy(), plan.chunk_bytes, record)
             if again.leader:
                 cache.publish(again, cached)
             return cached
@@ -193,17 +204,17 @@ def _wait_or_read(
     raise AssertionError("read_units checks that every read arrives")  # pragma: no cover
 
 
-def _to_cached(unit: UnitPlace, data: np.ndarray, chunk_bytes: int) -> CachedUnit:
+def _to_cached(unit: UnitPlace, data: np.ndarray, chunk_bytes: int, record: BlockRecorder | None) -> CachedUnit:
     """The unit's bytes copied out of the streamer's ring, with its chunks' CRC32Cs (not for rows to gather)."""
     if unit.gather is not None:
         return CachedUnit.copy_of(data, None)
-    chunks = tuple(
-        (place, wire.crc32c_at(piece.ctypes.data, place.length)) for place, piece in _cut(unit.place, data, chunk_bytes)
-    )
+    chunks = tuple((place, _checksum(place, piece, record)) for place, piece in _cut(unit.place, data, chunk_bytes))
     return CachedUnit.copy_of(data, chunks)
 
 
-def _from_cached(unit: UnitPlace, cached: CachedUnit, chunk_bytes: int) -> Iterator[ServedChunk]:
+def _from_cached(
+    unit: UnitPlace, cached: CachedUnit, chunk_bytes: int, record: BlockRecorder | None
+) -> Iterator[ServedChunk]:
     """The chunks of unit out of a cached unit, with the cached CRC32Cs when the chunks are the same."""
     if unit.gather is None and cached.chunks is not None:
         layout = list(_cut(unit.place, cached.data, chunk_bytes))
@@ -211,7 +222,7 @@ def _from_cached(unit: UnitPlace, cached: CachedUnit, chunk_bytes: int) -> Itera
             for (place, piece), (_, crc) in zip(layout, cached.chunks, strict=True):
                 yield ServedChunk(place, crc, piece)
             return
-    yield from _chunks(unit, cached.data, chunk_bytes)
+    yield from _chunks(unit, cached.data, chunk_bytes, record)
 
 
 def unit_output(unit: UnitPlace, data: np.ndarray) -> np.ndarray:
@@ -225,11 +236,20 @@ def unit_output(unit: UnitPlace, data: np.ndarray) -> np.ndarray:
     ).reshape(-1)
 
 
-def _chunks(unit: UnitPlace, data: np.ndarray, chunk_bytes: int) -> Iterator[ServedChunk]:
+def _chunks(unit: UnitPlace, data: np.ndarray, chunk_bytes: int, record: BlockRecorder | None) -> Iterator[ServedChunk]:
     """The unit's output (gathered, for a slice of rows) cut into checksummed chunks."""
     data = unit_output(unit, data)
+    if unit.gather is not None:
+        record = None  # rows of a slice: not a range of the tensor's bytes
     for place, piece in _cut(unit.place, data, chunk_bytes):
-        yield ServedChunk(place, wire.crc32c_at(piece.ctypes.data, place.length), piece)
+        yield ServedChunk(place, _checksum(place, piece, record), piece)
+
+
+def _checksum(place: ChunkPlace, piece: np.ndarray, record: BlockRecorder | None) -> int:
+    """The CRC32C of a chunk's bytes, its blocks' recorded when record is given."""
+    if record is None:
+        return wire.crc32c_at(piece.ctypes.data, place.length)
+    return record.checksum(place, piece.ctypes.data)
 
 
 def _cut(place: ChunkPlace, data: np.ndarray, chunk_bytes: int) -> Iterator[tuple[ChunkPlace, np.ndarray]]:

@@ -47,6 +47,7 @@ from runai_model_streamer.s3_utils.s3_utils import S3Credentials
 from weightstream.protocol import wire
 from weightstream_server.errors import CorruptCheckpoint, ServerError, StorageUnavailable, TooManyStreams
 from weightstream_server.serving.catalog import Manifest
+from weightstream_server.serving.checksums import BlockCrc32c, BlockRecorder
 from weightstream_server.serving.store_readers import StoreReader
 from weightstream_server.storage.file_errors import file_error
 from weightstream_server.storage.model_ids import OBJECT_SCHEMES, S3_SCHEME
@@ -565,17 +566,27 @@ class DirectReader:
     check page_cached() first (benchmarks/shm_load.py compares both). A short read is a
     CorruptCheckpoint, as on the streamer's path; a file that is not as it was listed, when it is
     opened (the constructor), when a read fails, or once every read is done (on a clean exit from
-    the with block), is CheckpointChanged.
+    the with block), is CheckpointChanged. Each chunk's CRC32C is combined from its pieces between
+    its tensor's block boundaries; with a recorder, those go to it (from the thread that read the
+    chunk), and it is committed on a clean exit, once that check passed.
 
     Ownership: the files it opens (all of the plan's, in the constructor) and its threads, until
     close(), which waits for every read started (so that none writes to the destination
     afterwards). Use from one thread.
     """
 
-    def __init__(self, manifest: Manifest, plan: ReadPlan, on_read: Callable[[int], None], threads: int) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        plan: ReadPlan,
+        on_read: Callable[[int], None],
+        threads: int,
+        record: BlockRecorder | None = None,
+    ) -> None:
         self._manifest = manifest
         self._plan = plan
         self._on_read = on_read
+        self._record = record
         self._files = open_plan(manifest, plan)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightstream-read")
 
@@ -587,17 +598,17 @@ class DirectReader:
             fd = self._files.fd(unit.file_index)
             check = functools.partial(self._files.check_unchanged, unit.file_index)
             for file_offset, place in unit.chunks:
-                chunk = _ChunkRead(fd, file_offset, place.length, manifest.model, source.name, place.tensor, check)
+                chunk = _ChunkRead(fd, file_offset, place, manifest.model, source.name, check, self._record)
                 yield DirectRead(place, functools.partial(self._start, chunk))
             self._on_read(unit.length)
 
     def _start(self, chunk: _ChunkRead, address: int) -> int | Future[int]:
         # What the page cache holds is copied here and now: a thread handoff costs more than the
         # copy. Only what must wait for storage goes to the threads.
-        done, crc = chunk.read_cached(address)
+        done, crcs = chunk.read_cached(address)
         if done == chunk.length:
-            return crc
-        return self._pool.submit(chunk.read_into, address, done, crc)
+            return chunk.finish(crcs)
+        return self._pool.submit(chunk.read_into, address, done, crcs)
 
     def close(self) -> None:
         # Files are closed only here: reads of a file may still be queued when the next file starts.
@@ -617,6 +628,8 @@ class DirectReader:
             if exc_type is None:
                 # Every read is done now: a file rewritten meanwhile must not end the stream OK.
                 self._files.check_all_unchanged()
+                if self._record is not None:
+                    self._record.commit()
         finally:
             self.close()
 
@@ -629,23 +642,34 @@ _NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 class _ChunkRead:
     fd: int
     offset: int
-    length: int
+    place: ChunkPlace
     model: str
     file_name: str
-    tensor: str
     # Raises CheckpointChanged if the file is no longer as listed: then that is why a read failed.
     check_unchanged: Callable[[], None]
+    record: BlockRecorder | None
 
-    def read_cached(self, address: int) -> tuple[int, int]:
-        """Read what the page cache holds of the chunk, from its start, to address; (how many bytes, their CRC32C).
+    @property
+    def length(self) -> int:
+        return self.place.length
+
+    def finish(self, crcs: BlockCrc32c) -> int:
+        """The CRC32C of the chunk, every byte of it read and fed to crcs (its blocks' recorded)."""
+        crc = crcs.finish()
+        if self.record is not None:
+            self.record.record(self.place.tensor, crcs.pieces)
+        return crc
+
+    def read_cached(self, address: int) -> tuple[int, BlockCrc32c]:
+        """Read what the page cache holds of the chunk, from its start, to address; how many bytes, and their CRC32Cs.
 
         Never waits for storage (RWF_NOWAIT); nothing where the kernel does not offer that, and on
         any error, which read_into then meets and reports. The bytes come in wire.CACHE_PIECE_BYTES
         pieces, each checksummed right after it landed, while it is still in the core's cache.
         """
-        done = crc = 0
+        done, crcs = 0, BlockCrc32c(self.place.offset)
         if _NOWAIT is None:
-            return done, crc
+            return done, crcs
         with contextlib.suppress(OSError):  # BlockingIOError: the rest is not cached
             while done < self.length:
                 size = min(wire.CACHE_PIECE_BYTES, self.length - done)
@@ -654,12 +678,12 @@ class _ChunkRead:
                 )
                 if n == 0:
                     break
-                crc = wire.crc32c_at(address + done, n, crc)
+                crcs.feed(address + done, n)
                 done += n
-        return done, crc
+        return done, crcs
 
-    def read_into(self, address: int, done: int = 0, crc: int = 0) -> int:
-        """Read the chunk's bytes from done on to address; the CRC32C of all its bytes (crc: of those before done)."""
+    def read_into(self, address: int, done: int, crcs: BlockCrc32c) -> int:
+        """Read the chunk's bytes from done on to address; the CRC32C of all its bytes (crcs: of those before done)."""
         start = done
         while done < self.length:
             buffer = (ctypes.c_char * (self.length - done)).from_address(address + done)
@@ -671,8 +695,9 @@ class _ChunkRead:
             if n == 0:
                 self.check_unchanged()
                 raise CorruptCheckpoint(
-                    f"model {self.model!r}: tensor {self.tensor!r}: read {done} bytes at file offset {self.offset} "
-                    f"of {self.file_name}, expected {self.length}; the file ended early"
+                    f"model {self.model!r}: tensor {self.place.tensor!r}: read {done} bytes at file offset "
+                    f"{self.offset} of {self.file_name}, expected {self.length}; the file ended early"
                 )
             done += n
-        return wire.crc32c_at(address + start, self.length - start, crc)
+        crcs.feed(address + start, self.length - start)
+        return self.finish(crcs)

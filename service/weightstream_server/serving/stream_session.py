@@ -11,6 +11,8 @@ Every streaming RPC of WeightStreamService is served in a session. The session
   model's revision is the one the client expects;
 - holds a tensor stream's manifest and read plan, and gives its chunks (chunks.serve_chunks);
 - counts the bytes read from storage and the bytes the transport took;
+- gives a stream of a storage revision's whole tensors (or byte ranges of them) a recorder of the
+  block CRC32Cs it computes (checksums.BlockRecorder), so that a load teaches the server the revision;
 - at its end, however it ends, chooses the status code (OK; CANCELLED when the client went away;
   otherwise the error's, sent to the client through rpc.abort), records the stream in the stats
   and logs one line.
@@ -43,6 +45,7 @@ from weightstream_server.ops.stats import ServerStats
 from weightstream_server.serving import validation
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog, Manifest
+from weightstream_server.serving.checksums import BlockRecorder, ReadBlocks
 from weightstream_server.serving.chunks import ServedChunk, serve_chunks
 from weightstream_server.serving.deltas import Deltas
 from weightstream_server.serving.files import FilePiece, read_file
@@ -122,6 +125,8 @@ class Streams:
     cache: UnitCache | None = None
     # Deltas against a revision clients hold (serving.deltas); None when --delta-cache-bytes is 0.
     deltas: Deltas | None = None
+    # Block CRC32Cs of storage revisions learned from what streams read (revisions.changes compares them).
+    read_blocks: ReadBlocks | None = None
 
     def session(self, context: grpc.ServicerContext, *, method: str, kind: str, model: str = "") -> StreamSession:
         """A session for one call of method; kind names it in the end-of-stream line ("stream", ...)."""
@@ -263,7 +268,13 @@ class StreamSession:
             chunks = serve_chunks(self.manifest, self.plan, streamer, settings.read_ahead_bytes, None, lambda _: None)
         else:
             chunks = serve_chunks(
-                self.manifest, self.plan, streamer, settings.read_ahead_bytes, self._streams.cache, self.count_read
+                self.manifest,
+                self.plan,
+                streamer,
+                settings.read_ahead_bytes,
+                self._streams.cache,
+                self.count_read,
+                self.block_recorder(),
             )
         deltas = self._streams.deltas
         if self._delta_base is None or deltas is None:
@@ -271,6 +282,16 @@ class StreamSession:
         return deltas.encode(
             chunks, self.manifest, self._delta_base, self._delta_tensors, self._streams.cache, self.plan.chunk_bytes
         )
+
+    def block_recorder(self) -> BlockRecorder | None:
+        """A recorder of the block CRC32Cs this stream computes; None when it teaches nothing: a published
+        revision (its blocks are known), or slices (their chunks are not ranges of the tensors' bytes)."""
+        read_blocks = self._streams.read_blocks
+        if read_blocks is None or self._request is None or getattr(self.manifest.source, "in_memory", False):
+            return None
+        if any(t.HasField("slice") for t in self._request.tensors):
+            return None
+        return read_blocks.recorder(self.manifest)
 
     def read_file(self, request: pb.ReadModelFileRequest) -> Iterator[FilePiece]:
         """The checks a file read starts with, then the pieces of the file from request.offset.

@@ -139,7 +139,9 @@ class ShmServicer:
                 )
                 with contextlib.ExitStack() as reads:  # closed (its reads finished) before the segment
                     if direct:
-                        reader = reads.enter_context(DirectReader(manifest, plan, session.count_read, READ_THREADS))
+                        reader = reads.enter_context(
+                            DirectReader(manifest, plan, session.count_read, READ_THREADS, session.block_recorder())
+                        )
                         writes = map(read_into, reader.reads())
                     else:
                         writes = map(copied, session.chunks(streamer))

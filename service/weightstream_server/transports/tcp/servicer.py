@@ -139,6 +139,7 @@ def _send_files(sender: FrameSender, session: StreamSession, chunk_bytes: int) -
     """Every chunk of the session's plan (local, page-cached files) from its file, checksummed once per file version."""
     manifest, plan = session.manifest, session.plan
     buffer = np.empty(chunk_bytes, dtype=np.uint8)
+    record = session.block_recorder()
     with open_plan(manifest, plan) as files:
         for unit in unit_chunks(plan):
             source = manifest.files[unit.file_index]
@@ -150,7 +151,10 @@ def _send_files(sender: FrameSender, session: StreamSession, chunk_bytes: int) -
                     data = buffer[: place.length]
                     _read_exactly(files, unit.file_index, fd, file_offset, data, session.model_id, source.name)
                     if crc is None:  # a kept one vouches for these bytes too; the client checks them anyway
-                        crc = wire.crc32c_at(data.ctypes.data, place.length)
+                        if record is None:
+                            crc = wire.crc32c_at(data.ctypes.data, place.length)
+                        else:
+                            crc = record.checksum(place, data.ctypes.data)
                         _chunk_checksums.put(key, crc)
                     sender.from_memory(place, crc, data)
                 else:
@@ -160,6 +164,8 @@ def _send_files(sender: FrameSender, session: StreamSession, chunk_bytes: int) -
             session.count_read(unit.length)
         # Before the END frame: a file rewritten meanwhile ends the stream FAILED_PRECONDITION.
         files.check_all_unchanged()
+        if record is not None:
+            record.commit()
 
 
 def _read_exactly(
