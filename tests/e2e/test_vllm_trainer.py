@@ -66,7 +66,7 @@ def config_folder(server: Running, tmp_path: Path) -> Path:
 
 
 def train(tmp_path: Path, server: Running, base: str, config: Path, **settings: Any) -> list[dict[str, Any]]:
-    """Run the trainer script; the steps it reports."""
+    """Run the trainer script; the steps it reports (and "before": an offline engine's tokens before the first)."""
     (master_port,) = free_ports(1)
     full = {
         "target": server.target,
@@ -97,7 +97,10 @@ def train(tmp_path: Path, server: Running, base: str, config: Path, **settings: 
             f"the trainer failed (exit {result.returncode})\n--- stdout\n{result.stdout[-6000:]}\n"
             f"--- stderr\n{result.stderr[-8000:]}"
         )
-    steps: list[dict[str, Any]] = json.loads(lines[-1].removeprefix("RESULT "))["steps"]
+    printed = json.loads(lines[-1].removeprefix("RESULT "))
+    steps: list[dict[str, Any]] = printed["steps"]
+    if printed.get("before") is not None:
+        steps.insert(0, {"before": printed["before"]})
     return steps
 
 
@@ -193,6 +196,25 @@ def test_a_send_cut_midway_leaves_the_engine_serving_the_previous_revision_and_t
     assert steps[2]["tokens"] != steps[0]["tokens"]
     fresh = run_engine(trained_folder(tmp_path, config), "safetensors")
     assert steps[2]["tokens"] == fresh.token_ids
+
+
+def test_an_offline_llm_is_synced_with_deltas_through_the_four_method_client_of_ours(
+    server: tuple[Running, int], tmp_path: Path
+) -> None:
+    """vLLM ships clients for HTTP servers and Ray actors; an offline LLM in the trainer's process is
+    driven through OfflineLLMClient. With deltas, the trainer sends only what changed after its first
+    publish and the engine pulls deltas into its host copy."""
+    running_server, nbytes = server
+    config = config_folder(running_server, tmp_path)
+    first, *steps = train(tmp_path, running_server, "offline", config, deltas=True)
+    assert [s.get("error") for s in steps] == [None] * STEPS, steps
+    # The first publish has no base and goes whole; AdamW moves every element, so the later ones go
+    # as XOR deltas of about the same size (never more than whole).
+    assert steps[0]["publish_sent_bytes"] == nbytes
+    assert all(0 < s["publish_sent_bytes"] <= nbytes for s in steps[1:]), steps
+    fresh = run_engine(trained_folder(tmp_path, config), "safetensors")
+    assert steps[-1]["tokens"] == fresh.token_ids
+    assert steps[-1]["tokens"] != first["before"]
 
 
 def test_the_trainer_side_backend_is_registered_by_importing_the_module_and_by_the_plugin() -> None:

@@ -2,7 +2,8 @@
 
 Usage: python tests/support/vllm_scripts/trainer.py SETTINGS_JSON
 
-SETTINGS_JSON: {"target", "model", "vllm" (the engine's base URL), "weights" (a folder of the
+SETTINGS_JSON: {"target", "model", "vllm" (the engine's base URL, or "offline": an offline LLM built
+in this process with load_format weightstream, driven through OfflineLLMClient), "weights" (a folder of the
 model's safetensors: revision A, what the engine serves), "config" (its config folder), "out" (where
 the trained weights are saved, as safetensors), "steps", "world_size" (1, or 2: two processes in a
 gloo group, each publishing half the names), and optionally "engine_target", "transport", "deltas"}.
@@ -44,6 +45,32 @@ def completions(base: str, model: str) -> list[list[int]]:
     return [list(c["token_ids"]) for c in choices]
 
 
+class OfflineEngine:
+    """An offline vLLM LLM on the config folder, loaded through weightstream, with the weightstream backend."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.llm = LLM(
+            model=settings["config"],
+            load_format="weightstream",
+            model_loader_extra_config={"target": settings.get("engine_target") or settings["target"]},
+            weight_transfer_config=WeightTransferConfig(backend="weightstream"),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            seed=0,
+        )
+
+    def completions(self) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        return [list(o.outputs[0].token_ids) for o in self.llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
 def train(rank: int, settings: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
@@ -74,6 +101,14 @@ def train(rank: int, settings: dict[str, Any]) -> None:
             return names[rank::world]
 
     source = HalfSource(model) if world > 1 else ModuleSource(model)
+    offline = OfflineEngine(settings) if settings["vllm"] == "offline" else None
+    if offline is not None:
+        from weightstream.client.vllm_transfer import OfflineLLMClient
+
+        client: Any = OfflineLLMClient(offline.llm)
+    else:
+        client = HTTPVLLMWeightSyncClient(settings["vllm"])
+    before = offline.completions() if offline is not None else None
     engine = WeightTransferTrainerFactory.trainer_init(
         WeightStreamTrainerInitInfo(
             target=settings["target"],
@@ -84,7 +119,7 @@ def train(rank: int, settings: dict[str, Any]) -> None:
             rank=rank,
             world_size=world,
         ),
-        client=HTTPVLLMWeightSyncClient(settings["vllm"]),
+        client=client,
         source=source,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=float(settings.get("lr", 0.05)))
@@ -119,14 +154,18 @@ def train(rank: int, settings: dict[str, Any]) -> None:
         if world > 1:
             dist.barrier()
         if rank == 0:
-            record["tokens"] = completions(settings["vllm"], settings["served_model"])
+            record["tokens"] = (
+                offline.completions()
+                if offline is not None
+                else completions(settings["vllm"], settings["served_model"])
+            )
         steps.append(record)
     engine.shutdown()
     if rank == 0:
         out = Path(settings["out"])
         out.mkdir(parents=True, exist_ok=True)
         save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(out / "model.safetensors"))
-        print("RESULT " + json.dumps({"steps": steps}), flush=True)
+        print("RESULT " + json.dumps({"steps": steps, "before": before}), flush=True)
     if world > 1:
         dist.destroy_process_group()
 
