@@ -36,7 +36,7 @@ from weightstream_server.errors import (
 )
 from weightstream_server.revisions.layout import Layout, Placed
 from weightstream_server.revisions.published_source import block_checks
-from weightstream_server.revisions.store import Blocks
+from weightstream_server.revisions.store import BlockHashes, Blocks
 from weightstream_server.serving.catalog import Manifest
 from weightstream_server.serving.deltas import ChunkKey, Delta
 
@@ -50,6 +50,7 @@ class Part:
     buffer: torch.Tensor
     received: dict[str, int] = field(default_factory=dict)
     blocks: dict[str, Blocks] = field(default_factory=dict)
+    block_hashes: dict[str, BlockHashes] = field(default_factory=dict)
     hashes: dict[str, bytes] = field(default_factory=dict)
     # Tensors that start as the delta base's bytes (PublishStart.delta_base), and where each one's
     # chunks have reached: they come in order but may skip what did not change.
@@ -84,6 +85,7 @@ class Part:
             data = view[tensor.offset : tensor.offset + tensor.nbytes]
             crcs, hashes = block_checks(data)
             self.blocks[tensor.name] = tuple(crcs)
+            self.block_hashes[tensor.name] = tuple(hashes)
             self.hashes[tensor.name] = digests.hash_of_blocks(hashes)
 
     def start_from(self, base: Manifest, base_buffer: Callable[[int], torch.Tensor]) -> None:

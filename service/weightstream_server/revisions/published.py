@@ -510,6 +510,7 @@ class Publisher:
                 raise InvalidRequest(f"tensor {missing[0]!r} of revision {current.revision} is in no part")
         blocks = {name: parts[i].blocks[name] for name, (i, _) in by_name.items()}
         hashes = {name: parts[i].hashes[name] for name, (i, _) in by_name.items()}
+        block_hashes = {name: parts[i].block_hashes[name] for name, (i, _) in by_name.items()}
         buffers = [p.buffer for p in parts]
         where: dict[int, int] = {}
         for shared in pending.shared.values():
@@ -520,6 +521,8 @@ class Publisher:
             by_name[shared.name] = (index, announced)
             blocks[shared.name] = shared.blocks
             hashes[shared.name] = shared.hashed
+            if shared.block_hashes is not None:
+                block_hashes[shared.name] = shared.block_hashes
         if pending.order is not None:
             order = pending.order
         else:
@@ -547,7 +550,9 @@ class Publisher:
         source = PublishedSource(pending.model, buffers)
         manifest = Manifest(pending.model, name, files, tensors, {t.name: t for t in tensors}, source)
         memory = tuple((int(b.data_ptr()), b.numel()) for b in buffers)
-        revision = Revision(pending.model, name, PUBLISHED, manifest, blocks=blocks, memory=memory)
+        revision = Revision(
+            pending.model, name, PUBLISHED, manifest, blocks=blocks, block_hashes=block_hashes, memory=memory
+        )
         revision.set_hashes(hashes)
         return revision
 
