@@ -10,6 +10,9 @@ number of client streams (--streams, default 1; 2 decodes deltas on two threads)
 - update_into(deltas=False): chunk skipping only (every 1 MiB block holds a change, so all of it);
 - update_into, first: the server computes the deltas (what the first engine of a fleet pays; measured
   for the first transport only, since the others find them kept);
+- update_into, first after a delta publish: B published again by a trainer with publish(deltas=True)
+  from its copy of A; the server keeps the payloads it received as its A -> B deltas, so the first
+  engine finds them ready (first transport only);
 - update_into, kept: the deltas come from the server's delta cache (every later engine and rank);
 - floor (on cpu): what the client's apply costs with nothing else, the changed words known beforehand:
   every block of the module XORed at them and checksummed, on as many threads as the client's. The update cannot beat
@@ -116,8 +119,10 @@ def main() -> int:
         root.mkdir()
         http_port = free_port()
         # A stays kept while every B of the run is published (each update is from A).
-        extra = ["--allow-publish", "--http-port", str(http_port), "--keep-revisions", str(len(fractions) + 2)]
-        extra += ["--publish-max-bytes", str(int((len(fractions) + 3) * total))]
+        # Each fraction also publishes A and B again with deltas (the case after a delta publish).
+        kept = 3 * len(fractions) + 2
+        extra = ["--allow-publish", "--http-port", str(http_port), "--keep-revisions", str(kept)]
+        extra += ["--publish-max-bytes", str(int((kept + 1) * total))]
         if any(t == "shm" for t, _ in transports):
             extra += ["--shm-dir", "/dev/shm"]
         with serve_weightstream(root, wire.DEFAULT_CHUNK_BYTES, extra) as (proc, port):
@@ -144,6 +149,7 @@ def main() -> int:
                         first = (transport, streams) == transports[0]
                         if first:
                             computed = _update(client, loader, a, revision_a, revision_b, True, proc.pid, http_port)
+                            published = _after_delta_publish(client, loader, a, b, fraction, proc.pid, http_port)
                         # Each run takes the full load and every update in turn, so that a host whose
                         # speed drifts during the run moves them together.
                         loads: list[float] = []
@@ -159,6 +165,7 @@ def main() -> int:
                         cases = [("update_into, no deltas", updates[False])]
                         if first:
                             cases.append(("update_into, first (computes)", [computed]))
+                            cases.append(("update_into, first after a delta publish", [published]))
                         cases.append(("update_into, kept deltas", updates[True]))
                         for label, measured in cases:
                             seconds = statistics.median(m[0] for m in measured)
@@ -282,10 +289,32 @@ def _update(
     the bytes the server sent for it and the server's CPU seconds meanwhile."""
     reset_module(loader, a)
     before, cpu_before = served(http_port), process_cpu_seconds(server_pid)
-    report = client.update_into(loader, MODEL, since=revision_a, deltas=use)
+    report = client.update_into(loader, MODEL, since=revision_a, revision=revision_b, deltas=use)
     cpu = process_cpu_seconds(server_pid) - cpu_before
     assert report.revision == revision_b and not report.delta_fallbacks
     return report.seconds, served(http_port) - before, cpu
+
+
+def _after_delta_publish(
+    client: WeightStreamClient,
+    loader: torch.nn.Module,
+    a: dict[str, torch.Tensor],
+    b: dict[str, torch.Tensor],
+    fraction: float,
+    server_pid: int,
+    http_port: int,
+) -> tuple[float, int, float]:
+    """A trainer publishes A then B with deltas=True (new revisions, so nothing of them is kept yet);
+    the first update from A to B after it (_update's answer). Reports how many deltas the server
+    computed for it (none, where the layouts match)."""
+    with WeightStreamClient(client.target, progress=False) as trainer:
+        revision_a = trainer.publish(MODEL, a, deltas=True, revision=f"a-d-{fraction}")
+        revision_b = trainer.publish(MODEL, b, deltas=True, revision=f"b-d-{fraction}")
+    before = deltas(http_port)["computed_total"]
+    measured = _update(client, loader, a, revision_a, revision_b, True, server_pid, http_port)
+    computed = deltas(http_port)["computed_total"] - before
+    print(f"{fraction:.1%}: the first update after a delta publish: the server computed {computed:.0f} deltas")
+    return measured
 
 
 def received(http_port: int) -> int:

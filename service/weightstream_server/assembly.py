@@ -292,6 +292,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         settings.publish_dir,
         upload,
         assembly_timeout=settings.publish_assembly_timeout,
+        deltas=streams.deltas,
     )
     publisher.restore()
     changes = Changes(revisions, streams.read_blocks)

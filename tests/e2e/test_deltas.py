@@ -476,6 +476,30 @@ def test_a_publisher_sends_only_what_changed_since_its_last_publish(server: Weig
     assert again == 0
 
 
+@pytest.mark.parametrize("transport", ("tcp", "grpc"))
+def test_the_first_engine_after_a_delta_publish_gets_the_publishers_deltas_without_a_computation(
+    server: WeightStreamServer, transport: str
+) -> None:
+    """A 2% step published with deltas: the first engine's update is served from the kept payloads
+    (the server's computation counter does not move) and is bit-exact."""
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    module = module_of(a)
+    assert server.deltas is not None
+    with client_of(server, transport) as trainer, client_of(server, transport) as engine:
+        revision_a = trainer.publish(MODEL, a, deltas=True)
+        engine.load_into(module, MODEL)
+        trainer.publish(MODEL, b, deltas=True)
+        before = server.deltas.snapshot()
+        report = engine.update_into(module, MODEL, since=revision_a)
+        after = server.deltas.snapshot()
+    assert_holds(module, b)
+    assert report.delta_chunks > 0 and report.delta_fallbacks == 0
+    assert after.computed == before.computed, (before, after)
+    assert after.published > 0
+    assert after.reused - before.reused == report.delta_chunks + (after.raw_chunks - before.raw_chunks)
+
+
 def test_a_delta_publish_whose_base_is_gone_goes_whole(server: WeightStreamServer) -> None:
     a = state_of(0)
     b = stepped(a, 0.02, seed=1)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tests.support.forgery import crc32c, match_crc32c
 from tests.support.ports import LOOPBACK
 from tests.support.servers import eventually, loopback_settings, running, serving
 from weightstream.client import WeightStreamClient
@@ -67,6 +68,32 @@ def test_a_published_revision_has_a_digest_a_client_recomputes_from_what_it_hold
         other = client.publish(MODEL, state(2), revision="two")
         assert client.manifest(MODEL, revision=other).digest != manifest.digest
         assert client.manifest(MODEL, revision=revision).digest == manifest.digest
+
+
+def test_a_block_forged_to_keep_its_crc32c_is_changed_and_an_update_gets_it(tmp_path: Path) -> None:
+    """A publisher sends a block whose bytes differ from the held revision's but whose CRC32C is the
+    same: GetChanges names it changed (the block BLAKE3 hashes differ), and an update lands it."""
+    block = digests.DIGEST_BLOCK_BYTES
+    a = state(0)
+    b = {name: t.clone() for name, t in a.items()}
+    raw = b["big"].view(torch.uint8).numpy()
+    raw[100:200] ^= 0xFF
+    match_crc32c(raw[:block], crc32c(a["big"].view(torch.uint8).numpy()[:block]), at=1000)
+    assert not torch.equal(a["big"], b["big"])
+    with (
+        running(tmp_path, allow_publish=True) as r,
+        WeightStreamClient(f"{LOOPBACK}:{r.server.port}", progress=False) as client,
+    ):
+        revision_a = client.publish(MODEL, a, revision="a", new_layout=True)
+        held = loaded(client)
+        client.publish(MODEL, b, revision="b")
+        changes = client.changes(MODEL, since=revision_a)
+        assert "big" in changes.tensors
+        client.update_into(held, MODEL, since=revision_a, deltas=False)
+        assert torch.equal(held["big"].view(torch.uint8), b["big"].view(torch.uint8))
+        with_deltas = loaded(client, revision_a)
+        client.update_into(with_deltas, MODEL, since=revision_a)
+        assert torch.equal(with_deltas["big"].view(torch.uint8), b["big"].view(torch.uint8))
 
 
 def test_a_storage_revision_is_digested_with_its_block_checksums_and_a_relay_keeps_the_digest(

@@ -122,6 +122,7 @@ class DeltasStatus(BaseModel):
     covered_bytes_total: int = Field(description="chunk bytes those deltas stood for (delta/covered: the ratio)")
     computed_total: int = Field(description="deltas computed (each (A, B, chunk) once while kept)")
     reused_total: int = Field(description="deltas served from the kept ones (other engines, other ranks)")
+    published_total: int = Field(description="deltas kept from delta publishes (computed by the publisher)")
     compute_seconds_total: float = Field(description="CPU seconds spent computing them")
     kept_bytes: int = Field(description="payload bytes of the deltas kept (--delta-cache-bytes)")
 
@@ -314,6 +315,7 @@ def _deltas(server: WeightStreamServer) -> DeltasStatus | None:
         covered_bytes_total=d.covered_bytes,
         computed_total=d.computed,
         reused_total=d.reused,
+        published_total=d.published,
         compute_seconds_total=d.compute_seconds,
         kept_bytes=server.deltas.kept_bytes,
     )

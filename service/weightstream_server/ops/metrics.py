@@ -187,6 +187,11 @@ class DeltasCollector(Collector):
         yield CounterMetricFamily(PREFIX + "delta_computations", "Deltas computed.", value=d.computed)
         yield CounterMetricFamily(PREFIX + "delta_reuses", "Deltas served from those kept.", value=d.reused)
         yield CounterMetricFamily(
+            PREFIX + "delta_publishes",
+            "Deltas kept from delta publishes (computed by the publisher).",
+            value=d.published,
+        )
+        yield CounterMetricFamily(
             PREFIX + "delta_compute_seconds", "CPU seconds spent computing deltas.", value=d.compute_seconds
         )
         yield GaugeMetricFamily(

@@ -1,7 +1,7 @@
-"""What changed between two revisions of a model: per-block CRC32Cs compared, tensor by tensor.
+"""What changed between two revisions of a model: per-block checks compared, tensor by tensor.
 
-Every revision's tensors get a CRC32C per BLOCK_BYTES (1 MiB) of their bytes, computed once and kept
-with the revision. A published revision computes them as its parts arrive. A storage revision is
+Every revision's tensors get a CRC32C and a BLAKE3 hash per BLOCK_BYTES (1 MiB) of their bytes,
+computed once and kept with the revision. A published revision computes them as its parts arrive. A storage revision is
 digested by reading its files: only files of a version (path, size, modification time, identity)
 not digested before are read, and each once (digests are kept per file version, the same for every
 revision that has that file), so an update from storage costs the server a read of the files that
@@ -14,8 +14,11 @@ its bytes, recorded as they went (serving.checksums.ReadBlocks), stand for the d
 whose files are gone. A revision neither digested nor read is compared per file: tensors of a file
 whose version did not change are unchanged, the others changed whole.
 
-A tensor changed when it is new, has another dtype or shape, or a block's CRC32C differs: its
-changed ranges are the differing blocks, merged where adjacent. Concurrency: every method may be
+A tensor changed when it is new, has another dtype or shape, or a block's CRC32C or BLAKE3 hash
+differs: its changed ranges are the differing blocks, merged where adjacent. A block is unchanged
+only when its BLAKE3 hashes match where both revisions know them (a CRC32C can be made to match by
+whoever chooses the bytes: a publisher must not make engines keep a block it did not send); the
+CRC32Cs alone decide only against a revision whose block hashes are not known. Concurrency: every method may be
 called from any thread; digests of one file version are computed once (single flight).
 """
 
@@ -32,7 +35,7 @@ from weightstream.protocol import digests
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import RevisionNotKept
 from weightstream_server.revisions.published_source import BLOCK_BYTES, block_checks
-from weightstream_server.revisions.store import STORAGE, Blocks, Revision, RevisionStore
+from weightstream_server.revisions.store import STORAGE, BlockHashes, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Manifest, TensorEntry
 from weightstream_server.serving.checksums import ReadBlocks
 from weightstream_server.storage.open_files import OpenFiles
@@ -43,6 +46,8 @@ logger = logging.getLogger(__name__)
 MAX_DIGESTED_FILES = 4096
 # Bytes read at a time while digesting.
 READ_BYTES = 16 * BLOCK_BYTES
+# A tensor's block CRC32Cs, block BLAKE3 hashes and BLAKE3 hash.
+_Digested = tuple[Blocks, BlockHashes, bytes]
 
 
 class Changes:
@@ -52,7 +57,7 @@ class Changes:
         self._store = store
         self._read_blocks = read_blocks
         self._lock = threading.Lock()
-        self._files: OrderedDict[tuple[str, str], dict[str, tuple[Blocks, bytes]]] = OrderedDict()
+        self._files: OrderedDict[tuple[str, str], dict[str, _Digested]] = OrderedDict()
         self._flights: dict[tuple[str, str], threading.Lock] = {}
         self._followed: set[str] = set()
         self.bytes_digested = 0  # what the tests and the benchmark count
@@ -89,9 +94,12 @@ class Changes:
         old_blocks = (
             new_blocks if old.id == revision.id else self.blocks(old) if old.servable else self._gone_blocks(old)
         )
+        new_hashes, old_hashes = revision.block_hashes or {}, old.block_hashes or {}
         for entry in revision.manifest.tensors:
             was = entry if old.id == revision.id else old.manifest.by_name.get(entry.name)
             ranges = _changed(entry, was, new_blocks, old_blocks, revision.manifest, old.manifest)
+            if ranges is not None and old.id != revision.id:
+                ranges = _hashes_differ(entry, ranges, new_hashes.get(entry.name), old_hashes.get(entry.name))
             if ranges is None:
                 response.tensors.append(pb.TensorChanges(name=entry.name, whole=True))
                 response.changed_bytes += entry.nbytes
@@ -130,18 +138,18 @@ class Changes:
         if revision.blocks is not None or not revision.servable:
             return revision.blocks
         manifest = revision.manifest
-        digested: dict[str, tuple[Blocks, bytes]] = {}
+        digested: dict[str, _Digested] = {}
         for file_index in range(len(manifest.files)):
             tensors = [t for t in manifest.tensors if t.file_index == file_index]
             digested.update(self._file_blocks(manifest, file_index, tensors))
-        revision.set_hashes({name: hashed for name, (_, hashed) in digested.items()})
-        revision.blocks = {name: crcs for name, (crcs, _) in digested.items()}
+        revision.set_hashes({name: hashed for name, (_, _, hashed) in digested.items()})
+        revision.block_hashes = {name: block_hashes for name, (_, block_hashes, _) in digested.items()}
+        revision.blocks = {name: crcs for name, (crcs, _, _) in digested.items()}
         return revision.blocks
 
-    def _file_blocks(
-        self, manifest: Manifest, file_index: int, tensors: Sequence[TensorEntry]
-    ) -> dict[str, tuple[Blocks, bytes]]:
-        """Each tensor's block CRC32Cs and BLAKE3 hash (weightstream.protocol.digests) in one read of its bytes."""
+    def _file_blocks(self, manifest: Manifest, file_index: int, tensors: Sequence[TensorEntry]) -> dict[str, _Digested]:
+        """Each tensor's block CRC32Cs, block BLAKE3 hashes and BLAKE3 hash (weightstream.protocol.digests)
+        in one read of its bytes."""
         file = manifest.files[file_index]
         key = (file.path, file.fingerprint)
         with self._lock:
@@ -155,7 +163,7 @@ class Changes:
                 kept = self._files.get(key)
             if kept is not None:
                 return kept
-            digested: dict[str, tuple[Blocks, bytes]] = {}
+            digested: dict[str, _Digested] = {}
             with OpenFiles(manifest.source, manifest.model, {file_index: file}) as opened:
                 for tensor in tensors:
                     crcs: list[int] = []
@@ -167,7 +175,7 @@ class Changes:
                         crcs.extend(more_crcs)
                         hashes.extend(more_hashes)
                         self.bytes_digested += len(data)
-                    digested[tensor.name] = (tuple(crcs), digests.hash_of_blocks(hashes))
+                    digested[tensor.name] = (tuple(crcs), tuple(hashes), digests.hash_of_blocks(hashes))
                 opened.check_unchanged(file_index)
             with self._lock:
                 self._files[key] = digested
@@ -220,3 +228,24 @@ def _changed(
         else:
             ranges.append((start, end))
     return ranges
+
+
+def _hashes_differ(
+    entry: TensorEntry, ranges: list[tuple[int, int]], after: BlockHashes | None, before: BlockHashes | None
+) -> list[tuple[int, int]] | None:
+    """ranges (entry's changed ranges by CRC32C) with the blocks whose BLAKE3 hashes differ added, where
+    both sides' are known; None (the whole tensor) when they do not cover the same blocks."""
+    if after is None or before is None:
+        return ranges
+    if len(after) != len(before):
+        return None
+    changed = {offset // BLOCK_BYTES for start, end in ranges for offset in range(start, end, BLOCK_BYTES)}
+    changed.update(index for index, (a, b) in enumerate(zip(after, before, strict=True)) if a != b)
+    merged: list[tuple[int, int]] = []
+    for index in sorted(changed):
+        start, end = index * BLOCK_BYTES, min(entry.nbytes, (index + 1) * BLOCK_BYTES)
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged

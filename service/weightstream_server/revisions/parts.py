@@ -36,8 +36,9 @@ from weightstream_server.errors import (
 )
 from weightstream_server.revisions.layout import Layout, Placed
 from weightstream_server.revisions.published_source import block_checks
-from weightstream_server.revisions.store import Blocks
+from weightstream_server.revisions.store import BlockHashes, Blocks
 from weightstream_server.serving.catalog import Manifest
+from weightstream_server.serving.deltas import ChunkKey, Delta
 
 
 @dataclass
@@ -49,10 +50,17 @@ class Part:
     buffer: torch.Tensor
     received: dict[str, int] = field(default_factory=dict)
     blocks: dict[str, Blocks] = field(default_factory=dict)
+    block_hashes: dict[str, BlockHashes] = field(default_factory=dict)
     hashes: dict[str, bytes] = field(default_factory=dict)
     # Tensors that start as the delta base's bytes (PublishStart.delta_base), and where each one's
     # chunks have reached: they come in order but may skip what did not change.
     based: dict[str, int] = field(default_factory=dict)
+    # The delta base's revision ("" for a whole publish), and what the publisher sent for the chunks
+    # of the based tensors, checked (a delta's payload, None for a chunk sent whole): the server's
+    # base -> revision deltas once the revision is taken (serving.deltas.Deltas.keep_published).
+    base: str = ""
+    sent: dict[ChunkKey, Delta] = field(default_factory=dict)
+    sent_bytes: int = 0
 
     @classmethod
     def allocate(cls, index: int, layout: Layout) -> Part:
@@ -77,6 +85,7 @@ class Part:
             data = view[tensor.offset : tensor.offset + tensor.nbytes]
             crcs, hashes = block_checks(data)
             self.blocks[tensor.name] = tuple(crcs)
+            self.block_hashes[tensor.name] = tuple(hashes)
             self.hashes[tensor.name] = digests.hash_of_blocks(hashes)
 
     def start_from(self, base: Manifest, base_buffer: Callable[[int], torch.Tensor]) -> None:
@@ -89,6 +98,7 @@ class Part:
             self.view(tensor).view(-1).view(torch.uint8).copy_(held)
             self.received[tensor.name] = tensor.nbytes
             self.based[tensor.name] = 0
+        self.base = base.revision
 
 
 class Assembly(Protocol):
@@ -109,13 +119,17 @@ class PartInFlight:
     Every chunk is checked as it lands: a tensor announced, the next offset of it (a tensor's chunks
     come in order), within its size, inside the buffer, its CRC32C computed where its bytes landed.
     A mismatch drops the whole part (and revision), so bytes written before a check never count.
+
+    What landed in the tensors that start as the delta base's bytes is kept (Part.sent), checked, up
+    to keep_bytes of payloads (a copy of each): past that, the rest is not kept.
     """
 
-    def __init__(self, assembly: Assembly, model: str, part: Part, message_timeout: float) -> None:
+    def __init__(self, assembly: Assembly, model: str, part: Part, message_timeout: float, keep_bytes: int = 0) -> None:
         self._assembly = assembly
         self.part = part
         self.model = model
         self._message_timeout = message_timeout
+        self._keep_bytes = keep_bytes
         self._region = part.region(f"part {part.index} of a publish of model {model!r}")
         self._codec = delta_forms.Codec()
         self.chunks = 0
@@ -170,6 +184,7 @@ class PartInFlight:
         self._check(tensor, offset, length, crc32c, write)
         if tensor.name in self.part.based:
             self.part.based[tensor.name] = offset + length
+            self._keep_sent(tensor.name, offset, length, None, b"")
         else:
             self.part.received[tensor.name] = offset + length
         self.chunks += 1
@@ -199,8 +214,19 @@ class PartInFlight:
 
         self._check(tensor, offset, length, crc32c, apply)
         self.part.based[tensor.name] = offset + length
+        self._keep_sent(tensor.name, offset, length, encoding, wire.memory_at(address, payload_bytes))
         self.chunks += 1
         self.bytes += payload_bytes
+
+    def _keep_sent(
+        self, name: str, offset: int, length: int, encoding: int | None, payload: memoryview | bytes
+    ) -> None:
+        """Keep what landed for a chunk of a based tensor (checked): a delta's payload (copied), or None (whole)."""
+        part = self.part
+        if not self._keep_bytes or part.sent_bytes + len(payload) > self._keep_bytes or not length:
+            return
+        part.sent[(name, offset, length)] = (encoding, bytes(payload)) if encoding is not None else None
+        part.sent_bytes += len(payload)
 
     def _placed(self, name: str, offset: int, length: int) -> Placed:
         """The announced tensor of a chunk at offset of length bytes, checked to come next and to fit."""

@@ -16,7 +16,11 @@ layout, the tensors must be those of the model's current revision, with the same
 the first one that differs is named.
 
 The revision, once complete, is served like any other (every transport, pinned by its id) from a
-PublishedSource: the parts' buffers stand for its files.
+PublishedSource: the parts' buffers stand for its files. A part published with a delta base (only
+what changed since a revision kept here) leaves what it sent for the base's tensors as the server's
+deltas from the base to the new revision (serving.deltas.Deltas.keep_published): while a part
+receives, it keeps at most its share of --delta-cache-bytes of payloads, and once taken they are
+kept within that budget like the deltas the server computes.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from weightstream_server.revisions.persist import PublishDir, load_revision_file
 from weightstream_server.revisions.published_source import PUBLISHED_SCHEME, PublishedSource, Shared
 from weightstream_server.revisions.store import PUBLISHED, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest, TensorEntry
+from weightstream_server.serving.deltas import Deltas
 from weightstream_server.storage.model_ids import ObjectLocation, check_model_id, check_revision_name
 from weightstream_server.storage.sources import SourceFile
 
@@ -127,8 +132,11 @@ class Publisher:
         publish_dir: Path | None = None,
         upload: tuple[Any, ObjectLocation] | None = None,
         assembly_timeout: float = ASSEMBLY_TIMEOUT_S,
+        deltas: Deltas | None = None,
     ) -> None:
         self._store = store
+        # Where a delta publish's payloads are kept as the server's deltas; None: not kept.
+        self._deltas = deltas
         # Where complete revisions are uploaded (an S3 client and prefix, revisions.persist); None: not.
         self._upload = upload
         # Where complete revisions are written (revisions.persist); None: they live in memory only.
@@ -192,7 +200,8 @@ class Publisher:
         except BaseException:
             self._fail(pending, start.part, "")
             raise
-        return PartInFlight(_Assembly(self, pending), start.model, part, self._message_timeout)
+        keep_bytes = self._deltas.budget_bytes // parts if base is not None and self._deltas is not None else 0
+        return PartInFlight(_Assembly(self, pending), start.model, part, self._message_timeout, keep_bytes)
 
     def _delta_base(self, start: pb.PublishStart) -> Manifest | None:
         """The published revision a part names as its delta base; RevisionNotKept when it is not kept here."""
@@ -459,6 +468,11 @@ class Publisher:
             )
             pending.revision = revision
             pending.done.set()
+        if self._deltas is not None:
+            for taken in pending.taken.values():
+                if taken.base and taken.sent:
+                    self._deltas.keep_published(revision.model, taken.base, revision.id, taken.sent)
+                taken.sent = {}
         if self._publish_dir is not None and not pending.persisted:
             self._publish_dir.write_in_background(revision, functools.partial(self._kept, revision.model))
         if self._upload is not None and not pending.persisted:
@@ -501,6 +515,7 @@ class Publisher:
                 raise InvalidRequest(f"tensor {missing[0]!r} of revision {current.revision} is in no part")
         blocks = {name: parts[i].blocks[name] for name, (i, _) in by_name.items()}
         hashes = {name: parts[i].hashes[name] for name, (i, _) in by_name.items()}
+        block_hashes = {name: parts[i].block_hashes[name] for name, (i, _) in by_name.items()}
         buffers = [p.buffer for p in parts]
         where: dict[int, int] = {}
         for shared in pending.shared.values():
@@ -511,6 +526,8 @@ class Publisher:
             by_name[shared.name] = (index, announced)
             blocks[shared.name] = shared.blocks
             hashes[shared.name] = shared.hashed
+            if shared.block_hashes is not None:
+                block_hashes[shared.name] = shared.block_hashes
         if pending.order is not None:
             order = pending.order
         else:
@@ -538,7 +555,9 @@ class Publisher:
         source = PublishedSource(pending.model, buffers)
         manifest = Manifest(pending.model, name, files, tensors, {t.name: t for t in tensors}, source)
         memory = tuple((int(b.data_ptr()), b.numel()) for b in buffers)
-        revision = Revision(pending.model, name, PUBLISHED, manifest, blocks=blocks, memory=memory)
+        revision = Revision(
+            pending.model, name, PUBLISHED, manifest, blocks=blocks, block_hashes=block_hashes, memory=memory
+        )
         revision.set_hashes(hashes)
         return revision
 

@@ -17,7 +17,7 @@ import torch
 
 from weightstream.protocol import digests, dtypes, wire
 from weightstream_server.errors import ModelNotFound
-from weightstream_server.revisions.store import Blocks
+from weightstream_server.revisions.store import BlockHashes, Blocks
 from weightstream_server.storage.reads import ReadPlan
 from weightstream_server.storage.sources import ModelFiles, SourceFile
 
@@ -72,8 +72,9 @@ class Shared:
     buffer: torch.Tensor
     offset: int
     blocks: Blocks
-    # Its BLAKE3 hash (weightstream.protocol.digests.tensor_hash).
+    # Its BLAKE3 hash (weightstream.protocol.digests.tensor_hash), and its blocks' (None: not known).
     hashed: bytes
+    block_hashes: BlockHashes | None = None
 
 
 class PublishedSource:

@@ -390,8 +390,17 @@ class Relay:
             if entry.dtype.torch != info.dtype or entry.shape != tuple(info.shape):
                 continue
             buffer = held.source.part_buffer(entry.file_index)
+            block_hashes = kept.block_hashes.get(info.name) if kept.block_hashes is not None else None
             shared[info.name] = Shared(
-                info.name, entry.dtype, entry.shape, entry.nbytes, buffer, entry.file_offset, blocks, hashed
+                info.name,
+                entry.dtype,
+                entry.shape,
+                entry.nbytes,
+                buffer,
+                entry.file_offset,
+                blocks,
+                hashed,
+                block_hashes,
             )
         return shared
 

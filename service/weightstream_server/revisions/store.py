@@ -34,6 +34,8 @@ MAX_EVICTED = 64
 MAX_PUBLISH_RECORDS = 16
 # Block CRC32Cs of one tensor: one per BLOCK_BYTES of its bytes, the last block shorter.
 Blocks = tuple[int, ...]
+# The BLAKE3 hashes of the same blocks (weightstream.protocol.digests.block_hash).
+BlockHashes = tuple[bytes, ...]
 
 
 @dataclass
@@ -50,6 +52,9 @@ class Revision:
     manifest: Manifest
     created: float = field(default_factory=time.time)
     blocks: dict[str, Blocks] | None = None
+    # Each tensor's block BLAKE3 hashes, known with blocks (None for a revision digested before they
+    # were kept): what says that a block did not change (a CRC32C can be made to match).
+    block_hashes: dict[str, BlockHashes] | None = field(default=None, repr=False)
     # Each tensor's BLAKE3 hash over its block hashes, and the revision's digest over them
     # (weightstream.protocol.digests), set together with blocks by set_hashes; "" until then.
     tensor_hashes: dict[str, bytes] | None = field(default=None, repr=False)

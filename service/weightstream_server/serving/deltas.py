@@ -17,7 +17,14 @@ not hold A there (written since) fails the check and is asked for again, whole.
 
 A (model, A, B, tensor, slice, offset, length) delta is computed once and kept (Deltas: single
 flight, at most budget_bytes of payloads, least recently used first out), so a fleet of engines
-and ranks updating between the same revisions costs one computation per chunk. A base that the
+and ranks updating between the same revisions costs one computation per chunk. A publish with
+delta_base A (revisions.published) brings B's deltas computed: its payloads, and its choice to send
+a chunk of a tensor A holds whole, are kept as the A -> B deltas of their chunks (keep_published), so
+the first engine updating from A finds them ready. They match a served chunk only where the layouts
+agree: a whole tensor, chunk by chunk (every block changed, or changed ranges that start and end on
+the publisher's chunk grid), and the publisher's chunk size the stream's. Elsewhere (another chunk
+size, a changed range that starts inside a publisher's chunk, a slice) the served chunk's delta is
+computed from A's bytes as without them: one computation per chunk, kept for the engines after. A base that the
 server does not hold (a revision no longer kept, units evicted from the cache) gets those chunks
 whole, no error, and so does a chunk whose delta cannot be made. Concurrency: Deltas is shared by every
 stream; encode runs on the stream's thread, with the stream's own scratch buffer and compressor.
@@ -58,6 +65,8 @@ FLIGHT_WAIT_S = 30.0
 DeltaKey = tuple[str, str, str, str, tuple[int, int, int] | None, int, int]
 # (encoding, payload) of a delta; None: the chunk goes whole.
 Delta = tuple[int, bytes] | None
+# (tensor, offset, length) of a chunk of a whole tensor, as a publish sent it.
+ChunkKey = tuple[str, int, int]
 _Compute = Callable[[], Delta]
 
 
@@ -67,6 +76,8 @@ class DeltaStats:
 
     computed: int = 0
     reused: int = 0
+    # Deltas kept from delta publishes (keep_published), each served without a computation.
+    published: int = 0
     delta_chunks: int = 0
     # Of those, in the sparse form.
     sparse_chunks: int = 0
@@ -178,6 +189,15 @@ class Deltas:
                 self._flights.pop(key, None)
             flight.set()
 
+    def keep_published(self, model: str, base: str, revision: str, chunks: Mapping[ChunkKey, Delta]) -> None:
+        """Keep what a publish of revision with delta base base sent for its chunks of tensors base holds
+        (tensor, offset, length: its payload, or None for a chunk sent whole) as their base -> revision
+        deltas, within the budget like the computed ones."""
+        with self._lock:
+            for (tensor, offset, length), delta in chunks.items():
+                self._keep((model, base, revision, tensor, None, offset, length), delta)
+            self.stats.published += len(chunks)
+
     def _timed(self, compute: _Compute) -> Delta:
         started = time.thread_time()
         try:
@@ -198,6 +218,8 @@ class Deltas:
         size = len(delta[1]) if delta is not None else 0
         if size > self.budget_bytes:
             return
+        replaced = self._kept.pop(key, None)
+        self._kept_bytes -= len(replaced[1]) if replaced is not None else 0
         self._kept[key] = delta
         self._kept_bytes += size
         while self._kept_bytes > self.budget_bytes or len(self._kept) > MAX_KEPT:
