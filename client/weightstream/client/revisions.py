@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from weightstream.client.manifest import TensorInfo
@@ -129,9 +130,12 @@ def publish_chunks(
             crc = wire.crc32c_at(address + offset, length)
             was = old[offset : offset + length] if old is not None else None
             if was is not None and not delta_forms.dense(piece, was):
-                if torch.equal(piece, was):
+                # numpy, on this thread (see protocol.deltas.Codec.encode: torch's pool costs more here).
+                xor = scratch[:length]
+                np.bitwise_xor(piece.numpy(), was.numpy(), out=xor.numpy())
+                if not xor.numpy().any():
                     continue  # unchanged: the server keeps the base's bytes
-                delta = codec.encode(torch.bitwise_xor(piece, was, out=scratch[:length]), offset)
+                delta = codec.encode(xor, offset)
                 if delta is not None:
                     yield OutChunk(name, offset, length, crc, delta[0], memoryview(delta[1]))
                     continue

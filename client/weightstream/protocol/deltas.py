@@ -121,17 +121,19 @@ class Codec:
         """The cheapest delta of a chunk at offset whose XOR with its base is xor (flat uint8, on the host):
         (encoding, payload), or None when the chunk's bytes themselves are cheaper. A few samples of xor
         decide first whether it is worth the work: an XOR mostly nonzero costs them only."""
+        # numpy, on this thread: torch's nonzero and diff wake its thread pool for every chunk, which
+        # cost ten times the work on a host whose cores are busy (4 MiB: 32 ms against 3.5 ms here).
         length = xor.numel()
         if not length or _sampled_share(xor) > DENSE:
             return None
         word = word_bytes(offset, length)
-        words = xor.view(torch.int16 if word == 2 else torch.uint8)
+        words = xor.numpy().view(np.int16 if word == 2 else np.uint8)
         where = _nonzero(words)
-        if where.numel() * word > DENSE * length:
+        if where.size * word > DENSE * length:
             return None
-        if sparse_bytes(where.numel(), word) <= SPARSE * length:
-            gaps = torch.diff(where, prepend=where.new_zeros(1)).to(torch.int32)
-            raw = b"".join((COUNT.pack(where.numel()), _bytes_of(gaps), _bytes_of(words[where])))
+        if sparse_bytes(where.size, word) <= SPARSE * length:
+            gaps = np.diff(where, prepend=0).astype(np.uint32)
+            raw = b"".join((COUNT.pack(where.size), gaps.tobytes(), words[where].tobytes()))
             encoding, payload = SPARSE_XOR_ZSTD, self._compress(raw)
         else:
             encoding, payload = XOR_ZSTD, self._compress(_view_of(xor))
@@ -231,26 +233,28 @@ def dense(new: torch.Tensor, old: torch.Tensor) -> bool:
     """Whether new XOR old (flat uint8 host tensors of one length) is too dense for a delta, by samples
     alone: a chunk whose every element changed costs a few small XORs, not a whole one."""
     sample, starts = sample_starts(new.numel())
-    nonzero = sum(int(torch.count_nonzero(new[s : s + sample] != old[s : s + sample])) for s in starts)
+    a, b = new.numpy(), old.numpy()
+    nonzero = sum(int(np.count_nonzero(a[s : s + sample] != b[s : s + sample])) for s in starts)
     return nonzero > DENSE * sample * len(starts)
 
 
 def _sampled_share(xor: torch.Tensor) -> float:
     """The share of nonzero bytes in SAMPLES windows spread over xor."""
     sample, starts = sample_starts(xor.numel())
-    nonzero = sum(int(torch.count_nonzero(xor[start : start + sample])) for start in starts)
+    data = xor.numpy()
+    nonzero = sum(int(np.count_nonzero(data[start : start + sample])) for start in starts)
     return nonzero / (sample * len(starts))
 
 
-def _nonzero(words: torch.Tensor) -> torch.Tensor:
-    """The indices of words' nonzero elements, ascending. Eight bytes are looked at together first,
-    then the words of the groups that hold any: torch's nonzero costs per element it scans."""
-    per = 8 // words.element_size()
-    if words.numel() % per or words.data_ptr() % 8:
-        return torch.nonzero(words).flatten()
-    groups = torch.nonzero(words.view(torch.int64)).flatten()
-    inner = torch.nonzero(words.view(-1, per)[groups])
-    return groups[inner[:, 0]] * per + inner[:, 1]
+def _nonzero(words: np.ndarray) -> np.ndarray:
+    """The indices of words' nonzero elements, ascending (int64). Eight bytes are looked at together
+    first, then the words of the groups that hold any: a nonzero scan costs per element it looks at."""
+    per = 8 // words.itemsize
+    if words.size % per or words.ctypes.data % 8:
+        return np.flatnonzero(words)
+    groups = np.flatnonzero(words.view(np.int64))
+    rows, columns = np.nonzero(words.reshape(-1, per)[groups])
+    return groups[rows] * per + columns
 
 
 def _view_of(tensor: torch.Tensor) -> memoryview:
