@@ -101,7 +101,7 @@ class WeightStreamServer:
     changes: Changes | None = None
     # Follows the upstream's revisions of the models asked for (--upstream); None without one.
     relay: Relay | None = None
-    # XOR deltas against revisions held in memory, shared by every stream; None when --delta-cache-bytes is 0.
+    # XOR deltas against revisions this server holds, shared by every stream; None when --delta-cache-bytes is 0.
     deltas: Deltas | None = None
 
     @property

@@ -225,7 +225,7 @@ class ServerSettings(BaseSettings):
     )
     delta_cache_bytes: ByteCount = Field(
         default=256 * 1024 * 1024,
-        description="XOR deltas (against a revision held in memory) kept for every client updating between the "
+        description="XOR deltas (against a revision this server holds) kept for every client updating between the "
         "same two revisions, computed once; 0: no deltas, changed chunks go whole",
     )
     max_watches: int = Field(

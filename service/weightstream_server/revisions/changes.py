@@ -65,6 +65,7 @@ class Changes:
         self.asked = 0
         self.changed_bytes = 0
         store.listeners.append(self._new_storage_revision)
+        store.refreshed.append(self._refreshed)
 
     def follow(self, model: str) -> None:
         """Digest the model's storage revisions as they appear (and its current one, now, in the background)."""
@@ -183,6 +184,12 @@ class Changes:
                 while len(self._files) > MAX_DIGESTED_FILES:
                     self._files.popitem(last=False)
             return digested
+
+    def _refreshed(self, revision: Revision, previous: Manifest) -> None:
+        """A storage revision's files seen anew (a tier's copies now in its disk cache): what streams
+        learned of them stays known."""
+        if self._read_blocks is not None:
+            self._read_blocks.carry(previous, revision.manifest)
 
     def _new_storage_revision(self, revision: Revision) -> None:
         with self._lock:

@@ -124,6 +124,9 @@ class RevisionStore:
         self.publish_seconds: dict[str, float] = {}
         # Called (outside the lock) with each new storage revision.
         self.listeners: list[Callable[[Revision], None]] = []
+        # Called (outside the lock) with a storage revision whose files were seen anew (a tier's remote
+        # files now in its disk cache), and the manifest it had before.
+        self.refreshed: list[Callable[[Revision, Manifest], None]] = []
         # Called with each model (and revision named, or "") a request asks for, before its revision
         # is looked up (revisions.relay).
         self.on_asked: list[Callable[[str, str], None]] = []
@@ -150,26 +153,32 @@ class RevisionStore:
     def observe_storage(self, model: str, manifest: Manifest) -> Revision:
         """Record manifest, built from storage, as the model's storage revision; a new one becomes current."""
         evicted: list[Revision] = []
+        previous: Manifest | None = None
         with self._lock:
             history = self._models.setdefault(model, _History())
             if history.storage == manifest.revision:
                 # Storage has not changed: its revision stays where it is (current or not, kept or not).
-                for kept in reversed(history.revisions):
-                    if kept.id == manifest.revision:
-                        kept.manifest = manifest  # the same content, its files seen anew
-                        return kept
-                return Revision(model, manifest.revision, STORAGE, manifest)
-            for kept in history.revisions:
-                if kept.origin == STORAGE:
-                    kept.servable = False
-            history.storage = manifest.revision
-            revision = Revision(model, manifest.revision, STORAGE, manifest)
-            evicted = self._append(history, revision)
+                seen = next((kept for kept in reversed(history.revisions) if kept.id == manifest.revision), None)
+                if seen is None:
+                    return Revision(model, manifest.revision, STORAGE, manifest)
+                previous, seen.manifest = seen.manifest, manifest  # the same content, its files seen anew
+            else:
+                for kept in history.revisions:
+                    if kept.origin == STORAGE:
+                        kept.servable = False
+                history.storage = manifest.revision
+                seen = Revision(model, manifest.revision, STORAGE, manifest)
+                evicted = self._append(history, seen)
+        if previous is not None:
+            if previous.files != manifest.files:
+                for refreshed in self.refreshed:
+                    refreshed(seen, previous)
+            return seen
         self._evicted(evicted)
-        logger.info("model %r: storage revision %s is current", model, revision.id)
+        logger.info("model %r: storage revision %s is current", model, seen.id)
         for listener in self.listeners:
-            listener(revision)
-        return revision
+            listener(seen)
+        return seen
 
     def add_published(self, revision: Revision, seconds: float = 0.0, parts: int = 1, received_bytes: int = 0) -> None:
         """Make a complete published revision the model's current one (seconds: what its publish took, in

@@ -199,6 +199,23 @@ class ReadBlocks:
             while len(self._files) > self._kept_files:
                 self._files.popitem(last=False)
 
+    def carry(self, old: Manifest, new: Manifest) -> None:
+        """What was learned of old's files, kept for new's files that are the same versions with the same
+        bytes: a remote file and this node's checked copy of it (a disk cache's), either way round.
+
+        A local file of the same version is not the same bytes for certain (a rewrite within the
+        modification time's granularity keeps it): only a copy of a remote version carries."""
+        if len(old.files) != len(new.files):
+            return
+        with self._lock:
+            for was, now in zip(old.files, new.files, strict=True):
+                same = (was.name, was.size, was.version) == (now.name, now.size, now.version)
+                if not same or (was.local is not None and now.local is not None):
+                    continue
+                kept = self._files.get((was.path, was.size, was.fingerprint))
+                if kept is not None and (now.path, now.size, now.fingerprint) not in self._files:
+                    self._files[(now.path, now.size, now.fingerprint)] = kept
+
     def blocks(self, manifest: Manifest) -> dict[str, tuple[int, ...]] | None:
         """The block CRC32Cs of manifest's tensors whose every block was learned (None: of none)."""
         found: dict[str, tuple[int, ...]] = {}

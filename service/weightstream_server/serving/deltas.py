@@ -2,8 +2,9 @@
 
 A client updating from revision A to B marks the tensors whose destinations hold A's bytes
 (TensorRequest.delta) and names A (StreamTensorsRequest.delta_base). While the server holds A's
-bytes in memory (a published revision; or a storage revision's read units in the RAM cache, as a
-full load of them left them, for whole tensors and slices along their first dimension), each chunk
+bytes (a published revision in memory; a storage revision's read units in the RAM cache, as a full
+load of them left them, for whole tensors and slices along their first dimension; or its files still
+on this node's disk, a tier's disk cache copy of a version rewritten above: base_files), each chunk
 of those tensors goes out in the cheapest of:
 - a delta: the XOR of B's bytes with A's bytes at the same place (the same tensor, slice and
   offset), sparse or dense, compressed with zstd, when that is cheaper (weightstream.protocol.deltas:
@@ -47,6 +48,7 @@ import torch
 from weightstream.protocol import deltas as delta_forms
 from weightstream.protocol import wire
 from weightstream.protocol.wire import TensorSlice
+from weightstream_server.serving.base_files import BaseFiles
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Manifest
 from weightstream_server.serving.chunks import ServedChunk, unit_key, unit_output
@@ -120,7 +122,8 @@ class Deltas:
     ) -> Iterator[ServedChunk]:
         """chunks of revision, those of the wanted tensors (name: the slice asked, or None) as deltas
         against base where that is cheaper. base's bytes are read from its memory (a source in_memory),
-        else from cache's units (as a load with chunk_bytes read them); a chunk they do not cover goes whole."""
+        else from cache's units (as a load with chunk_bytes read them), else from its files held on disk;
+        a chunk they do not cover goes whole."""
         same = {
             name
             for name in wanted
@@ -130,6 +133,20 @@ class Deltas:
             and base.by_name[name].shape == revision.by_name[name].shape
         }
         work = _Work(cache, chunk_bytes)
+        try:
+            yield from self._encoded(chunks, revision, base, wanted, same, work)
+        finally:
+            work.close()
+
+    def _encoded(
+        self,
+        chunks: Iterator[ServedChunk],
+        revision: Manifest,
+        base: Manifest,
+        wanted: Mapping[str, TensorSlice | None],
+        same: set[str],
+        work: _Work,
+    ) -> Iterator[ServedChunk]:
         for chunk in chunks:
             name = chunk.place.tensor
             if name not in same or not chunk.place.length:
@@ -255,11 +272,28 @@ class _Work:
         # Where a storage base's bytes may be found, and the chunk size its units were read for.
         self.cache = cache
         self.chunk_bytes = chunk_bytes
+        # A storage base's files still on this node's disk, and a buffer for what is read of them.
+        self._files: BaseFiles | None = None
+        self._read: np.ndarray | None = None
 
     def scratch(self, length: int) -> np.ndarray:
         if self._scratch is None or self._scratch.size < length:
             self._scratch = np.empty(max(length, wire.DEFAULT_CHUNK_BYTES), dtype=np.uint8)
         return self._scratch
+
+    def files(self, base: Manifest) -> BaseFiles:
+        if self._files is None:
+            self._files = BaseFiles(base)
+        return self._files
+
+    def read_buffer(self, length: int) -> np.ndarray:
+        if self._read is None or self._read.size < length:
+            self._read = np.empty(max(length, wire.DEFAULT_CHUNK_BYTES), dtype=np.uint8)
+        return self._read[:length]
+
+    def close(self) -> None:
+        if self._files is not None:
+            self._files.close()
 
 
 class BaseNotHeld(Exception):
@@ -275,11 +309,9 @@ def _xor_base(
     out: np.ndarray,
     work: _Work,
 ) -> None:
-    """out[: new.size] = new XOR base's bytes of tensor (its slice) from offset, read from base's memory
-    (or the cache's units of base's files); BaseNotHeld where they are not there.
-
-    A slice gathered out of whole rows may come in units wider than the range: only the range is taken.
-    """
+    """out[: new.size] = new XOR base's bytes of tensor (its slice) from offset, read from base's memory (a
+    published revision), else from the RAM cache's units of base's files, else from those files as this
+    node's disk still holds them (base_files); BaseNotHeld where they are in none of these."""
     end = offset + new.size
     if getattr(base.source, "in_memory", False):
         plan = plan_reads(base, [(tensor, [(offset, end)], slice_)], wire.MAX_CHUNK_BYTES)
@@ -289,13 +321,35 @@ def _xor_base(
         pieces: Iterator[tuple[UnitPlace, np.ndarray]] = (
             (plan.files[f].places[i], unit_output(plan.files[f].places[i], d.numpy())) for f, i, d in units
         )
-    else:
-        pieces = _cached_pieces(base, tensor, slice_, work)
-        if slice_ is not None:  # a plain range of the tensor's bytes (dim 0): in the tensor's numbering
-            first = slice_layout(base.tensor(tensor), slice_)[2]
-            pieces = (
-                (UnitPlace(ChunkPlace(u.place.tensor, u.place.offset - first, u.place.length)), p) for u, p in pieces
-            )
+        covered = _xor_pieces(pieces, offset, new, out)
+        if covered != new.size:
+            raise BaseNotHeld(f"tensor {tensor!r}: the base's bytes at {offset}..{end} came to {covered} bytes")
+        return
+    if work.cache is not None:
+        try:
+            pieces = _cached_pieces(base, tensor, slice_, work)
+            if slice_ is not None:  # a plain range of the tensor's bytes (dim 0): in the tensor's numbering
+                first = slice_layout(base.tensor(tensor), slice_)[2]
+                pieces = (
+                    (UnitPlace(ChunkPlace(u.place.tensor, u.place.offset - first, u.place.length)), p)
+                    for u, p in pieces
+                )
+            if _xor_pieces(pieces, offset, new, out) == new.size:
+                return
+        except BaseNotHeld:
+            pass
+    held = work.read_buffer(new.size)
+    if not work.files(base).read_into(tensor, slice_, offset, held):
+        raise BaseNotHeld(f"tensor {tensor!r}: the base's bytes at {offset}..{end} are not held here")
+    np.bitwise_xor(new, held, out=out[: new.size])
+
+
+def _xor_pieces(pieces: Iterator[tuple[UnitPlace, np.ndarray]], offset: int, new: np.ndarray, out: np.ndarray) -> int:
+    """out = new XOR the pieces where they overlap new's range (from offset); the bytes so covered.
+
+    A slice gathered out of whole rows may come in units wider than the range: only the range is taken.
+    """
+    end = offset + new.size
     covered = 0
     for unit, piece in pieces:
         lo, hi = max(offset, unit.place.offset), min(end, unit.place.offset + piece.size)
@@ -307,8 +361,7 @@ def _xor_base(
             out=out[lo - offset : hi - offset],
         )
         covered += hi - lo
-    if covered != new.size:
-        raise BaseNotHeld(f"tensor {tensor!r}: the base's bytes at {offset}..{end} came to {covered} bytes")
+    return covered
 
 
 def _cached_pieces(

@@ -43,6 +43,7 @@ from weightstream_server.errors import ClientGone, Draining, TooManyStreams, sta
 from weightstream_server.ops.health import Readiness
 from weightstream_server.ops.stats import ServerStats
 from weightstream_server.serving import validation
+from weightstream_server.serving.base_files import may_hold
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog, Manifest
 from weightstream_server.serving.checksums import BlockRecorder, ReadBlocks
@@ -224,7 +225,7 @@ class StreamSession:
         return self._delta_base is not None
 
     def _find_delta_base(self, request: pb.StreamTensorsRequest) -> None:
-        """The delta base the request names, if this server holds it in memory; else every chunk goes whole."""
+        """The delta base the request names, if this server may hold its bytes; else every chunk goes whole."""
         lookup = self._streams.catalog.revisions
         if not request.delta_base or self._streams.deltas is None or lookup is None:
             return
@@ -235,8 +236,9 @@ class StreamSession:
         }
         kept = lookup.find(self.manifest.model, request.delta_base) if wanted else None
         in_memory = kept is not None and getattr(kept.manifest.source, "in_memory", False)
-        # A storage revision's bytes may lie in the RAM cache (even once its files were rewritten).
-        if kept is None or (not in_memory and self._streams.cache is None):
+        # A storage revision's bytes may lie in the RAM cache, or in its files still on this node's disk
+        # (a tier's disk cache keeps each version's copy), even once its files were rewritten at the source.
+        if kept is None or (not in_memory and self._streams.cache is None and not may_hold(kept.manifest, wanted)):
             logger.debug(
                 "model %r: no deltas against %s: this server does not hold its bytes",
                 self.model_id,

@@ -3,7 +3,8 @@
 Layout: DIR/files/KEY is a file's bytes, bit-identical to the source's, and DIR/files/KEY.json what
 they are (the source path, size and version, and the CRC32C of the whole file); KEY is a digest of
 the path, size and version, so a file whose version changes at the source (a new ETag, a new
-modification time upstream) has another key and never hits an old copy. DIR/partial/ holds files
+modification time upstream) has another key and never hits an old copy; the old copy stays (until
+evicted like any other) as the base of XOR deltas to the clients that hold it. DIR/partial/ holds files
 being written (Fill), each renamed into DIR/files/ once complete and checked; DIR/models/ the files
 each model last resolved to, so that a model can be served while its source is unreachable; whatever a process
 left in DIR/partial/ (it died mid-fill) is removed at start-up, never trusted.

@@ -105,6 +105,14 @@ class TieredSource:
             return None
         return ModelFiles(model, tuple(c for c in cached if c is not None), None)
 
+    def held_copy(self, file: SourceFile) -> SourceFile | None:
+        """The disk cache's checked copy of file (this version of it) as a local file, never read from the
+        source; None if there is none (a version rewritten above is still here until evicted). A file
+        resolved to its cached copy already is that copy."""
+        if file.local is not None:
+            return file
+        return self.cache.lookup(file) if self.cache is not None else None
+
     def companion_files(self, model: str) -> tuple[SourceFile, ...]:
         return self.inner.companion_files(model)
 
