@@ -13,7 +13,11 @@ tensors that changed and, for those written straight into their targets, the ran
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,14 +110,55 @@ def publish_start(
     return start
 
 
+# Threads that find and encode a delta publish's changed chunks (XOR, scan, zstd: each releases the
+# interpreter's lock for most of its work), and the chunks they may work ahead of the sender.
+ENCODER_THREADS = max(2, min(4, (os.cpu_count() or 2) // 2))
+ENCODE_AHEAD = 2 * ENCODER_THREADS
+
+
 def publish_chunks(
     tensors: list[tuple[str, torch.Tensor]], chunk_bytes: int, base: Mapping[str, torch.Tensor] | None = None
 ) -> Iterator[OutChunk]:
-    """The chunks of tensors, each payload valid until the next chunk is taken. With base (host copies of
-    the delta base's tensors, by name), a tensor base holds with the same dtype and shape goes as what
-    changed: chunks equal to the base's are skipped, the others sent as deltas where that is smaller."""
-    codec = delta_forms.Codec()
-    scratch = torch.empty(chunk_bytes if base is not None else 0, dtype=torch.uint8)
+    """The chunks of tensors, in order, each payload valid until the next chunk is taken. With base (host
+    copies of the delta base's tensors, by name), a tensor base holds with the same dtype and shape goes
+    as what changed: chunks equal to the base's are skipped, the others sent as deltas where that is
+    smaller, found on ENCODER_THREADS threads up to ENCODE_AHEAD chunks ahead."""
+    pieces = _pieces(tensors, chunk_bytes, base)
+    if base is None:
+        for name, offset, piece, _ in pieces:
+            length = piece.numel()
+            yield OutChunk(name, offset, length, wire.crc32c_at(piece.data_ptr(), length), 0, _bytes_view(piece))
+        return
+    local = threading.local()
+
+    def encoded(job: _Piece) -> OutChunk | None:
+        codec = getattr(local, "codec", None)
+        if codec is None:
+            codec = local.codec = delta_forms.Codec()
+        return _delta_chunk(job, codec)
+
+    with ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="weightstream-publish") as pool:
+        ahead: deque[Future[OutChunk | None]] = deque()
+        try:
+            for job in pieces:
+                ahead.append(pool.submit(encoded, job))
+                if len(ahead) >= ENCODE_AHEAD and (chunk := ahead.popleft().result()) is not None:
+                    yield chunk
+            while ahead:
+                if (chunk := ahead.popleft().result()) is not None:
+                    yield chunk
+        finally:
+            for future in ahead:
+                future.cancel()
+
+
+# A chunk to publish: its tensor, offset, bytes (a flat uint8 host view) and the base's bytes there (or None).
+_Piece = tuple[str, int, torch.Tensor, "torch.Tensor | None"]
+
+
+def _pieces(
+    tensors: list[tuple[str, torch.Tensor]], chunk_bytes: int, base: Mapping[str, torch.Tensor] | None
+) -> Iterator[_Piece]:
     for name, tensor in tensors:
         host = tensor.detach()
         if host.device.type != "cpu":
@@ -123,23 +168,25 @@ def publish_chunks(
         data = host.contiguous().view(-1).view(torch.uint8)
         held = base.get(name) if base is not None else None
         old = held.view(-1).view(torch.uint8) if held is not None and _same_layout(held, tensor) else None
-        address = int(data.data_ptr())
         for offset in range(0, data.numel(), chunk_bytes):
-            length = min(chunk_bytes, data.numel() - offset)
-            piece = data[offset : offset + length]
-            crc = wire.crc32c_at(address + offset, length)
-            was = old[offset : offset + length] if old is not None else None
-            if was is not None and not delta_forms.dense(piece, was):
-                # numpy, on this thread (see protocol.deltas.Codec.encode: torch's pool costs more here).
-                xor = scratch[:length]
-                np.bitwise_xor(piece.numpy(), was.numpy(), out=xor.numpy())
-                if not xor.numpy().any():
-                    continue  # unchanged: the server keeps the base's bytes
-                delta = codec.encode(xor, offset)
-                if delta is not None:
-                    yield OutChunk(name, offset, length, crc, delta[0], memoryview(delta[1]))
-                    continue
-            yield OutChunk(name, offset, length, crc, 0, _bytes_view(piece))
+            piece = data[offset : offset + chunk_bytes]
+            yield name, offset, piece, old[offset : offset + chunk_bytes] if old is not None else None
+
+
+def _delta_chunk(job: _Piece, codec: delta_forms.Codec) -> OutChunk | None:
+    """The chunk as what changed against the base (None: unchanged), or whole where that is cheaper.
+    numpy, not torch: torch's thread pool, woken per chunk, costs more than the work here."""
+    name, offset, piece, was = job
+    length = piece.numel()
+    crc = wire.crc32c_at(piece.data_ptr(), length)
+    if was is not None and not delta_forms.dense(piece, was):
+        xor = np.bitwise_xor(piece.numpy(), was.numpy())
+        if not xor.any():
+            return None  # unchanged: the server keeps the base's bytes
+        delta = codec.encode(torch.from_numpy(xor), offset)
+        if delta is not None:
+            return OutChunk(name, offset, length, crc, delta[0], memoryview(delta[1]))
+    return OutChunk(name, offset, length, crc, 0, _bytes_view(piece))
 
 
 def publish_requests(start: pb.PublishStart, chunks: Iterator[OutChunk]) -> Iterator[pb.PublishRequest]:
