@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -68,6 +69,34 @@ def test_a_published_revision_has_a_digest_a_client_recomputes_from_what_it_hold
         other = client.publish(MODEL, state(2), revision="two")
         assert client.manifest(MODEL, revision=other).digest != manifest.digest
         assert client.manifest(MODEL, revision=revision).digest == manifest.digest
+
+
+@pytest.mark.parametrize("chunk_bytes", [wire.DEFAULT_CHUNK_BYTES, 1_500_000, 300_001])
+def test_a_revision_published_with_deltas_in_chunks_that_cut_blocks_has_the_digest_of_its_bytes(
+    tmp_path: Path, chunk_bytes: int
+) -> None:
+    """A publish's block checks are made as its chunks land, and taken from the delta base for the
+    blocks no chunk touched: whatever the chunks' size and whichever blocks changed, the revision's
+    digest is the one of its bytes, and the same as a whole publish of them gets."""
+    a = state(0)
+    b = {name: t.clone() for name, t in a.items()}
+    b["big"][200_000:200_010] += 1.0  # inside the second block; the first and third stay the base's
+    b["ids"][3] = 99
+    with (
+        running(tmp_path, allow_publish=True) as r,
+        WeightStreamClient(f"{LOOPBACK}:{r.server.port}", progress=False, chunk_bytes=chunk_bytes) as client,
+    ):
+        client.publish(MODEL, a, revision="a", new_layout=True, deltas=True)
+        revision = client.publish(MODEL, b, revision="b", deltas=True)
+        assert client.last_publish is not None and client.last_publish.delta_base == "a"
+        assert client.last_publish.sent_bytes < 1_000_000  # the changed chunks only
+        client.publish("whole", b, revision="b", new_layout=True)
+        manifest = client.manifest(MODEL, revision=revision)
+        held = loaded(client, revision)
+        assert all(torch.equal(held[name], b[name]) for name in b)
+        assert manifest.digest == manifest.digest_of(b) == client.manifest("whole").digest
+        changes = client.changes(MODEL, since="a", revision=revision)
+        assert sorted(changes.tensors) == ["big", "ids"]
 
 
 def test_a_block_forged_to_keep_its_crc32c_is_changed_and_an_update_gets_it(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import functools
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,9 +36,8 @@ from weightstream_server.errors import (
     ServerError,
 )
 from weightstream_server.revisions.layout import Layout, Placed
-from weightstream_server.revisions.published_source import block_checks
-from weightstream_server.revisions.store import BlockHashes, Blocks
-from weightstream_server.serving.catalog import Manifest
+from weightstream_server.revisions.published_source import BLOCK_BYTES, check_blocks, check_blocks_later
+from weightstream_server.revisions.store import BlockHashes, Blocks, Revision
 from weightstream_server.serving.deltas import ChunkKey, Delta
 
 
@@ -61,6 +61,12 @@ class Part:
     base: str = ""
     sent: dict[ChunkKey, Delta] = field(default_factory=dict)
     sent_bytes: int = 0
+    # Each tensor's (CRC32C, BLAKE3 hash) per block as they become known, None until then: taken from
+    # the delta base for the blocks no chunk touched, checked on the checking threads as chunks land
+    # (landed), the rest at the end (compute_blocks). A publish so pays for the blocks it sent, once,
+    # while they are fresh, not for a second pass over the whole part.
+    known: dict[str, list[tuple[int, bytes] | None]] = field(default_factory=dict, repr=False)
+    checking: list[tuple[str, list[int], Future[list[tuple[int, bytes]]]]] = field(default_factory=list, repr=False)
 
     @classmethod
     def allocate(cls, index: int, layout: Layout) -> Part:
@@ -77,28 +83,74 @@ class Part:
         flat = self.buffer[tensor.offset : tensor.offset + tensor.nbytes]
         return flat.view(tensor.dtype.torch).view(tensor.shape)
 
+    def _known(self, tensor: Placed) -> list[tuple[int, bytes] | None]:
+        known = self.known.get(tensor.name)
+        if known is None:
+            known = self.known[tensor.name] = [None] * -(-tensor.nbytes // BLOCK_BYTES)
+        return known
+
+    def landed(self, tensor: Placed, start: int, end: int) -> None:
+        """Bytes start..end of tensor landed, checked: the blocks they hold whole are checked on a checking
+        thread from now; a block they hold in part is left to the end."""
+        known = self._known(tensor)
+        # The blocks from first to last lie whole in start..end (the tensor's last one may be short).
+        first = -(-start // BLOCK_BYTES)
+        last = len(known) if end == tensor.nbytes else end // BLOCK_BYTES
+        touched = [start // BLOCK_BYTES] if start < end else []
+        if end % BLOCK_BYTES and end != tensor.nbytes:
+            touched.append(end // BLOCK_BYTES)
+        for index in touched:
+            if not first <= index < last:
+                known[index] = None  # written in part: checked at the end
+        if first < last:
+            self.region(f"tensor {tensor.name!r}").at(tensor.offset, tensor.nbytes)
+            indices = list(range(first, last))
+            for index in indices:
+                known[index] = None
+            self.checking.append(
+                (tensor.name, indices, check_blocks_later(self.buffer, tensor.offset, tensor.nbytes, indices))
+            )
+
     def compute_blocks(self) -> None:
-        """Each tensor's block CRC32Cs and its BLAKE3 hash (weightstream.protocol.digests)."""
-        view = self.buffer.numpy()
+        """Each tensor's block CRC32Cs and its BLAKE3 hash (weightstream.protocol.digests): those checked as
+        chunks landed or taken from the base, and the others now."""
+        for name, indices, future in self.checking:
+            known = self.known[name]
+            for index, checked in zip(indices, future.result(), strict=True):
+                known[index] = checked
+        self.checking.clear()
         for tensor in self.tensors.values():
             self.region(f"tensor {tensor.name!r}").at(tensor.offset, tensor.nbytes)
-            data = view[tensor.offset : tensor.offset + tensor.nbytes]
-            crcs, hashes = block_checks(data)
-            self.blocks[tensor.name] = tuple(crcs)
-            self.block_hashes[tensor.name] = tuple(hashes)
-            self.hashes[tensor.name] = digests.hash_of_blocks(hashes)
+            known = self._known(tensor)
+            missing = [i for i, checked in enumerate(known) if checked is None]
+            for index, checked in zip(
+                missing, check_blocks(self.buffer, tensor.offset, tensor.nbytes, missing), strict=True
+            ):
+                known[index] = checked
+            crcs = tuple(checked[0] for checked in known if checked is not None)
+            hashes = tuple(checked[1] for checked in known if checked is not None)
+            self.blocks[tensor.name] = crcs
+            self.block_hashes[tensor.name] = hashes
+            self.hashes[tensor.name] = digests.hash_of_blocks(list(hashes))
 
-    def start_from(self, base: Manifest, base_buffer: Callable[[int], torch.Tensor]) -> None:
-        """Fill the tensors that base holds with the same dtype and shape with base's bytes."""
+    def start_from(self, base: Revision, base_buffer: Callable[[int], torch.Tensor]) -> None:
+        """Fill the tensors that base holds with the same dtype and shape with base's bytes (and their
+        blocks' checks with base's, where it knows them)."""
+        manifest = base.manifest
         for tensor in self.tensors.values():
-            entry = base.by_name.get(tensor.name)
+            entry = manifest.by_name.get(tensor.name)
             if entry is None or entry.dtype != tensor.dtype or entry.shape != tensor.shape:
                 continue
             held = base_buffer(entry.file_index)[entry.file_offset : entry.file_offset + entry.nbytes]
             self.view(tensor).view(-1).view(torch.uint8).copy_(held)
             self.received[tensor.name] = tensor.nbytes
             self.based[tensor.name] = 0
-        self.base = base.revision
+            crcs = base.blocks.get(tensor.name) if base.blocks is not None else None
+            hashes = base.block_hashes.get(tensor.name) if base.block_hashes is not None else None
+            known = self._known(tensor)
+            if crcs is not None and hashes is not None and len(crcs) == len(hashes) == len(known):
+                known[:] = list(zip(crcs, hashes, strict=True))
+        self.base = manifest.revision
 
 
 class Assembly(Protocol):
@@ -182,6 +234,7 @@ class PartInFlight:
         """One chunk: checked, then written by write(address), which returns the CRC32C of what it wrote."""
         tensor = self._placed(name, offset, length)
         self._check(tensor, offset, length, crc32c, write)
+        self.part.landed(tensor, offset, offset + length)
         if tensor.name in self.part.based:
             self.part.based[tensor.name] = offset + length
             self._keep_sent(tensor.name, offset, length, None, b"")
@@ -213,6 +266,7 @@ class PartInFlight:
                 ) from None
 
         self._check(tensor, offset, length, crc32c, apply)
+        self.part.landed(tensor, offset, offset + length)
         self.part.based[tensor.name] = offset + length
         self._keep_sent(tensor.name, offset, length, encoding, wire.memory_at(address, payload_bytes))
         self.chunks += 1

@@ -195,15 +195,15 @@ class Publisher:
         try:
             part = Part.allocate(start.part, layout)
             if base is not None:
-                assert isinstance(base.source, PublishedSource)
-                part.start_from(base, base.source.part_buffer)
+                assert isinstance(base.manifest.source, PublishedSource)
+                part.start_from(base, base.manifest.source.part_buffer)
         except BaseException:
             self._fail(pending, start.part, "")
             raise
         keep_bytes = self._deltas.budget_bytes // parts if base is not None and self._deltas is not None else 0
         return PartInFlight(_Assembly(self, pending), start.model, part, self._message_timeout, keep_bytes)
 
-    def _delta_base(self, start: pb.PublishStart) -> Manifest | None:
+    def _delta_base(self, start: pb.PublishStart) -> Revision | None:
         """The published revision a part names as its delta base; RevisionNotKept when it is not kept here."""
         if not start.delta_base:
             return None
@@ -214,7 +214,7 @@ class Publisher:
                 f"publish of model {start.model!r}: delta base {start.delta_base[:200]!r} is not a published revision "
                 f"this server keeps (it keeps {names}); publish whole instead"
             )
-        return kept.manifest
+        return kept
 
     def relay(
         self,

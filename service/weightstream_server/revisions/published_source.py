@@ -7,9 +7,10 @@ bytes never change). Shared is a tensor of one kept revision that a newer one ho
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,28 @@ def block_checks(data: np.ndarray) -> tuple[list[int], list[bytes]]:
         crcs.extend(part_crcs)
         hashes.extend(part_hashes)
     return crcs, hashes
+
+
+def check_blocks(buffer: torch.Tensor, start: int, size: int, indices: Sequence[int]) -> list[tuple[int, bytes]]:
+    """The (CRC32C, BLAKE3 hash) of the BLOCK_BYTES blocks `indices` of the size bytes of buffer (a flat
+    uint8 host tensor, held meanwhile) from start; on the checking threads when there are many."""
+    check = functools.partial(_one, buffer, start, size)
+    if len(indices) < _SPLIT_BLOCKS or _CHECK_THREADS == 1:
+        return [check(i) for i in indices]
+    return list(_checking.map(check, indices))
+
+
+def check_blocks_later(
+    buffer: torch.Tensor, start: int, size: int, indices: Sequence[int]
+) -> Future[list[tuple[int, bytes]]]:
+    """check_blocks on one checking thread, buffer held until it is done."""
+    return _checking.submit(lambda: [_one(buffer, start, size, i) for i in indices])
+
+
+def _one(buffer: torch.Tensor, start: int, size: int, index: int) -> tuple[int, bytes]:
+    address = int(buffer.data_ptr()) + start + index * BLOCK_BYTES
+    length = min(BLOCK_BYTES, size - index * BLOCK_BYTES)
+    return wire.crc32c_at(address, length), digests.block_hash(wire.memory_at(address, length))
 
 
 @dataclass(frozen=True)
