@@ -247,3 +247,34 @@ def test_a_revision_named_at_the_sidecar_a_moment_after_its_publish_upstream_is_
         with pytest.raises(FailedPreconditionError, match="never-published"):
             near.manifest(MODEL, revision="never-published")
         assert time.monotonic() - started < 10, "a revision the upstream does not have is not waited for"
+
+
+def test_a_sidecar_serves_the_deltas_it_pulled_from_its_upstream_without_computing_them(
+    upstream: WeightStreamServer, sidecar: WeightStreamServer
+) -> None:
+    """A 2% step published upstream with deltas reaches the sidecar as those deltas (it holds the
+    revision before in memory), and the sidecar keeps what it pulled: its own engine's update is
+    served from them, bit-exact, with no delta computed at either tier."""
+    from tests.e2e.test_deltas import module_of as bf16_module_of
+    from tests.e2e.test_deltas import state_of as bf16_state_of
+    from tests.e2e.test_deltas import stepped
+
+    a = bf16_state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    module = bf16_module_of(a)
+    assert upstream.deltas is not None and sidecar.deltas is not None
+    with client_of(sidecar) as near, client_of(upstream) as trainer:
+        first = trainer.publish("stepped", a, deltas=True)
+        assert near.load_into(module, "stepped").revision == first
+        before = (upstream.deltas.snapshot(), sidecar.deltas.snapshot())
+        second = trainer.publish("stepped", b, deltas=True)
+        eventually(lambda: near.manifest("stepped").revision == second, "the sidecar took the second revision")
+        report = near.update_into(module, "stepped", since=first)
+        after = (upstream.deltas.snapshot(), sidecar.deltas.snapshot())
+    assert_holds(module, b)
+    assert report.delta_chunks > 0 and report.delta_fallbacks == 0
+    assert report.delta_bytes < 0.1 * sum(t.numel() * t.element_size() for t in b.values())
+    # Upstream: the relay's update was served from the publisher's deltas; sidecar: from the relay's.
+    assert [x.computed for x in after] == [x.computed for x in before], (before, after)
+    assert after[1].published > before[1].published
+    assert after[1].reused - before[1].reused >= report.delta_chunks

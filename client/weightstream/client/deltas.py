@@ -93,11 +93,13 @@ class Applier(Generic[T]):
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="weightstream-deltas")
         self._pending: deque[tuple[T, Future[int | None]]] = deque()
 
-    def submit(self, token: T, view: torch.Tensor, offset: int, payload: memoryview, encoding: int) -> None:
+    def submit(self, token: T, view: torch.Tensor, offset: int, payload: memoryview | bytes, encoding: int) -> None:
         """XOR the delta payload (of encoding, for the chunk at offset) into view (host memory), later."""
         if len(self._pending) >= APPLIER_DEPTH:
             self._pending[0][1].exception()  # waits; its error is the results' to report
-        job = self._pool.submit(self._apply, view, offset, bytes(payload), encoding)
+        job = self._pool.submit(
+            self._apply, view, offset, payload if isinstance(payload, bytes) else bytes(payload), encoding
+        )
         self._pending.append((token, job))
 
     def results(self, *, wait: bool) -> Iterator[tuple[T, int | None]]:

@@ -44,7 +44,7 @@ from weightstream.client.retry import (
     permanent_connect_error,
     reached_no_server,
 )
-from weightstream.client.session import LoadSession, SessionConfig
+from weightstream.client.session import DeltaSink, LoadSession, SessionConfig
 from weightstream.client.sharding import ShardSpec, sliced_manifest
 from weightstream.client.targets import match_targets
 from weightstream.client.transports.tcp import DataPortUnusable
@@ -559,6 +559,7 @@ class WeightStreamClient:
         shard: ShardSpec | Mapping[str, TensorSlice] | None = None,
         deltas: bool = True,
         verify_unchanged: bool | None = None,
+        delta_sink: DeltaSink | None = None,
     ) -> LoadReport:
         """Write only what changed in model since revision `since` (which module holds) into its
         parameters (or a mapping's tensors, by name), in place; the report names the new revision, the
@@ -580,6 +581,9 @@ class WeightStreamClient:
         revision reported whatever it held. None (the default) checks parameters in host memory and
         trusts since for those on a device (the check would copy them to the host); True checks both;
         False trusts since. What cannot be checked is always trusted: see weightstream.client.unchanged.
+
+        delta_sink: called with (tensor, offset, length, encoding, payload) of each chunk that came as a
+        delta and checked, from the receiving threads (a tier keeps them to serve its own clients).
         """
         started = time.perf_counter()
         changes = self.changes(model, since=since, revision=revision)
@@ -641,6 +645,7 @@ class WeightStreamClient:
                 landed=landed,
                 delta_base=changes.since if held else "",
                 delta_tensors=frozenset(held),
+                delta_sink=delta_sink,
             )
             stale = checking.result()
         report = dataclasses.replace(
@@ -709,13 +714,14 @@ class WeightStreamClient:
         delta_base: str = "",
         delta_tensors: frozenset[str] = frozenset(),
         written_before: bool = False,
+        delta_sink: DeltaSink | None = None,
     ) -> LoadReport:
         """Receive dests' tensors of manifest into them (but the landed ranges; delta_tensors' may come as
         deltas against delta_base); the report, or the error with the write state (written_before: the
         call this receive is part of wrote into the module already)."""
         infos = {name: manifest[name] for name in dests}
         session = LoadSession(
-            self._session_config, manifest, infos, dests.__getitem__, landed, delta_base, delta_tensors
+            self._session_config, manifest, infos, dests.__getitem__, landed, delta_base, delta_tensors, delta_sink
         )
         received = 0
         try:

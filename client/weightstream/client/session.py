@@ -57,6 +57,10 @@ from weightstream.v1 import weightstream_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+# (tensor, offset, length, encoding, payload) of a delta chunk received and checked: what a tier keeps
+# to serve the same delta to its own clients (revisions.relay).
+DeltaSink = Callable[[str, int, int, int, bytes], None]
+
 # The reason a StreamCancel carries when the load itself stopped a stream (another stream failed,
 # or the caller stopped iterating).
 STOPPED = "stopped"
@@ -95,8 +99,11 @@ class LoadSession:
         landed: Mapping[str, list[tuple[int, int]]] | None = None,
         delta_base: str = "",
         delta_tensors: frozenset[str] = frozenset(),
+        delta_sink: DeltaSink | None = None,
     ) -> None:
         self.config = config
+        # Called with each delta chunk whose result checked (see DeltaSink).
+        self.delta_sink = delta_sink
         self.manifest = manifest
         self.infos = infos
         self.destination = destination
@@ -242,7 +249,7 @@ class _Stream:
         # The tensors the attempt in flight asked deltas of.
         self._asked_delta: set[str] = set()
         # Applies the deltas of host destinations while the next chunks are received (made on first use).
-        self._applier: Applier[tuple[ChunkRef, Destination]] | None = None
+        self._applier: Applier[tuple[ChunkRef, Destination, bytes]] | None = None
         # Per tensor, the ranges of deltas handed to the applier whose results are not taken yet: no
         # other chunk may write there (its bytes would be XORed, or would overwrite the checked result).
         self._applying: dict[str, list[tuple[int, int]]] = {}
@@ -448,20 +455,24 @@ class _Stream:
                 if self._applier is None:
                     threads = APPLIER_THREADS // self.session.config.streams  # the load's, shared out
                     self._applier = Applier(f"model {self.model!r}", threads)
-                payload = wire.memory_at(chunk.address, chunk.encoded_length)
+                # The applier's copy of the payload, also what a delta sink is handed once it checked.
+                payload = bytes(wire.memory_at(chunk.address, chunk.encoded_length))
                 self._applier.submit(
-                    (chunk, dest), dest.buffer[chunk.offset : end], chunk.offset, payload, chunk.encoding
+                    (chunk, dest, payload), dest.buffer[chunk.offset : end], chunk.offset, payload, chunk.encoding
                 )
                 self._applying.setdefault(chunk.tensor, []).append((chunk.offset, end))
                 return None  # its result is taken by _deltas_applied
             crc = apply_delta(dest, chunk.offset, chunk.length, chunk.address, chunk.encoded_length, chunk.encoding)
         except DeltaUnusable as exc:
             logger.warning("model %r: tensor %r: a delta did not decode (%s)", self.model, chunk.tensor, exc)
-        return self._delta_checked(chunk, dest, crc)
+        return self._delta_checked(chunk, dest, crc, None)
 
-    def _delta_checked(self, chunk: ChunkRef, dest: Destination, crc: int | None) -> tuple[Destination, int] | None:
+    def _delta_checked(
+        self, chunk: ChunkRef, dest: Destination, crc: int | None, payload: bytes | None
+    ) -> tuple[Destination, int] | None:
         """A delta's result, CRC32C crc (None: not applied), checked against its chunk: (destination, new
-        bytes), or None when it failed (the tensor's missing bytes are then asked for whole)."""
+        bytes), or None when it failed (the tensor's missing bytes are then asked for whole). A checked
+        one is handed to the session's delta sink (payload: its bytes, None: still at chunk.address)."""
         if crc != chunk.crc32c:
             # The destination did not hold the base revision there (or the delta was damaged).
             self.whole.add(chunk.tensor)
@@ -469,15 +480,20 @@ class _Stream:
             self.session.count(delta_fallbacks=1)
             return None
         self.session.count(delta_chunks=1, delta_bytes=chunk.encoded_length)
+        sink = self.session.delta_sink
+        if sink is not None:
+            if payload is None:
+                payload = bytes(wire.memory_at(chunk.address, chunk.encoded_length))
+            sink(chunk.tensor, chunk.offset, chunk.length, chunk.encoding, payload)
         return dest, dest.landed.add(chunk.offset, chunk.offset + chunk.length)
 
     def _deltas_applied(self, wait: bool) -> Iterator[tuple[tuple[Destination, int] | None, int]]:
         """(_delta_checked's answer, chunk length) for each delta the applier finished (all, when wait)."""
         if self._applier is None:
             return
-        for (chunk, dest), crc in self._applier.results(wait=wait):
+        for (chunk, dest, payload), crc in self._applier.results(wait=wait):
             self._applying[chunk.tensor].remove((chunk.offset, chunk.offset + chunk.length))
-            yield self._delta_checked(chunk, dest, crc), chunk.length
+            yield self._delta_checked(chunk, dest, crc, payload), chunk.length
 
     def _settle_deltas(self) -> None:
         """As an attempt ends: wait for the deltas still being applied and record what they landed

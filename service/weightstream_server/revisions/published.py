@@ -30,7 +30,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,7 @@ from weightstream_server.revisions.persist import PublishDir, load_revision_file
 from weightstream_server.revisions.published_source import PUBLISHED_SCHEME, PublishedSource, Shared
 from weightstream_server.revisions.store import PUBLISHED, Blocks, Revision, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest, TensorEntry
-from weightstream_server.serving.deltas import Deltas
+from weightstream_server.serving.deltas import ChunkKey, Delta, Deltas
 from weightstream_server.storage.model_ids import ObjectLocation, check_model_id, check_revision_name
 from weightstream_server.storage.sources import SourceFile
 
@@ -253,6 +253,12 @@ class Publisher:
         if pending.revision is None:
             raise PublishConflict(f"model {start.model!r}: revision {pending.name!r} was not taken: {pending.failure}")
         return pending.revision
+
+    def keep_deltas(self, model: str, base: str, revision: str, chunks: Mapping[ChunkKey, Delta]) -> None:
+        """Keep the deltas from base to revision of model that another server sent for chunks (a relay's
+        pull), as the ones a delta publish leaves."""
+        if self._deltas is not None and chunks:
+            self._deltas.keep_published(model, base, revision, chunks)
 
     def _check_layout(self, start: pb.PublishStart, announced: dict[str, Placed]) -> None:
         if start.new_layout:

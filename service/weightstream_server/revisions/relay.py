@@ -50,6 +50,7 @@ from weightstream_server.revisions.published import Publisher
 from weightstream_server.revisions.published_source import PublishedSource, Shared
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest
+from weightstream_server.serving.deltas import ChunkKey, Delta
 from weightstream_server.settings import ServerSettings
 from weightstream_server.storage.model_ids import check_revision_name
 from weightstream_server.storage.open_files import OpenFiles
@@ -314,6 +315,11 @@ class Relay:
                 )
         pulled = copied = 0
         shared_bytes = sum(s.nbytes for s in shared.values())
+        # The deltas from held to revision the upstream sent, checked: served here as they came.
+        deltas: dict[ChunkKey, Delta] = {}
+
+        def keep(tensor: str, offset: int, length: int, encoding: int, payload: bytes) -> None:
+            deltas[(tensor, offset, length)] = (encoding, payload)
 
         def fill(views: dict[str, torch.Tensor]) -> None:
             nonlocal pulled, copied
@@ -333,6 +339,7 @@ class Relay:
                         since=held.revision,
                         revision=revision,
                         strict=False,
+                        delta_sink=keep,
                     )
                     pulled += report.bytes
                     copied += sum(views[n].numel() * views[n].element_size() for n in copies) - report.bytes
@@ -345,6 +352,8 @@ class Relay:
 
         order = [info.name for info in upstream.tensors]
         self._publisher.relay(start, fill, f"upstream {self._client.target}", list(shared.values()), order)
+        if held is not None:
+            self._publisher.keep_deltas(model, held.revision, revision, deltas)
         seconds = time.perf_counter() - started
         with self._lock:
             self.counts.revisions += 1
@@ -353,10 +362,12 @@ class Relay:
             self.counts.shared_bytes += shared_bytes
             self.counts.seconds += seconds
         logger.info(
-            "model %r: revision %s relayed from the upstream: %d bytes pulled, %d copied and %d shared from %s, %.3f s",
+            "model %r: revision %s relayed from the upstream: %d bytes pulled (%d chunks as deltas, kept to serve), "
+            "%d copied and %d shared from %s, %.3f s",
             model,
             revision,
             pulled,
+            len(deltas),
             copied,
             shared_bytes,
             held.revision if held is not None else "nothing",
