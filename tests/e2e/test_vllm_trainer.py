@@ -15,7 +15,6 @@ connection: the engine must go on serving the previous revision, and the next se
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -218,36 +217,31 @@ def test_an_offline_llm_is_synced_with_deltas_through_the_four_method_client_of_
 
 
 def test_the_trainer_side_backend_is_registered_by_importing_the_module_and_by_the_plugin() -> None:
+    """A trainer process may never load vLLM's plugins: importing vllm_transfer registers the trainer
+    engine; the plugin's register() does too, and again without complaint."""
     ensure_vllm_venv()
-    check = (
-        "from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F\n"
-        "assert 'weightstream' not in F._registry, list(F._registry)\n"
-        "import {module}\n"
-        "{call}\n"
-        "assert 'weightstream' in F._registry, list(F._registry)\n"
-        "from weightstream.client.vllm_transfer import WeightStreamTrainerInitInfo as I\n"
-        "assert F._registry['weightstream']().init_info_cls is I\n"
-        "for bad in ({{'target': ''}}, {{'transport': 'carrier-pigeon'}}, {{'world_size': 2, 'rank': 2}}):\n"
-        "    try:\n"
-        "        I(**{{'target': 't:1', 'model': 'm', 'rank': 0, **bad}})\n"
-        "    except ValueError as exc:\n"
-        "        print('refused:', exc)\n"
-        "    else:\n"
-        "        raise AssertionError(bad)\n"
+    check = """
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F
+assert 'weightstream' not in F._registry, list(F._registry)
+from weightstream.client.vllm_transfer import WeightStreamTrainerInitInfo as I
+assert F._registry['weightstream']().init_info_cls is I
+import weightstream.client.vllm_loader as plugin
+del F._registry['weightstream']
+plugin.register()
+plugin.register()
+assert F._registry['weightstream']().init_info_cls is I
+for bad in ({'target': ''}, {'transport': 'carrier-pigeon'}, {'world_size': 2, 'rank': 2}, {'revision_prefix': '../x'}):
+    try:
+        I(**{'target': 't:1', 'model': 'm', 'rank': 0, **bad})
+    except ValueError as exc:
+        print('refused:', exc)
+    else:
+        raise AssertionError(bad)
+"""
+    result = subprocess.run(
+        [str(VLLM_PYTHON), "-c", check], capture_output=True, text=True, timeout=300, env=clean_env(), check=False
     )
-    env = clean_env(**{k: v for k, v in os.environ.items() if k.startswith("VLLM_")})
-    for module, call in [
-        ("weightstream.client.vllm_transfer", "pass"),
-        ("weightstream.client.vllm_loader", "weightstream.client.vllm_loader.register()"),
-    ]:
-        result = subprocess.run(
-            [str(VLLM_PYTHON), "-c", check.format(module=module, call=call)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
-        assert result.stdout.count("refused:") == 3, result.stdout
-        assert "WeightStreamTrainerInitInfo.transport must be one of" in result.stdout
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("refused:") == 4, result.stdout
+    assert "WeightStreamTrainerInitInfo.transport must be one of" in result.stdout
+    assert "WeightStreamTrainerInitInfo.revision_prefix must be" in result.stdout
