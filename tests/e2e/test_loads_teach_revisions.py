@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.e2e.test_revisions import assert_holds, module_of
 from tests.support.ports import free_ports
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient
-from weightstream.samples import ParameterTree
 from weightstream_server import WeightStreamServer
 
 MODEL = "learned"
@@ -39,16 +39,6 @@ def rewritten(state: dict[str, torch.Tensor], names: list[str], seed: int) -> di
 
 def nbytes(state: dict[str, torch.Tensor], names: list[str]) -> int:
     return sum(state[n].numel() * state[n].element_size() for n in names)
-
-
-def module_of(state: dict[str, torch.Tensor]) -> ParameterTree:
-    return ParameterTree({name: (tuple(t.shape), t.dtype) for name, t in state.items()})
-
-
-def assert_holds(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    got = dict(module.named_parameters())
-    for name, tensor in state.items():
-        assert torch.equal(got[name], tensor), name
 
 
 def write(path: Path, state: dict[str, torch.Tensor]) -> None:

@@ -31,7 +31,6 @@ Concurrency: one thread per followed model; every method may be called from any 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -53,7 +52,7 @@ from weightstream_server.serving.catalog import Catalog, Manifest
 from weightstream_server.serving.deltas import ChunkKey, Delta
 from weightstream_server.settings import ServerSettings
 from weightstream_server.storage.model_ids import check_revision_name
-from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.open_files import OpenFiles, read_exactly
 from weightstream_server.storage.tiers import TieredSource
 from weightstream_server.storage.upstream import UpstreamSource, upstream_client
 
@@ -327,7 +326,7 @@ class Relay:
             if held is not None:
                 try:
                     copies = _copy_held(held, views)
-                except (OSError, ServerError) as exc:  # its files went: all of it from the upstream
+                except (OSError, EOFError, ServerError) as exc:  # its files went: all of it from the upstream
                     logger.warning("model %r: revision %s held here could not be copied: %s", model, held.revision, exc)
             rest = {name: view for name, view in views.items() if name not in copies}
             if copies:
@@ -433,7 +432,7 @@ def _copy_held(held: Manifest, views: dict[str, torch.Tensor]) -> set[str]:
                 part = source.part_buffer(entry.file_index)
                 flat.copy_(part[entry.file_offset : entry.file_offset + entry.nbytes])
             elif opened is not None and entry.file_index in local:
-                _pread_into(opened.fd(entry.file_index), flat, entry.file_offset)
+                read_exactly(opened.fd(entry.file_index), flat.numpy().data, entry.file_offset)
             else:
                 continue
             copied.add(name)
@@ -443,13 +442,3 @@ def _copy_held(held: Manifest, views: dict[str, torch.Tensor]) -> set[str]:
         if opened is not None:
             opened.close()
     return copied
-
-
-def _pread_into(fd: int, flat: torch.Tensor, offset: int) -> None:
-    memory = flat.numpy().data
-    done = 0
-    while done < len(memory):
-        got = os.preadv(fd, [memory[done:]], offset + done)
-        if got <= 0:
-            raise OSError(f"a file ended {len(memory) - done} bytes early")
-        done += got

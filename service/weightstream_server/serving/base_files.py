@@ -27,7 +27,7 @@ from weightstream.protocol.wire import TensorSlice
 from weightstream_server.errors import ServerError
 from weightstream_server.serving.catalog import Manifest
 from weightstream_server.serving.read_plan import slice_layout
-from weightstream_server.storage.open_files import OpenFiles
+from weightstream_server.storage.open_files import OpenFiles, read_exactly
 from weightstream_server.storage.sources import SourceFile
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class BaseFiles:
         fd = opened.fd(entry.file_index)
         try:
             for start, at, length in _spans(self.base, tensor, slice_, offset, into.size):
-                _read_all(fd, into[at : at + length].data, entry.file_offset + start)
+                read_exactly(fd, into[at : at + length].data, entry.file_offset + start)
             opened.check_unchanged(entry.file_index)
         except (OSError, ServerError, EOFError) as exc:
             logger.warning(
@@ -134,12 +134,3 @@ def _spans(
         run = min(per_row - within, length - at)
         yield row * row_bytes + first + within, at, run
         at += run
-
-
-def _read_all(fd: int, into: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(into):
-        n = os.preadv(fd, [into[done:]], offset + done)
-        if n <= 0:
-            raise EOFError(f"the file ended at {offset + done} bytes")
-        done += n

@@ -145,3 +145,14 @@ def _check_identity(model: str, file: SourceFile, now: os.stat_result) -> None:
         )
     if (now.st_mtime_ns, now.st_ctime_ns) != (local.mtime_ns, local.ctime_ns):
         raise CheckpointChanged(f"{what} was written, renamed or replaced since it was listed; it changed on disk")
+
+
+def read_exactly(fd: int, into: memoryview, offset: int) -> None:
+    """Fill into with the bytes of fd from offset (pread: the descriptor's position is left alone);
+    EOFError when the file ends first."""
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if got <= 0:
+            raise EOFError(f"the file ended at {offset + done} bytes, {len(into) - done} bytes early")
+        done += got
