@@ -18,7 +18,7 @@ from tests.support.faults import CuttingProxy
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.proxies import TamperingProxy
 from tests.support.servers import loopback_settings, serving
-from weightstream.client import IntegrityError, RetryPolicy, WeightStreamClient
+from weightstream.client import IntegrityError, RetryPolicy, WeightStreamClient, WeightStreamError
 from weightstream.protocol import deltas as delta_forms
 from weightstream.protocol import wire
 from weightstream.samples import ParameterTree
@@ -701,3 +701,28 @@ def test_a_module_holding_a_later_revision_updated_since_an_earlier_one_ends_at_
         assert report.stale_bytes == 0
         got = dict(module.named_parameters())
         assert torch.equal(got["embed.weight"].view(torch.int16), q3["embed.weight"].view(torch.int16))
+
+
+@pytest.mark.parametrize("transport", ("tcp", "grpc"))
+def test_after_a_delta_publish_that_failed_the_next_goes_whole_and_bit_exact(
+    server: WeightStreamServer, transport: str
+) -> None:
+    """A delta publish brings the trainer's host copy up to date as its chunks go: one refused midway
+    (here: a revision name taken, found once its chunks were on their way) leaves that copy holding
+    some of each revision, so the next publish goes whole, and the server ends holding exactly it."""
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    c = stepped(b, 0.02, seed=2)
+    with client_of(server, transport) as trainer:
+        trainer.publish(MODEL, a, revision="r-a", deltas=True)
+        trainer.publish(MODEL, b, revision="r-b", deltas=True)
+        assert trainer.last_publish is not None and trainer.last_publish.sent_bytes < 0.1 * model_bytes(b)
+        with pytest.raises(WeightStreamError):
+            trainer.publish(MODEL, c, revision="r-a", deltas=True)  # a name the server has already
+        trainer.publish(MODEL, c, revision="r-c", deltas=True)
+        assert trainer.last_publish.delta_base == "" and trainer.last_publish.sent_bytes == model_bytes(c)
+        assert_published(trainer, c)
+        d = stepped(c, 0.02, seed=3)
+        trainer.publish(MODEL, d, revision="r-d", deltas=True)
+        assert trainer.last_publish.delta_base == "r-c" and trainer.last_publish.sent_bytes < 0.1 * model_bytes(d)
+        assert_published(trainer, d)

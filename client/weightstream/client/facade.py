@@ -420,7 +420,7 @@ class WeightStreamClient:
         size) and the next publish of the model (the same part) sends only what changed since:
         chunks equal to the copy are skipped, the others go as XOR deltas where that is smaller;
         the server starts the revision from the one it holds. Where the server no longer keeps that
-        revision, the publish goes whole.
+        revision, the publish goes whole; after a publish that failed, the next one does too.
         """
         started = time.perf_counter()
         tensors = revisions.named_list(named_tensors)
@@ -429,21 +429,30 @@ class WeightStreamClient:
         chunk_bytes = self._session_config.chunk_bytes
         sent = [0]  # payload bytes of the chunks sent, by the try that succeeded
         delta_base = held.revision if held is not None else ""
-        with translated(self.target):
-            try:
-                response, how = self._publish_part(
-                    model, tensors, revision, part, parts, new_layout, held, chunk_bytes, sent
-                )
-            except grpc.RpcError as exc:
-                if held is None or exc.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
-                logger.warning("publish of %s: the server no longer keeps %s; publishing whole", model, held.revision)
-                delta_base = ""
-                response, how = self._publish_part(
-                    model, tensors, revision, part, parts, new_layout, None, chunk_bytes, sent
-                )
+        try:
+            with translated(self.target):
+                try:
+                    response, how = self._publish_part(
+                        model, tensors, revision, part, parts, new_layout, held, chunk_bytes, sent
+                    )
+                except grpc.RpcError as exc:
+                    if held is None or exc.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    logger.warning(
+                        "publish of %s: the server no longer keeps %s; publishing whole", model, held.revision
+                    )
+                    delta_base = ""
+                    response, how = self._publish_part(
+                        model, tensors, revision, part, parts, new_layout, None, chunk_bytes, sent
+                    )
+        except BaseException:
+            # The host copy may hold some of these tensors' bytes by now: the next publish goes whole.
+            self._published.pop(key, None)
+            raise
         if deltas:
-            self._published[key] = revisions.HeldPublish.after(held, str(response.revision), tensors)
+            self._published[key] = revisions.HeldPublish.after(
+                held, str(response.revision), tensors, synced=bool(delta_base)
+            )
         else:
             self._published.pop(key, None)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)

@@ -122,7 +122,9 @@ def publish_chunks(
     """The chunks of tensors, in order, each payload valid until the next chunk is taken. With base (host
     copies of the delta base's tensors, by name), a tensor base holds with the same dtype and shape goes
     as what changed: chunks equal to the base's are skipped, the others sent as deltas where that is
-    smaller, found on ENCODER_THREADS threads up to ENCODE_AHEAD chunks ahead."""
+    smaller, found on ENCODER_THREADS threads up to ENCODE_AHEAD chunks ahead; and base's copies are
+    brought up to the chunks' bytes as they go (once the chunks are all taken, base's copies of those
+    tensors hold tensors; taken in part, they hold some of each: HeldPublish.after)."""
     pieces = _pieces(tensors, chunk_bytes, base)
     if base is None:
         for name, offset, piece, _ in pieces:
@@ -135,7 +137,8 @@ def publish_chunks(
         codec = getattr(local, "codec", None)
         if codec is None:
             codec = local.codec = delta_forms.Codec()
-        return _delta_chunk(job, codec)
+            local.scratch = np.empty(chunk_bytes, dtype=np.uint8)
+        return _delta_chunk(job, codec, local.scratch)
 
     with ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="weightstream-publish") as pool:
         ahead: deque[Future[OutChunk | None]] = deque()
@@ -173,19 +176,25 @@ def _pieces(
             yield name, offset, piece, old[offset : offset + chunk_bytes] if old is not None else None
 
 
-def _delta_chunk(job: _Piece, codec: delta_forms.Codec) -> OutChunk | None:
-    """The chunk as what changed against the base (None: unchanged), or whole where that is cheaper.
-    numpy, not torch: torch's thread pool, woken per chunk, costs more than the work here."""
+def _delta_chunk(job: _Piece, codec: delta_forms.Codec, scratch: np.ndarray) -> OutChunk | None:
+    """The chunk as what changed against the base (None: unchanged), or whole where that is cheaper; the
+    base's copy then holds the chunk's bytes. numpy, not torch: torch's thread pool, woken per chunk,
+    costs more than the work here. scratch: this thread's buffer of a chunk's size."""
     name, offset, piece, was = job
     length = piece.numel()
     crc = wire.crc32c_at(piece.data_ptr(), length)
-    if was is not None and not delta_forms.dense(piece, was):
-        xor = np.bitwise_xor(piece.numpy(), was.numpy())
+    if was is None:
+        return OutChunk(name, offset, length, crc, 0, _bytes_view(piece))
+    new, old = piece.numpy(), was.numpy()
+    delta = None
+    if not delta_forms.dense(piece, was):
+        xor = np.bitwise_xor(new, old, out=scratch[:length])
         if not xor.any():
             return None  # unchanged: the server keeps the base's bytes
         delta = codec.encode(torch.from_numpy(xor), offset)
-        if delta is not None:
-            return OutChunk(name, offset, length, crc, delta[0], memoryview(delta[1]))
+    np.copyto(old, new)  # while both are in this core's cache
+    if delta is not None:
+        return OutChunk(name, offset, length, crc, delta[0], memoryview(delta[1]))
     return OutChunk(name, offset, length, crc, 0, _bytes_view(piece))
 
 
@@ -218,14 +227,21 @@ class HeldPublish:
     tensors: dict[str, torch.Tensor]
 
     @classmethod
-    def after(cls, held: HeldPublish | None, revision: str, tensors: list[tuple[str, torch.Tensor]]) -> HeldPublish:
-        """The copies once revision (tensors) is published: held's updated in place where the layout is the same."""
+    def after(
+        cls, held: HeldPublish | None, revision: str, tensors: list[tuple[str, torch.Tensor]], *, synced: bool = False
+    ) -> HeldPublish:
+        """The copies once revision (tensors) is published: held's updated in place where the layout is the
+        same. synced: the publish sent what changed against held, whose copies publish_chunks brought up
+        to date already (those of the same layout are not copied again)."""
         copies = held.tensors if held is not None else {}
         kept: dict[str, torch.Tensor] = {}
         for name, tensor in tensors:
             copy = copies.get(name)
             if copy is None or not _same_layout(copy, tensor):
                 copy = torch.empty(tensor.shape, dtype=tensor.dtype)
+            elif synced:
+                kept[name] = copy
+                continue
             copy.copy_(tensor.detach())
             kept[name] = copy
         return cls(revision, kept)
