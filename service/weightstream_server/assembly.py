@@ -294,6 +294,9 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         assembly_timeout=settings.publish_assembly_timeout,
         deltas=streams.deltas,
     )
+    if streams.deltas is not None:
+        deltas = streams.deltas
+        revisions.on_evicted.append(lambda revision: deltas.forget(revision.model, revision.id))
     publisher.restore()
     changes = Changes(revisions, streams.read_blocks)
     relay = Relay(settings, revisions, catalog, publisher) if settings.upstream is not None else None

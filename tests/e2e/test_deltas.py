@@ -18,7 +18,7 @@ from tests.support.faults import CuttingProxy
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.proxies import TamperingProxy
 from tests.support.servers import loopback_settings, serving
-from weightstream.client import IntegrityError, RetryPolicy, WeightStreamClient, WeightStreamError
+from weightstream.client import AbortedError, IntegrityError, RetryPolicy, WeightStreamClient, WeightStreamError
 from weightstream.protocol import deltas as delta_forms
 from weightstream.protocol import wire
 from weightstream.samples import ParameterTree
@@ -726,3 +726,24 @@ def test_after_a_delta_publish_that_failed_the_next_goes_whole_and_bit_exact(
         trainer.publish(MODEL, d, revision="r-d", deltas=True)
         assert trainer.last_publish.delta_base == "r-c" and trainer.last_publish.sent_bytes < 0.1 * model_bytes(d)
         assert_published(trainer, d)
+
+
+def test_a_revision_name_no_longer_kept_is_not_published_again_and_its_deltas_are_dropped(tmp_path: Path) -> None:
+    """Deltas are kept by revision name: an evicted revision's are dropped with it, and its name is
+    refused to a later publish, so an engine holding it can never be handed the deltas of other bytes
+    under the same name."""
+    a = state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    with serving(loopback_settings(model_root=tmp_path, allow_publish=True, keep_revisions=2)) as server:
+        assert server.deltas is not None
+        with client_of(server) as trainer:
+            trainer.publish(MODEL, a, revision="B", deltas=True)
+            trainer.publish(MODEL, b, revision="x", deltas=True)
+            assert server.deltas.kept_bytes > 0  # the publisher's B -> x deltas
+            trainer.publish(MODEL, stepped(a, 0.02, seed=7), revision="y")
+            trainer.publish(MODEL, stepped(a, 0.02, seed=8), revision="z")  # B and x are no longer kept
+            assert server.deltas.kept_bytes == 0
+            for name in ("B", "x"):
+                with pytest.raises(AbortedError, match="no longer kept; a name is not used again"):
+                    trainer.publish(MODEL, a, revision=name)
+            assert trainer.manifest(MODEL).revision == "z"

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from tests.e2e.test_revisions import MODEL, assert_holds, changed, module_of, nbytes, served, state_of
@@ -278,3 +279,53 @@ def test_a_sidecar_serves_the_deltas_it_pulled_from_its_upstream_without_computi
     assert [x.computed for x in after] == [x.computed for x in before], (before, after)
     assert after[1].published > before[1].published
     assert after[1].reused - before[1].reused >= report.delta_chunks
+
+
+def test_deltas_of_an_update_the_sidecar_abandoned_are_not_kept(
+    upstream: WeightStreamServer, sidecar: WeightStreamServer
+) -> None:
+    """A hostile upstream answers the relay's update with deltas, then NOT_FOUND, then serves whole bytes
+    that are not held^deltas (each chunk's CRC32C kept). The relay pulls the revision whole and must not
+    keep those deltas: its engines updating from the revision held end with the bytes a full load gets.
+
+    The upstream's lie is made in this process: the sidecar's client of it is wrapped, so that its
+    update runs for real and then raises NOT_FOUND, and its load runs for real and then rewrites five
+    bytes of one tensor's first chunk keeping that chunk's CRC32C (what the upstream would have sent)."""
+    from tests.e2e.test_deltas import module_of as bf16_module_of
+    from tests.e2e.test_deltas import state_of as bf16_state_of
+    from tests.e2e.test_deltas import stepped
+    from tests.support.forgery import crc32c, match_crc32c
+
+    name = "embed.weight"
+    relay = sidecar.relay
+    assert relay is not None
+    client = relay._client
+    real_update, real_load = client.update_into, client.load_into
+
+    def update_then_not_found(*args: Any, **kwargs: Any) -> Any:
+        real_update(*args, **kwargs)
+        raise NotFoundError("the upstream no longer keeps the revision held here")
+
+    def load_other_bytes(views: Any, *args: Any, **kwargs: Any) -> Any:
+        report = real_load(views, *args, **kwargs)
+        if name in views:
+            flat = views[name].view(-1).view(torch.uint8).numpy()
+            want = crc32c(flat[: 4 << 20].copy())
+            flat[1000] ^= 0x40
+            match_crc32c(flat[: 4 << 20], want, 2000)
+        return report
+
+    a = bf16_state_of(0)
+    b = stepped(a, 0.02, seed=1)
+    module = bf16_module_of(a)
+    with client_of(sidecar) as near, client_of(upstream) as trainer:
+        first = trainer.publish("stepped", a, deltas=True)
+        assert near.load_into(module, "stepped").revision == first
+        client.update_into, client.load_into = update_then_not_found, load_other_bytes  # type: ignore[method-assign]
+        second = trainer.publish("stepped", b, deltas=True)
+        eventually(lambda: near.manifest("stepped").revision == second, "the sidecar took the second revision")
+        near.update_into(module, "stepped", since=first)
+        fresh = bf16_module_of(a)
+        near.load_into(fresh, "stepped", revision=second)
+    got, full = dict(module.named_parameters()), dict(fresh.named_parameters())
+    assert all(torch.equal(got[n].view(torch.int16), full[n].view(torch.int16)) for n in got)

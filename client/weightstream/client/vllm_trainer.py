@@ -79,7 +79,7 @@ logger = logging.getLogger("weightstream.vllm_trainer")
 Phase = Literal["publish", "start", "update", "finish"]
 
 # A revision name ends in the send's number: `step-12`.
-_NUMBERED = re.compile(r"(\d+)")
+_NUMBERED = re.compile(r"(\d{1,18})")
 
 
 class WeightSyncError(RuntimeError):
@@ -98,8 +98,10 @@ class WeightStreamTrainerInitInfo(TrainerInitInfo):
 
     target, model: the weightstream server and the model id (the engine's, as its load_format
     weightstream loaded it). engine_target: the server's address as the engines reach it (default:
-    target). token, tls, ca_file, shm_dir, transport: as the loader's keys, for both sides.
-    publish_token: the token the trainer publishes with (default: token). deltas: the trainer sends
+    target). token, tls, ca_file, shm_dir, transport: as the loader's keys, for both sides; token is
+    handed to the engine (init_weight_transfer_engine, over the client's transport), so it should be a
+    read token. publish_token: the token the trainer publishes with (default: token); give it apart
+    so that no engine ever holds a token that may publish. deltas: the trainer sends
     only what changed (keeping a host copy of its part) and the engine pulls deltas into its own
     host copy. world_size: the trainer ranks that call send_weights (parts of a revision when the
     source splits its names). revision_prefix: revision names are prefix + send number.

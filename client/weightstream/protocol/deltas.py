@@ -150,6 +150,9 @@ class Codec:
         """The delta at address for a chunk at offset of length bytes, checked and ready to apply; it
         lies in this Codec's scratch buffer (valid until its next use) unless own, when it is a copy
         of its own (for another thread to apply)."""
+        if payload_bytes > length:
+            # No delta larger than its chunk is ever worth sending (WORTH): one is refused unread.
+            raise DeltaUnusable(f"a delta of {payload_bytes} payload bytes for a chunk of {length}")
         if encoding == SPARSE_XOR_ZSTD:
             return self._decode_sparse(length, offset, address, payload_bytes, own)
         if encoding == XOR_ZSTD:

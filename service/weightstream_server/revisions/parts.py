@@ -40,6 +40,9 @@ from weightstream_server.revisions.published_source import BLOCK_BYTES, check_bl
 from weightstream_server.revisions.store import BlockHashes, Blocks, Revision
 from weightstream_server.serving.deltas import ChunkKey, Delta
 
+# What one kept chunk (Part.sent) counts against the budget at least: its key and entry.
+KEPT_ENTRY_BYTES = 256
+
 
 @dataclass
 class Part:
@@ -201,6 +204,8 @@ class PartInFlight:
 
     def fail(self, exc: BaseException) -> None:
         self._ahead.close()
+        for _, _, future in self.part.checking:
+            future.cancel()  # a dropped part's blocks are not checked (its buffer goes once they are done)
         reason = f"part {self.part.index} failed: {exc}" if isinstance(exc, ServerError) else ""
         self._assembly.drop(self.part.index, reason)
 
@@ -253,6 +258,11 @@ class PartInFlight:
                 f"publish of model {self.model!r}: tensor {name[:200]!r}: a delta, but the tensor is not in the "
                 "delta base with this dtype and shape"
             )
+        if length > wire.MAX_CHUNK_BYTES:
+            raise InvalidRequest(
+                f"publish of model {self.model!r}: tensor {name[:200]!r}: a delta for {length} bytes, more than a "
+                f"chunk's {wire.MAX_CHUNK_BYTES}"
+            )
         tensor = self._placed(name, offset, length)
         base = self._region.address
 
@@ -277,10 +287,12 @@ class PartInFlight:
     ) -> None:
         """Keep what landed for a chunk of a based tensor (checked): a delta's payload (copied), or None (whole)."""
         part = self.part
-        if not self._keep_bytes or part.sent_bytes + len(payload) > self._keep_bytes or not length:
+        # Each entry counts at least KEPT_ENTRY_BYTES: a flood of tiny chunks keeps a bounded number.
+        cost = max(len(payload), KEPT_ENTRY_BYTES)
+        if not self._keep_bytes or part.sent_bytes + cost > self._keep_bytes or not length:
             return
         part.sent[(name, offset, length)] = (encoding, bytes(payload)) if encoding is not None else None
-        part.sent_bytes += len(payload)
+        part.sent_bytes += cost
 
     def _placed(self, name: str, offset: int, length: int) -> Placed:
         """The announced tensor of a chunk at offset of length bytes, checked to come next and to fit."""

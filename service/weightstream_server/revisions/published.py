@@ -254,6 +254,11 @@ class Publisher:
             raise PublishConflict(f"model {start.model!r}: revision {pending.name!r} was not taken: {pending.failure}")
         return pending.revision
 
+    @property
+    def deltas_budget(self) -> int:
+        """The payload bytes of deltas kept here at most (--delta-cache-bytes; 0: none)."""
+        return self._deltas.budget_bytes if self._deltas is not None else 0
+
     def keep_deltas(self, model: str, base: str, revision: str, chunks: Mapping[ChunkKey, Delta]) -> None:
         """Keep the deltas from base to revision of model that another server sent for chunks (a relay's
         pull), as the ones a delta publish leaves."""
@@ -308,6 +313,11 @@ class Publisher:
                 raise PublishConflict(f"model {model!r}: part {start.part} of revision {pending.name!r} is being sent")
             if start.revision and self._store.find(model, start.revision) is not None:
                 raise PublishConflict(f"model {model!r} has a revision {start.revision!r} already; name another")
+            if start.revision and not from_disk and self._store.was_evicted(model, start.revision):
+                raise PublishConflict(
+                    f"model {model!r} had a revision {start.revision!r}, no longer kept; a name is not used again "
+                    "(engines may hold it): name another"
+                )
             if (
                 start.revision
                 and self._publish_dir is not None

@@ -315,10 +315,15 @@ class Relay:
         pulled = copied = 0
         shared_bytes = sum(s.nbytes for s in shared.values())
         # The deltas from held to revision the upstream sent, checked: served here as they came.
+        # (within --delta-cache-bytes: a hostile upstream cannot make this grow past it)
         deltas: dict[ChunkKey, Delta] = {}
+        kept_bytes = 0
 
         def keep(tensor: str, offset: int, length: int, encoding: int, payload: bytes) -> None:
-            deltas[(tensor, offset, length)] = (encoding, payload)
+            nonlocal kept_bytes
+            if kept_bytes + len(payload) <= self._publisher.deltas_budget:
+                deltas[(tensor, offset, length)] = (encoding, payload)
+                kept_bytes += len(payload)
 
         def fill(views: dict[str, torch.Tensor]) -> None:
             nonlocal pulled, copied
@@ -345,6 +350,7 @@ class Relay:
                 except WeightStreamError as exc:
                     if exc.code != grpc.StatusCode.NOT_FOUND:
                         raise
+                    deltas.clear()  # what they stood for is pulled again whole: not this revision's bytes
                     rest = views  # the upstream no longer keeps the revision held here: all of it
             if rest:
                 pulled += self._client.load_into(rest, model, revision=revision, strict=False).bytes

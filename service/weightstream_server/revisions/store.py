@@ -124,6 +124,9 @@ class RevisionStore:
         self.publish_seconds: dict[str, float] = {}
         # Called (outside the lock) with each new storage revision.
         self.listeners: list[Callable[[Revision], None]] = []
+        # Called (outside the lock) with each revision that leaves a history: what is kept by its
+        # name elsewhere (deltas from or to it) goes with it, since a name may come back with other bytes.
+        self.on_evicted: list[Callable[[Revision], None]] = []
         # Called (outside the lock) with a storage revision whose files were seen anew (a tier's remote
         # files now in its disk cache), and the manifest it had before.
         self.refreshed: list[Callable[[Revision, Manifest], None]] = []
@@ -283,3 +286,5 @@ class RevisionStore:
             logger.info("model %r: revision %s (%s) is no longer kept", revision.model, revision.id, revision.origin)
             if revision.on_evict is not None:
                 revision.on_evict()
+            for listener in self.on_evicted:
+                listener(revision)

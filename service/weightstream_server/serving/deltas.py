@@ -215,6 +215,14 @@ class Deltas:
                 self._keep((model, base, revision, tensor, None, offset, length), delta)
             self.stats.published += len(chunks)
 
+    def forget(self, model: str, revision: str) -> None:
+        """Drop the deltas from or to model's revision (it is no longer kept: its name may be used again)."""
+        with self._lock:
+            gone = [key for key in self._kept if key[0] == model and revision in (key[1], key[2])]
+            for key in gone:
+                dropped = self._kept.pop(key)
+                self._kept_bytes -= len(dropped[1]) if dropped is not None else 0
+
     def _timed(self, compute: _Compute) -> Delta:
         started = time.thread_time()
         try:
