@@ -23,6 +23,8 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.support.commands import clean_env
 from tests.support.faults import CuttingProxy
@@ -205,8 +207,17 @@ def test_an_offline_llm_is_synced_with_deltas_through_the_four_method_client_of_
     publish and the engine pulls deltas into its host copy."""
     running_server, nbytes = server
     config = config_folder(running_server, tmp_path)
+    # A name the trainer would take first is taken (another trainer's step-1 is kept): it goes on to
+    # the next, and so does every later send.
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted((tmp_path / "root" / MODEL).glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    with WeightStreamClient(running_server.target, progress=False) as other:
+        other.publish(MODEL, weights, revision="step-1")
+        other.publish(MODEL, weights, revision="warm")
     first, *steps = train(tmp_path, running_server, "offline", config, deltas=True)
     assert [s.get("error") for s in steps] == [None] * STEPS, steps
+    assert [s["revision"] for s in steps] == [f"step-{i}" for i in range(2, STEPS + 2)]
     # The first publish has no base and goes whole; AdamW moves every element, so the later ones go
     # as XOR deltas of about the same size (never more than whole).
     assert steps[0]["publish_sent_bytes"] == nbytes

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from weightstream.client.errors import WeightStreamError
+from weightstream.client.errors import AbortedError, WeightStreamError
 from weightstream.client.facade import PublishReport, WeightStreamClient
 from weightstream.client.vllm_loader import TRANSFER_BACKEND
 from weightstream.protocol import names
@@ -78,6 +78,8 @@ logger = logging.getLogger("weightstream.vllm_trainer")
 
 Phase = Literal["publish", "start", "update", "finish"]
 
+# Names tried in one send when the server has the name already (a restarted trainer).
+NAME_TRIES = 64
 # A revision name ends in the send's number: `step-12`.
 _NUMBERED = re.compile(r"(\d{1,18})")
 
@@ -252,15 +254,27 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
                 revision=revision,
             )
         try:
-            if tensors:
-                self.publisher.publish(
-                    info.model,
-                    tensors,
-                    revision=revision,
-                    part=self._part(),
-                    parts=self._parts(),
-                    deltas=info.deltas,
-                )
+            for _ in range(NAME_TRIES):
+                if not tensors:
+                    break
+                try:
+                    self.publisher.publish(
+                        info.model,
+                        tensors,
+                        revision=revision,
+                        part=self._part(),
+                        parts=self._parts(),
+                        deltas=info.deltas,
+                    )
+                    break
+                except AbortedError as exc:
+                    # The name is taken (kept, or used before and no longer kept: a restarted trainer
+                    # after other revisions): every rank is told the same, and goes on to the next.
+                    if "name another" not in str(exc):
+                        raise
+                    logger.info("weightstream: revision %s of %s is taken; trying the next name", revision, info.model)
+                    self.sends += 1
+                    revision = f"{info.revision_prefix}{self.sends}"
         except WeightStreamError as exc:
             raise WeightSyncError(
                 f"weightstream: publish of {info.model!r} revision {revision!r} (rank {info.rank}) failed: {exc}; "
