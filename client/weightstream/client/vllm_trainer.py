@@ -245,8 +245,11 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
         self.sends += 1
         revision = f"{info.revision_prefix}{self.sends}"
         started = time.perf_counter()
-        tensors = self._held_tensors()
-        if self._split() and not tensors:
+        assert self.source is not None
+        held = self.source.held_names()  # asked once per send: every use below agrees
+        split = held is not None and info.world_size > 1
+        tensors = self._held_tensors(held)
+        if split and not tensors:
             raise WeightSyncError(
                 f"weightstream: rank {info.rank} holds none of {info.model!r}'s tensors (the source's held_names()), "
                 f"but the revision is published in {info.world_size} parts, one per rank",
@@ -262,8 +265,8 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
                         info.model,
                         tensors,
                         revision=revision,
-                        part=self._part(),
-                        parts=self._parts(),
+                        part=info.rank if split else 0,
+                        parts=info.world_size if split else 1,
                         deltas=info.deltas,
                     )
                     break
@@ -297,10 +300,10 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
         )
         _log_step(info, self.last_step, report)
 
-    def _held_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Iterate the whole source (every rank, in lockstep) and keep what this rank publishes."""
+    def _held_tensors(self, held: Collection[str] | None) -> list[tuple[str, torch.Tensor]]:
+        """Iterate the whole source (every rank, in lockstep) and keep what this rank publishes (held: the
+        source's held_names())."""
         assert self.source is not None
-        held = self.source.held_names()
         mine: Collection[str] | None = set(held) if held is not None else None
         tensors: list[tuple[str, torch.Tensor]] = []
         for name, tensor in self.source:
@@ -312,16 +315,6 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
                 continue
             tensors.append((name, tensor.detach()))
         return tensors
-
-    def _part(self) -> int:
-        return self.init_info.rank if self._split() else 0
-
-    def _parts(self) -> int:
-        return self.init_info.world_size if self._split() else 1
-
-    def _split(self) -> bool:
-        assert self.source is not None
-        return self.source.held_names() is not None and self.init_info.world_size > 1
 
     def _update_engine(self, revision: str) -> None:
         phase: Phase = "start"
