@@ -152,6 +152,12 @@ class WeightStreamServer:
         self.health.refresh()
         self.liveness.mark_stopped()
         self.grpc_server.stop(grace).wait()
+        if self.publisher is not None and not self.publisher.wait_written(self.settings.drain_seconds):
+            logger.warning(
+                "a published revision is still being written to %s after %.1f s; it may be missing after a restart",
+                self.settings.publish_dir,
+                self.settings.drain_seconds,
+            )
         if self.relay is not None:
             self.relay.close()
         if self.data_port is not None:

@@ -134,6 +134,19 @@ class PublishDir:
                 revision.id,
             )
 
+    def wait_written(self, timeout: float) -> bool:
+        """Wait up to timeout s for the revisions due to be written (a stopping server's last
+        publishes); whether none is left."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._due_lock:
+                writer = self._writer
+            if writer is None:
+                return True
+            writer.join(max(0.0, deadline - time.monotonic()))
+            if writer.is_alive():
+                return False
+
     def _write_due(self) -> None:
         while True:
             with self._due_lock:

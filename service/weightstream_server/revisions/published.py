@@ -152,6 +152,11 @@ class Publisher:
         # Payload bytes publishers sent for the parts taken (what changed only, for a delta publish).
         self.received_bytes = 0
 
+    def wait_written(self, timeout: float) -> bool:
+        """Wait up to timeout s for published revisions still being written to --publish-dir; whether
+        all were (True without one)."""
+        return self._publish_dir is None or self._publish_dir.wait_written(timeout)
+
     def pending_bytes(self) -> int:
         with self._lock:
             return self._pending_bytes()
