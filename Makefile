@@ -34,7 +34,7 @@ $(EMULATORS): tests/s3/package.json
 	touch $(EMULATORS)
 
 test: $(STAMP) $(EMULATORS) vllm-venv lint typecheck check-proto check-deploy
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 # The one-minute loop: the tests not marked slow (no vLLM, no S3 server, no `weightstream serve`
 # processes, nothing over about a second), after the project's own install only. `make test` runs them all.
