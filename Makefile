@@ -67,11 +67,11 @@ check-proto: $(STAMP)
 # the strict build finds a broken link, anchor or nav entry (a few seconds).
 docs: $(STAMP)
 	$(BIN)/python scripts/gen_reference.py
-	$(BIN)/mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 check-docs: $(STAMP)
 	$(BIN)/python scripts/gen_reference.py --check
-	$(BIN)/mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build

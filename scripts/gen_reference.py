@@ -300,6 +300,8 @@ def drift() -> list[str]:
 
 
 def main() -> int:
+    # The code of this checkout, whatever an installed weightstream points at.
+    sys.path[:0] = [str(ROOT / "client"), str(ROOT / "service")]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="write nothing; fail when a page differs")
     args = parser.parse_args()
