@@ -117,13 +117,13 @@ def _synopsis(prog: str, parser: argparse.ArgumentParser) -> str:
         if isinstance(action, argparse._HelpAction):
             continue
         if not action.option_strings:
-            parts.append(action.metavar or action.dest.upper())
+            parts.append(str(action.metavar or action.dest.upper()))
             continue
         option = action.option_strings[-1]
         if action.nargs == 0:
             text = option
         else:
-            text = f"{option} {action.metavar or action.dest.upper()}"
+            text = f"{option} {action.metavar or action.dest.upper()!s}"
         parts.append(text if action.required else f"[{text}]")
     return " ".join(parts)
 
@@ -136,9 +136,9 @@ def _arguments_table(parser: argparse.ArgumentParser) -> list[str]:
         if action.option_strings:
             name = ", ".join(action.option_strings)
             if action.nargs != 0:
-                name += " " + (action.metavar or action.dest.upper())
+                name += " " + str(action.metavar or action.dest.upper())
         else:
-            name = action.metavar or action.dest.upper()
+            name = str(action.metavar or action.dest.upper())
         if action.required or not action.option_strings:
             default = "(required)"
         elif action.nargs == 0:
@@ -223,10 +223,10 @@ def metric_families(source: str) -> list[_Family]:
             except (ValueError, KeyError):
                 pass
         if isinstance(node, ast.If):
-            for child in node.body:
-                visit(child, owner, ast.unparse(node.test))
-            for child in node.orelse:
-                visit(child, owner, condition)
+            for statement in node.body:
+                visit(statement, owner, ast.unparse(node.test))
+            for statement in node.orelse:
+                visit(statement, owner, condition)
             return
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _KINDS:
             name = _string(node.args[0], names)
