@@ -110,3 +110,11 @@ def test_readme_commands_parse() -> None:
 def test_python_examples_compile(page: str) -> None:
     for block in _blocks((ROOT / page).read_text(), ("python",)):
         compile(block, page, "exec")
+
+
+def test_every_rpc_is_on_the_wire_page() -> None:
+    proto = (ROOT / "proto" / "weightstream" / "v1" / "weightstream.proto").read_text()
+    wire = (ROOT / "docs" / "reference" / "wire.md").read_text()
+    rpcs = re.findall(r"^\s*rpc (\w+)", proto, re.M)
+    assert rpcs
+    assert not [rpc for rpc in rpcs if f"`{rpc}" not in wire]
