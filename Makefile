@@ -13,7 +13,7 @@ VLLM_TORCH_SPEC ?= torch==2.13.0
 # gcp-storage-emulator (Google Cloud Storage) come with the dev extra.
 EMULATORS := tests/s3/node_modules/.weightstream-installed
 
-.PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv
+.PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv docs check-docs
 
 $(RUNTIME_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,7 +33,7 @@ $(EMULATORS): tests/s3/package.json
 	npm install --prefix tests/s3 --no-audit --no-fund --no-package-lock
 	touch $(EMULATORS)
 
-test: $(STAMP) $(EMULATORS) vllm-venv lint typecheck check-proto check-deploy
+test: $(STAMP) $(EMULATORS) vllm-venv lint typecheck check-proto check-deploy check-docs
 	$(BIN)/python -m pytest --durations=30
 
 # The one-minute loop: the tests not marked slow (no vLLM, no S3 server, no `weightstream serve`
@@ -61,6 +61,17 @@ check-proto: $(STAMP)
 	rm -rf build/proto-check
 	$(BIN)/python scripts/generate_proto.py --out build/proto-check
 	for f in build/proto-check/*.py*; do diff -u "client/weightstream/v1/$$(basename $$f)" "$$f" || exit 1; done
+
+# The documentation site: the reference pages made from the code (CLI, server options, metrics), then the
+# site in build/site. check-docs (part of `make test`) fails when those pages drift from the code, or when
+# the strict build finds a broken link, anchor or nav entry (a few seconds).
+docs: $(STAMP)
+	$(BIN)/python scripts/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+
+check-docs: $(STAMP)
+	$(BIN)/python scripts/gen_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build

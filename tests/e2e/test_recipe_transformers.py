@@ -1,4 +1,5 @@
-"""The README's transformers recipe, run as written: meta-device model, load_into from the server, generate."""
+"""The transformers recipe of docs/how-to/transformers.md, run as written: meta-device model, load_into from the
+server, generate."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def test_meta_model_loaded_over_grpc_generates_like_a_local_load(tiny_llama_fold
     config = llama_config()
     prompt = torch.tensor([[1, 2, 3, 4, 5]])
 
-    # --- the recipe, as in README.md ---
+    # --- the recipe, as in docs/how-to/transformers.md ---
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.to_empty(device="cpu")

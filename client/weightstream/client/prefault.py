@@ -2,7 +2,7 @@
 
 A parameter that an engine has just allocated (torch.empty) has no pages yet: the first write to
 each 4 KiB page traps into the kernel, which finds and zeroes a page. On a loaded machine or in a
-virtual machine that can be a large part of a load (the README's vLLM section measures it).
+virtual machine that can be a large part of a load (docs/how-to/vllm.md measures it).
 Faulting the pages in with madvise(MADV_POPULATE_WRITE) (Linux 5.14) costs the kernel the same
 zeroing without a trap per page, and on this thread it overlaps with the network: by the time a
 chunk arrives its pages are usually there. Contents are never changed (the call faults pages in

@@ -17,7 +17,7 @@ the read into the streamer's ring or the cache, then one memmove into the slot; 
 in the copy or in the ring's bookkeeping is caught. The client checks the CRC32C on the slot and
 copies the slot into its parameter once. The direct read costs the server less CPU per byte and
 is faster from a warm page cache; from a cold one the streamer's parallel reads are faster, so
-they keep those loads (benchmarks/shm_load.py measures both; the README has the figures).
+they keep those loads (benchmarks/shm_load.py measures both; docs/concepts/transports.md has the figures).
 
 Memory: each stream holds one segment of slots * slot_bytes, at most the server's read-ahead
 setting (OpenSharedMemoryResponse.max_ring_bytes).
