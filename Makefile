@@ -12,6 +12,7 @@ VLLM_TORCH_SPEC ?= torch==2.13.0
 # The store emulators the tests start, from npm: s3rver (S3) and Azurite (Azure Blob). moto (S3) and
 # gcp-storage-emulator (Google Cloud Storage) come with the dev extra.
 EMULATORS := tests/s3/node_modules/.weightstream-installed
+CHART := deploy/helm/weightstream
 
 .PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv docs check-docs
 
@@ -81,7 +82,9 @@ clean:
 # The deployment files, offline (no Docker engine or cluster needed; the tools come with the dev
 # extra): hadolint on the Dockerfile, `kubectl kustomize` of every overlay validated against the
 # Kubernetes schemas (strict: unknown fields fail) of the oldest release with native sidecars and of
-# the newest, and the compose file against the Compose specification. tests/deploy/test_deploy.py, run by
+# the newest, and the compose file against the Compose specification; the Helm chart linted (`helm lint
+# --strict`) and rendered (`helm template`) with each of its ci/*-values.yaml through Helm's Go SDK
+# (scripts/helm_chart.py; no helm binary), the manifests validated like the overlays'. tests/deploy/test_deploy.py, run by
 # pytest, checks on top that the files' env vars, flags and probes are ones the server accepts.
 check-deploy: $(STAMP)
 	$(BIN)/hadolint Dockerfile
@@ -93,6 +96,14 @@ check-deploy: $(STAMP)
 		done; \
 	done
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec deploy/docker-compose.yml
+	for f in deploy/helm/weightstream/ci/*-values.yaml; do \
+		n=$$(basename $$f -values.yaml); \
+		$(BIN)/python scripts/helm_chart.py lint $(CHART) -f $$f || exit 1; \
+		$(BIN)/python scripts/helm_chart.py template weightstream $(CHART) -n weightstream -f $$f > "build/deploy/helm-$$n.yaml" || exit 1; \
+		for v in 1.29.0 1.37.0; do \
+			$(BIN)/kubernetes-validate --strict --quiet -k $$v "build/deploy/helm-$$n.yaml" || exit 1; \
+		done; \
+	done
 
 # Optional, not part of `make test`: builds the image with podman from a base made locally with
 # debootstrap, serves a demo checkpoint from it and loads it through the client (needs root, podman,

@@ -36,6 +36,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import helm_python
 import kubernetes_validate
 import pytest
 import yaml
@@ -595,6 +596,43 @@ def security_problems(c: Container, pod: dict[str, Any]) -> list[str]:
         if missing:
             problems.append(f"{c.where}: resources.{part} lacks {sorted(missing)}")
     return problems
+
+
+# --- Helm ---------------------------------------------------------------------------------------
+
+CHART = ROOT / "deploy" / "helm" / "weightstream"
+
+# The monitoring.coreos.com kinds the chart makes, which Kubernetes' own schemas do not hold.
+OPERATOR_KINDS = ("ServiceMonitor", "PodMonitor")
+
+
+def chart_values(name: str) -> dict[str, Any]:
+    """The values of one of the chart's ci/NAME-values.yaml files; "default" for none (values.yaml alone)."""
+    if name == "default":
+        return {}
+    values: dict[str, Any] = yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text())
+    return values
+
+
+def helm_template(values: dict[str, Any], release: str, namespace: str) -> list[dict[str, Any]]:
+    """What `helm template RELEASE deploy/helm/weightstream -n NAMESPACE` renders with values (Helm's Go SDK)."""
+    rendered = helm_python.Chart.load(str(CHART)).render(
+        values or None, name=release, namespace=namespace, is_install=True
+    )
+    return [
+        doc
+        for path, text in sorted(rendered.items())
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+
+
+def helm_lint(values: dict[str, Any], chart: Path = CHART) -> list[str]:
+    """What `helm lint --strict` finds in chart with values: warnings and errors, one line each."""
+    report = helm_python.lint(str(chart), values or None, strict=True)
+    found = [f"{m['path']}: {m['error']}" for m in report.get("messages", []) if m["severity"] >= 2]
+    return found + [str(e) for e in report.get("errors") or []]
 
 
 # --- Kubernetes ---------------------------------------------------------------------------------
