@@ -277,8 +277,12 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         stats=stats,
         readiness=readiness,
         # A client may hold every slot but one by default: there is always one for somebody else.
-        slots=StreamSlots(settings.max_streams, settings.max_streams_per_client or max(1, settings.max_streams - 1)),
-        stalls=StallWatch(settings.stall_timeout),
+        slots=StreamSlots(
+            settings.max_streams,
+            settings.max_streams_per_client or max(1, settings.max_streams - 1),
+            on_refused=stats.stream_refused,
+        ),
+        stalls=StallWatch(settings.stall_timeout, on_stall=stats.stream_stalled),
         cache=cache,
         deltas=Deltas(settings.delta_cache_bytes) if settings.delta_cache_bytes else None,
         read_blocks=ReadBlocks(),

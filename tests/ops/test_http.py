@@ -158,6 +158,12 @@ def test_metrics_move_by_exactly_the_bytes_streamed(root: Path, state: dict[str,
     assert _metric(after, "weightstream_stream_duration_seconds_count") == 3
     assert _metric(after, "weightstream_stream_duration_seconds_bucket", le="+Inf") == 3
     assert _metric(after, "weightstream_active_streams") == 0
+    # No data port, no shared memory: every stream's bytes went over gRPC.
+    assert _metric(after, "weightstream_transport_streams_total", transport="grpc") == 3
+    assert _metric(after, "weightstream_transport_bytes_served_total", transport="grpc") == streamed
+    assert _metric(after, "weightstream_stalls_total") == 0
+    # The refusal came from the streamer pool, not the stream slots.
+    assert _metric(after, "weightstream_streams_refused_total", reason="slots") == 0
     assert _metric(after, "weightstream_info", version=weightstream.__version__) == 1
     # /status reads the same counters.
     assert status["bytes_served_total"] == streamed

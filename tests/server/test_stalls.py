@@ -141,6 +141,7 @@ def test_a_good_client_is_served_while_unread_calls_are_open(
 ) -> None:
     caplog.set_level(logging.WARNING)
     target = f"127.0.0.1:{root_server.port}"
+    stalls_before = root_server.stats.snapshot().stalls_total
     with unread_calls(stub, kind, target, shm_dir) as held:
         assert len(held) == (1 if kind in TRANSPORT_OF else 0), "one client holds one of two slots"
         started = time.monotonic()
@@ -148,6 +149,7 @@ def test_a_good_client_is_served_while_unread_calls_are_open(
         seconds = time.monotonic() - started
     stalled = [r.getMessage() for r in caplog.records if "took nothing for" in r.getMessage()]
     assert stalled, "no stream was ended by the stall rule"
+    assert root_server.stats.snapshot().stalls_total > stalls_before, "the stalls were not counted"
     assert all("127.0.0.1" in line for line in stalled), stalled
     # The good client waited for the stalled streams' slots, and not much longer.
     record("stall rule", **{f"good_{kind}_during_{UNREAD}_unread_calls_s": round(seconds, 2)})
@@ -210,6 +212,7 @@ def test_one_client_cannot_take_every_slot_and_another_is_served_at_once(
                     assert "--max-streams-per-client" in (exc.details() or ""), exc.details()
                     refused += 1
             assert refused == UNREAD - 1, "the attacker holds one slot of two"
+            assert server.stats.snapshot().refused_total == {"share": UNREAD - 1}
             started = time.monotonic()
             with WeightStreamClient(
                 f"127.0.0.1:{server.port}", token="good-token", progress=False, transport="grpc"

@@ -76,6 +76,35 @@ class StatsCollector(Collector):
             served.add_metric([model], counts.bytes_served)
         yield streams
         yield served
+        transport_streams = CounterMetricFamily(
+            PREFIX + "transport_streams",
+            "Streams ended, by the transport their bytes travelled on (grpc, tcp: the data port, shm).",
+            labels=["transport"],
+        )
+        transport_served = CounterMetricFamily(
+            PREFIX + "transport_bytes_served",
+            "Tensor bytes handed to a transport for sending, by transport.",
+            labels=["transport"],
+        )
+        for transport, counts in s.transports.items():
+            transport_streams.add_metric([transport], counts.streams)
+            transport_served.add_metric([transport], counts.bytes_served)
+        yield transport_streams
+        yield transport_served
+        yield CounterMetricFamily(
+            PREFIX + "stalls",
+            "Streams ended by the stall rule: the client took nothing for --stall-timeout.",
+            value=s.stalls_total,
+        )
+        refused = CounterMetricFamily(
+            PREFIX + "streams_refused",
+            "Streams refused RESOURCE_EXHAUSTED, by reason: slots (every --max-streams slot taken) or share (the "
+            "client holds its --max-streams-per-client share).",
+            labels=["reason"],
+        )
+        for reason in ("slots", "share"):
+            refused.add_metric([reason], s.refused_total.get(reason, 0))
+        yield refused
         yield CounterMetricFamily(
             PREFIX + "storage_bytes_read",
             "Tensor bytes read from storage by streams (more than served when a stream ends early).",

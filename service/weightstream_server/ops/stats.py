@@ -15,7 +15,7 @@ DURATION_BUCKETS_S: tuple[float, ...] = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 
 @dataclass(frozen=True)
 class ModelCounts:
-    """Streams of one model, and the tensor bytes they sent."""
+    """Streams of one model (or over one transport), and the tensor bytes they sent."""
 
     streams: int
     bytes_served: int
@@ -37,6 +37,12 @@ class StatsSnapshot:
     errors_total: dict[str, int]
     data_connections_refused_total: int
     models: dict[str, ModelCounts]
+    # By the transport the stream's bytes travelled on: grpc, tcp (the data port) or shm.
+    transports: dict[str, ModelCounts]
+    # Streams the stall rule ended (the client took nothing for --stall-timeout).
+    stalls_total: int
+    # Streams refused a slot, by reason: "slots" (every slot taken) or "share" (the client holds its share).
+    refused_total: dict[str, int]
     streams_ended: int
     duration_counts: tuple[int, ...]
     duration_sum_s: float
@@ -61,6 +67,10 @@ class ServerStats:
         self._data_refused = 0
         self._model_streams: Counter[str] = Counter()
         self._model_bytes: Counter[str] = Counter()
+        self._transport_streams: Counter[str] = Counter()
+        self._transport_bytes: Counter[str] = Counter()
+        self._stalls = 0
+        self._refused: Counter[str] = Counter()
         # One count per bucket, the last for streams longer than the largest bound.
         self._durations = [0] * (len(DURATION_BUCKETS_S) + 1)
         self._duration_sum = 0.0
@@ -75,7 +85,7 @@ class ServerStats:
             self._active += 1
             self._streams += 1
 
-    def stream_ended(self, model: str | None, *, sent: int, read: int, seconds: float) -> None:
+    def stream_ended(self, model: str | None, *, transport: str, sent: int, read: int, seconds: float) -> None:
         """Record a finished stream; model is None when the stream ended before its model was found."""
         with self._lock:
             self._active -= 1
@@ -84,6 +94,8 @@ class ServerStats:
             if model is not None:
                 self._model_streams[model] += 1
                 self._model_bytes[model] += sent
+            self._transport_streams[transport] += 1
+            self._transport_bytes[transport] += sent
             self._durations[bisect.bisect_left(DURATION_BUCKETS_S, seconds)] += 1
             self._duration_sum += seconds
             if self._active == 0:
@@ -97,6 +109,16 @@ class ServerStats:
     def error(self, code_name: str) -> None:
         with self._lock:
             self._errors[code_name] += 1
+
+    def stream_stalled(self) -> None:
+        """Count a stream the stall rule ended."""
+        with self._lock:
+            self._stalls += 1
+
+    def stream_refused(self, reason: str) -> None:
+        """Count a stream refused a slot: reason "slots" (none free) or "share" (its client holds its share)."""
+        with self._lock:
+            self._refused[reason] += 1
 
     def data_connection_refused(self) -> None:
         """Count a connection the data port closed without admitting it."""
@@ -133,6 +155,12 @@ class ServerStats:
                     model: ModelCounts(self._model_streams[model], self._model_bytes[model])
                     for model in sorted(self._model_streams)
                 },
+                transports={
+                    name: ModelCounts(self._transport_streams[name], self._transport_bytes[name])
+                    for name in sorted(self._transport_streams)
+                },
+                stalls_total=self._stalls,
+                refused_total=dict(self._refused),
                 streams_ended=sum(self._durations),
                 duration_counts=tuple(cumulative),
                 duration_sum_s=self._duration_sum,

@@ -35,8 +35,10 @@ class _Wait:
 class StallWatch:
     """Cancels the calls whose waits on their clients last longer than timeout seconds. Thread-safe."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, on_stall: Callable[[], None] | None = None) -> None:
         self.timeout = timeout
+        # Told of each call cancelled (ServerStats.stream_stalled).
+        self._on_stall = on_stall
         self._lock = threading.Lock()
         self._waits: dict[int, _Wait] = {}
         self._next = 0
@@ -73,6 +75,8 @@ class StallWatch:
                     del self._waits[key]
                 self.stalled += len(expired)
             for _, wait in expired:
+                if self._on_stall is not None:
+                    self._on_stall()
                 logger.warning(
                     "%s: the client took nothing for %.0f s (--stall-timeout); the stream is ended",
                     wait.describe(),

@@ -29,7 +29,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
@@ -61,18 +61,30 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M")
 
 
+# The transport of each streaming method's bytes, unless the call moves them to the data port.
+TRANSPORTS = {"StreamTensorsShared": "shm", "StreamTensorsBulk": "tcp"}
+
+
 class StreamSlots:
     """The --max-streams limit: size slots, each held by one stream from its start to its end, at most
     per_client of them by one client (a bearer token, else a peer host), so that no client can take
     every slot and others keep being served. Thread-safe."""
 
     def __init__(
-        self, size: int, per_client: int | None = None, *, what: str = "stream", flag: str = "--max-streams"
+        self,
+        size: int,
+        per_client: int | None = None,
+        *,
+        what: str = "stream",
+        flag: str = "--max-streams",
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self.size = size
         self.per_client = per_client or size
         self._what = what
         self._flag = flag
+        # Told "slots" or "share" for each refusal (ServerStats.stream_refused), outside the lock.
+        self._on_refused = on_refused
         self._lock = threading.Lock()
         self._taken = 0
         self._by_client: dict[str, int] = {}
@@ -80,16 +92,23 @@ class StreamSlots:
     def take(self, client: str = "") -> None:
         """Take a slot for client; TooManyStreams when none is free, or client holds its share (nothing waits)."""
         with self._lock:
-            if self._taken >= self.size:
-                raise TooManyStreams(f"{self.size} {self._what}s are already running ({self._flag}); try again later")
             held = self._by_client.get(client, 0)
-            if held >= self.per_client:
+            if self._taken >= self.size:
+                refused = "slots"
+                message = f"{self.size} {self._what}s are already running ({self._flag}); try again later"
+            elif held >= self.per_client:
+                refused = "share"
                 share = f"{self._flag}-per-client" if self._flag == "--max-streams" else f"half of {self._flag}"
-                raise TooManyStreams(
+                message = (
                     f"this client already holds {held} of the {self.size} {self._what} slots ({share}); try again later"
                 )
-            self._taken += 1
-            self._by_client[client] = held + 1
+            else:
+                self._taken += 1
+                self._by_client[client] = held + 1
+                return
+        if self._on_refused is not None:
+            self._on_refused(refused)
+        raise TooManyStreams(message)
 
     def give_back(self, client: str = "") -> None:
         with self._lock:
@@ -142,6 +161,9 @@ class StreamSession:
         self._context = context
         self._method = method
         self._kind = kind
+        # What the stream's bytes travel on, for the per-transport counts; a servicer that moves them to
+        # the data port says so (tcp).
+        self.transport = TRANSPORTS.get(method, "grpc")
         # The model as the client named it, and as the catalog found it (None until then: the stats
         # count streams of models that exist).
         self.model_id = model_id
@@ -362,7 +384,9 @@ class StreamSession:
         # What the stream's buffers took goes back to the kernel, not only to malloc's free lists.
         release_free_memory()
         seconds = time.monotonic() - self._started
-        self._streams.stats.stream_ended(self.model, sent=self.sent, read=self.read, seconds=seconds)
+        self._streams.stats.stream_ended(
+            self.model, transport=self.transport, sent=self.sent, read=self.read, seconds=seconds
+        )
         if self._file is not None:
             name, offset = self._file
             logger.info(

@@ -73,6 +73,7 @@ class RevisionsServicer:
             start = first.start
             session.model_id = start.model
             if start.data_port:
+                session.transport = "tcp"
                 response = yield from self._publish_over_data_port(start, context, session.peer)
             else:
                 response = self._publisher.publish(start, requests, session.peer, context.is_active)

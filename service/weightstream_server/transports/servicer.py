@@ -77,6 +77,7 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
         """One file's bytes from request.offset; a stream like the others, so that drain waits for it."""
         with self._streams.session(context, method="ReadModelFile", kind="file read", model=request.model) as session:
             if request.data_port:
+                session.transport = "tcp"
                 yield from self._read_over_data_port(request, context, session)
                 return
             responses = (
@@ -110,7 +111,9 @@ class WeightStreamServicer(pb_grpc.WeightStreamServiceServicer):
             raise
         conn = accept(port, pending, context)
         connection.set(conn)
-        sender = FrameSender(conn, session.peer, self._streams.settings.stall_timeout)
+        sender = FrameSender(
+            conn, session.peer, self._streams.settings.stall_timeout, self._streams.stats.stream_stalled
+        )
         name = request.file.encode()
         whole = 0
         for piece in itertools.chain((first,) if first is not None else (), pieces):

@@ -109,7 +109,9 @@ class TcpServicer:
                 raise
             conn = accept(port, pending, context)
             connection.set(conn)
-            sender = FrameSender(conn, session.peer, self._streams.settings.stall_timeout)
+            sender = FrameSender(
+                conn, session.peer, self._streams.settings.stall_timeout, self._streams.stats.stream_stalled
+            )
             manifest = session.manifest
             direct = (
                 streams.cache is None
@@ -261,10 +263,14 @@ class CallConnection:
 class FrameSender:
     """Writes a stream's frames to its connection; a broken or stalled connection is DataConnectionLost."""
 
-    def __init__(self, conn: socket.socket, peer: str, stall_timeout: float) -> None:
+    def __init__(
+        self, conn: socket.socket, peer: str, stall_timeout: float, on_stall: Callable[[], None] | None = None
+    ) -> None:
         self._conn = conn
         self._peer = peer
         self._stall_timeout = stall_timeout
+        # Told when a send outlasts stall_timeout (ServerStats.stream_stalled): the stall rule on the data port.
+        self._on_stall = on_stall
         # A plain TCP socket can take file pages from the kernel; a TLS one needs the bytes here.
         self.plain = not isinstance(conn, ssl.SSLSocket)
         self.chunks = 0
@@ -339,6 +345,8 @@ class FrameSender:
         try:
             yield
         except TimeoutError as exc:
+            if self._on_stall is not None:
+                self._on_stall()
             raise DataConnectionLost(
                 f"the client at {self._peer} took nothing for {self._stall_timeout:.0f} s (--stall-timeout) on its "
                 f"data connection, after {self.nbytes} bytes; the stream is ended"
