@@ -206,9 +206,14 @@ def test_shared_mode_has_its_parts(rendered: dict[str, list[dict[str, Any]]]) ->
         )
     (monitor,) = (d for d in docs if d["kind"] == "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert monitor["spec"]["endpoints"] == [
-        {"port": "http", "path": "/metrics", "interval": "30s", "scrapeTimeout": "10s"}
-    ]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    # /metrics needs a reader token: Prometheus sends one of those the server takes.
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    credentials = endpoint["authorization"]["credentials"]
+    assert endpoint["authorization"]["type"] == "Bearer"
+    token = secrets[credentials["name"]]["stringData"][credentials["key"]]
+    assert token in secrets["weightstream-tokens"]["stringData"]["tokens"].split()
     main = next(s for s in services if s["metadata"]["name"] == "weightstream")
     assert matches(monitor["spec"]["selector"], main["metadata"]["labels"]), "the ServiceMonitor selects no Service"
     assert "http" in {p["name"] for p in main["spec"]["ports"]}
@@ -296,6 +301,10 @@ def test_chart_made_tls_secret_holds_the_given_pem() -> None:
         ({"tls": {"enabled": True}}, "tls.enabled needs tls.existingSecret"),
         ({"ports": {"http": 0}}, "ports.grpc and ports.http must be set"),
         ({"upstream": {"tls": {"enabled": True}}}, "upstream.tls.enabled needs upstream.address"),
+        (
+            {"auth": {"existingSecret": "tokens"}, "serviceMonitor": {"enabled": True}},
+            "needs serviceMonitor.tokenSecret.name",
+        ),
     ],
 )
 def test_template_refuses_values_it_cannot_render(values: dict[str, Any], said: str) -> None:

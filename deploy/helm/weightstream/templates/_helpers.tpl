@@ -65,6 +65,15 @@ app.kubernetes.io/part-of: weightstream
 {{- if .Values.upstream.existingTokenSecret }}{{ .Values.upstream.existingTokenSecret }}{{ else if .Values.upstream.token }}{{ include "weightstream.fullname" . }}-upstream-token{{ end }}
 {{- end }}
 
+{{/* The Secret (name) holding the bearer token Prometheus sends to /metrics; empty without auth. */}}
+{{- define "weightstream.metricsTokenSecret" -}}
+{{- if include "weightstream.tokensSecret" . }}
+{{- if .Values.serviceMonitor.tokenSecret.name }}{{ .Values.serviceMonitor.tokenSecret.name }}
+{{- else if .Values.auth.tokens }}{{ include "weightstream.fullname" . }}-metrics-token
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* config.drain_seconds, or the server's default. */}}
 {{- define "weightstream.drainSeconds" -}}
 {{- if kindIs "invalid" .Values.config.drain_seconds }}30{{ else }}{{ .Values.config.drain_seconds }}{{ end }}
@@ -100,6 +109,9 @@ app.kubernetes.io/part-of: weightstream
 {{- end }}
 {{- if and .Values.upstream.tls.clientCertificate (not .Values.upstream.tls.existingSecret) }}
 {{- fail "upstream.tls.clientCertificate needs upstream.tls.existingSecret (with tls.crt and tls.key)" }}
+{{- end }}
+{{- if and .Values.serviceMonitor.enabled (include "weightstream.tokensSecret" .) (not (include "weightstream.metricsTokenSecret" .)) }}
+{{- fail "serviceMonitor with auth.existingSecret needs serviceMonitor.tokenSecret.name: /metrics requires a reader token" }}
 {{- end }}
 {{- if and (eq .Values.mode "sidecar") (not .Values.sidecar.engine.image) }}
 {{- fail "sidecar mode needs sidecar.engine.image" }}
