@@ -77,7 +77,7 @@ check-docs: $(STAMP)
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build
 
-.PHONY: check-deploy container-test
+.PHONY: check-deploy container-test dashboard-test
 
 # The deployment files, offline (no Docker engine or cluster needed; the tools come with the dev
 # extra): hadolint on the Dockerfile, `kubectl kustomize` of every overlay validated against the
@@ -104,6 +104,13 @@ check-deploy: $(STAMP)
 			$(BIN)/kubernetes-validate --strict --quiet -k $$v "build/deploy/helm-$$n.yaml" || exit 1; \
 		done; \
 	done
+
+# Optional, not part of `make test`: every query of the Grafana dashboard evaluated by a real Prometheus
+# (Debian's, 2.42) scraping two servers in use (needs root for apt-get; the rest of
+# tests/deploy/test_grafana.py runs in `make test` without it).
+dashboard-test: $(STAMP)
+	command -v prometheus >/dev/null || (apt-get update && apt-get install -y --no-install-recommends prometheus)
+	$(BIN)/python -m pytest tests/deploy/test_grafana.py
 
 # Optional, not part of `make test`: builds the image with podman from a base made locally with
 # debootstrap, serves a demo checkpoint from it and loads it through the client (needs root, podman,

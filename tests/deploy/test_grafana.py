@@ -11,10 +11,14 @@ _sum and _count series included, and every metric family they expose must be on 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shutil
+import subprocess
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +28,9 @@ import torch
 
 from tests.support.checkpoints import skeleton, write_model
 from tests.support.metrics import samples
-from tests.support.ports import LOOPBACK
+from tests.support.ports import LOOPBACK, free_ports
 from tests.support.servers import eventually, loopback_settings, serving
 from weightstream.client import NotFoundError, WeightStreamClient
-from weightstream_server import WeightStreamServer
 from weightstream_server.ops.http import create_app, start_http
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "weightstream.json"
@@ -151,8 +154,9 @@ def _family(series: str) -> str:
     return series
 
 
-def exposed_series(tmp_path: Path) -> set[str]:
-    """Series names on the /metrics of a shared and a sidecar tier after a load, a publish, an update, an error."""
+@contextlib.contextmanager
+def tiers_in_use(tmp_path: Path) -> Iterator[list[str]]:
+    """A shared and a sidecar tier after a load, a publish, an update and an error; yields their REST addresses."""
     root = tmp_path / "root"
     state = write_model(root, MODEL, tensors=4, numel=64 * 1024)
     changed = {name: tensor + 1 if name == "layer.1.weight" else tensor for name, tensor in state.items()}
@@ -170,33 +174,98 @@ def exposed_series(tmp_path: Path) -> set[str]:
             )
         ) as sidecar,
     ):
-        module = skeleton({name: (t.shape, t.dtype) for name, t in state.items()})
+        rests = [start_http(create_app(server), LOOPBACK, 0) for server in (shared, sidecar)]
+        try:
+            module = skeleton({name: (t.shape, t.dtype) for name, t in state.items()})
+            with (
+                WeightStreamClient(f"{LOOPBACK}:{sidecar.port}", progress=False, transport="shm", shm_dir=shm) as near,
+                WeightStreamClient(f"{LOOPBACK}:{shared.port}", progress=False) as trainer,
+            ):
+                since = near.load_into(module, MODEL).revision
+                revision = trainer.publish(MODEL, changed)
+                eventually(lambda: near.manifest(MODEL).revision == revision, "the sidecar took the published revision")
+                report = near.update_into(module, MODEL, since=since)
+                with pytest.raises(NotFoundError):
+                    near.manifest("no-such-model")
+            assert report.revision == revision
+            got = dict(module.named_parameters())
+            assert all(torch.equal(got[name], tensor) for name, tensor in changed.items())
+            yield [f"{LOOPBACK}:{rest.port}" for rest in rests]
+        finally:
+            for rest in rests:
+                rest.stop(5.0)
+
+
+def exposed_series(tmp_path: Path) -> set[str]:
+    """Series names on the /metrics of a shared and a sidecar tier in use."""
+    with tiers_in_use(tmp_path) as (shared, sidecar), httpx.Client(trust_env=False) as http:
+        found = [samples(http.get(f"http://{address}/metrics", timeout=10.0).text) for address in (shared, sidecar)]
+    # The client's streams came over shared memory; the sidecar read the model from the shared tier.
+    assert found[1][("weightstream_transport_bytes_served_total", (("transport", "shm"),))] > 0
+    assert found[1][("weightstream_upstream_bytes_read_total", ())] > 0
+    return {name for name, _ in found[0]} | {name for name, _ in found[1]}
+
+
+# Values Grafana puts in place of its variables, for a query sent to Prometheus directly.
+GRAFANA_VARIABLES = {"$__rate_interval": "5s", "$__range": "1m", "$job": ".*", "$instance": ".*"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Prometheus: apt-get install prometheus")
+def test_every_query_returns_data_from_a_real_prometheus(tmp_path: Path) -> None:
+    """Prometheus scrapes both tiers every second; every panel's query and every variable's must parse and
+    return series. Not part of `make test` (Prometheus comes from Debian's packages, not the project's
+    installs): `make dashboard-test` installs it and runs this."""
+    (port,) = free_ports(1)
+    with tiers_in_use(tmp_path) as targets:
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: weightstream\n"
+            f"    static_configs: [{{targets: {json.dumps(targets)}}}]\n"
+        )
+        command = [
+            str(shutil.which("prometheus")),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address={LOOPBACK}:{port}",
+        ]
         with (
-            WeightStreamClient(f"{LOOPBACK}:{sidecar.port}", progress=False, transport="shm", shm_dir=shm) as near,
-            WeightStreamClient(f"{LOOPBACK}:{shared.port}", progress=False) as trainer,
+            open(tmp_path / "prometheus.log", "wb") as log,
+            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT) as prometheus,
+            httpx.Client(trust_env=False, base_url=f"http://{LOOPBACK}:{port}") as http,
         ):
-            since = near.load_into(module, MODEL).revision
-            revision = trainer.publish(MODEL, changed)
-            eventually(lambda: near.manifest(MODEL).revision == revision, "the sidecar took the published revision")
-            report = near.update_into(module, MODEL, since=since)
-            with pytest.raises(NotFoundError):
-                near.manifest("no-such-model")
-        assert report.revision == revision
-        got = dict(module.named_parameters())
-        assert all(torch.equal(got[name], tensor) for name, tensor in changed.items())
-        near_samples = _samples(sidecar)
-        # The client's streams came over shared memory; the sidecar read the model from the shared tier.
-        assert near_samples[("weightstream_transport_bytes_served_total", (("transport", "shm"),))] > 0
-        assert near_samples[("weightstream_upstream_bytes_read_total", ())] > 0
-        return {name for name, _ in near_samples} | {name for name, _ in _samples(shared)}
+            try:
+
+                def query(expr: str) -> httpx.Response:
+                    for name, value in GRAFANA_VARIABLES.items():
+                        expr = expr.replace(name, value)
+                    return http.get("/api/v1/query", params={"query": expr}, timeout=10.0)
+
+                # Two scrapes of each tier after its last change: every rate has two points.
+                eventually(lambda: _scraped(query, 2), "two scrapes of both tiers", timeout=30.0)
+                time.sleep(3.0)
+                board = dashboard()
+                exprs = [(p["title"], t["expr"]) for p in panels_of(board) for t in p.get("targets", [])]
+                exprs += [
+                    (v["name"], _LABEL_VALUES.search(v["query"]["query"]).group(1))  # type: ignore[union-attr]
+                    for v in board["templating"]["list"]
+                    if v["type"] == "query"
+                ]
+                failed = {}
+                for title, expr in exprs:
+                    response = query(expr)
+                    if response.status_code != 200 or not response.json()["data"]["result"]:
+                        failed[title] = (expr, response.text[:300])
+                assert not failed, failed
+            finally:
+                prometheus.terminate()
+                prometheus.wait(10)
 
 
-def _samples(server: WeightStreamServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    rest = start_http(create_app(server), LOOPBACK, 0)
+def _scraped(query: Callable[[str], httpx.Response], scrapes: int) -> bool:
+    """Whether Prometheus answers and has scraped both tiers at least scrapes times."""
     try:
-        with httpx.Client(trust_env=False) as http:
-            response = http.get(f"http://{LOOPBACK}:{rest.port}/metrics", timeout=10.0)
-    finally:
-        rest.stop(5.0)
-    assert response.status_code == 200
-    return samples(response.text)
+        response = query(f"count_over_time(up[1m]) >= {scrapes}")
+    except httpx.TransportError:
+        return False  # not listening yet
+    return response.status_code == 200 and len(response.json()["data"]["result"]) == 2
