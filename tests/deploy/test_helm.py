@@ -310,3 +310,14 @@ def test_chart_made_tls_secret_holds_the_given_pem() -> None:
 def test_template_refuses_values_it_cannot_render(values: dict[str, Any], said: str) -> None:
     with pytest.raises(helm_python.HelmError, match=said):
         helm_template(values, "weightstream", "weightstream")
+
+
+def test_sidecar_mode_alone_is_sound() -> None:
+    """`--set mode=sidecar` and nothing else: the chart's own engine beside a server of the image's model root."""
+    assert helm_lint({"mode": "sidecar"}) == []
+    docs = helm_template({"mode": "sidecar"}, "inference", "inference")
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[-1], strict=True)
+    assert all_problems(docs, "sidecar") == []
+    settings, _, _ = server_of(docs, "sidecar")
+    assert settings.upstream is None and settings.shm_dir is not None
