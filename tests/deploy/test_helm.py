@@ -10,6 +10,7 @@ cluster (a shared service and sidecars reading from it) are checked together.
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,9 @@ def test_the_checker_sees_a_broken_rendering(rendered: dict[str, list[dict[str, 
 def test_every_other_server_option_is_a_config_value() -> None:
     config = yaml.safe_load((CHART / "values.yaml").read_text())["config"]
     assert set(config) == set(ServerSettings.model_fields) - CHART_OWNED
+    # values.schema.json takes exactly these: a misspelt option fails at install, not at the server's start.
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]
+    assert set(schema["properties"]) == set(config) and schema["additionalProperties"] is False
     assert list(config) == [f for f in ServerSettings.model_fields if f in config], "config keys out of --help order"
 
 
@@ -297,9 +301,10 @@ def test_chart_made_tls_secret_holds_the_given_pem() -> None:
 @pytest.mark.parametrize(
     ("values", "said"),
     [
-        ({"mode": "both"}, "mode must be shared or sidecar"),
+        ({"mode": "both"}, "value must be one of 'shared', 'sidecar'"),
+        ({"config": {"cache_byte": "8GiB"}}, "additional properties 'cache_byte' not allowed"),
         ({"tls": {"enabled": True}}, "tls.enabled needs tls.existingSecret"),
-        ({"ports": {"http": 0}}, "ports.grpc and ports.http must be set"),
+        ({"ports": {"http": 0}}, "at '/ports/http': minimum"),
         ({"upstream": {"tls": {"enabled": True}}}, "upstream.tls.enabled needs upstream.address"),
         (
             {"auth": {"existingSecret": "tokens"}, "serviceMonitor": {"enabled": True}},
