@@ -34,7 +34,7 @@ $(EMULATORS): tests/s3/package.json
 	npm install --prefix tests/s3 --no-audit --no-fund --no-package-lock
 	touch $(EMULATORS)
 
-test: $(STAMP) $(EMULATORS) vllm-venv lint typecheck check-proto check-deploy check-docs
+test: $(STAMP) $(EMULATORS) prometheus vllm-venv lint typecheck check-proto check-deploy check-docs
 	$(BIN)/python -m pytest --durations=30
 
 # The one-minute loop: the tests not marked slow (no vLLM, no S3 server, no `weightstream serve`
@@ -77,7 +77,7 @@ check-docs: $(STAMP)
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build
 
-.PHONY: check-deploy container-test dashboard-test
+.PHONY: check-deploy container-test dashboard-test prometheus
 
 # The deployment files, offline (no Docker engine or cluster needed; the tools come with the dev
 # extra): hadolint on the Dockerfile, `kubectl kustomize` of every overlay validated against the
@@ -105,12 +105,14 @@ check-deploy: $(STAMP)
 		done; \
 	done
 
-# Optional, not part of `make test`: every query of the Grafana dashboard evaluated by a real Prometheus
-# (Debian's, 2.42) scraping two servers in use (needs root for apt-get; the rest of
-# tests/deploy/test_grafana.py runs in `make test` without it).
-dashboard-test: $(STAMP)
-	command -v prometheus >/dev/null || (apt-get update && apt-get install -y --no-install-recommends prometheus)
+# The Grafana dashboard's tests alone; `make test` runs them too, the one with a real Prometheus
+# (Debian's, 2.42) evaluating every query included.
+dashboard-test: $(STAMP) prometheus
 	$(BIN)/python -m pytest tests/deploy/test_grafana.py
+
+# Debian's Prometheus, for the test that has it evaluate every dashboard query (apt-get: needs root).
+prometheus:
+	command -v prometheus >/dev/null || (apt-get update -q && apt-get install -y -q --no-install-recommends prometheus)
 
 # Optional, not part of `make test`: builds the image with podman from a base made locally with
 # debootstrap, serves a demo checkpoint from it and loads it through the client (needs root, podman,
