@@ -22,6 +22,7 @@ import weightstream
 from tests.support.commands import COMMAND_TIMEOUT_S, clean_env, console_script, describe, run_cli
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.serve_processes import serve_process, wait_grpc_ready, wait_http_ready
+from weightstream import demo
 from weightstream.samples import llama_like_state_dict, save_sharded
 from weightstream_server.settings import ServerSettings, env_name, flag
 
@@ -153,10 +154,35 @@ def test_serve_without_the_server_installed_says_what_to_install(tmp_path: Path)
 
 @pytest.mark.slow
 def test_demo(tmp_path: Path) -> None:
+    """The demo loads, verifies, publishes a revision with a few tensors changed and updates in place, moving
+    only the changed tensors' bytes, and verifies again."""
     result = run_cli("demo", cwd=tmp_path, timeout=DEMO_TIMEOUT_S)
     assert result.returncode == 0, describe(result)
-    assert "bit-identical" in result.stdout, describe(result)
-    assert "GB/s" in result.stdout, describe(result)
+    lines = {line.split(":", 1)[0]: line for line in result.stdout.splitlines()}
+    assert "GB/s" in lines["load_into"], describe(result)
+    state = llama_like_state_dict()
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    changed = sum(state[name].numel() * state[name].element_size() for name in demo.UPDATED)
+    assert 0 < changed < total // 10
+    assert f"update_into moved {changed:,d} bytes of the model's {total:,d}" in lines["update"], describe(result)
+    assert f"{len(demo.UPDATED)} tensors, in place" in lines["update"], describe(result)
+    published = lines["publish"].split()[2].rstrip(":")
+    assert published.startswith("pub-"), describe(result)
+    assert f"to {published}" in lines["update"], describe(result)
+    verified = [line for line in result.stdout.splitlines() if line.startswith("verify:")]
+    assert verified == [
+        f"verify:     all {len(state)} tensors bit-identical to the checkpoint",
+        f"verify:     all {len(state)} tensors bit-identical to revision {published}",
+    ], describe(result)
+
+
+def test_the_demo_revision_changes_every_updated_tensor_and_nothing_else() -> None:
+    """What the demo's update test counts on: the changed bytes are exactly the UPDATED tensors'."""
+    state = llama_like_state_dict(layers=4, hidden=64, intermediate=128, vocab=256)
+    nudged = demo.next_revision(state)
+    assert sorted(nudged) == sorted(state)
+    for name, tensor in state.items():
+        assert torch.equal(nudged[name], tensor) == (name not in demo.UPDATED), name
 
 
 # --- serve ---------------------------------------------------------------------------------------
