@@ -5,6 +5,7 @@ Every server here listens on 127.0.0.1 only, and every wait is bounded.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ from tests.support.commands import COMMAND_TIMEOUT_S, clean_env, console_script,
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.serve_processes import serve_process, wait_grpc_ready, wait_http_ready
 from weightstream import demo
+from weightstream.cli import build_parser
 from weightstream.samples import llama_like_state_dict, save_sharded
 from weightstream_server.settings import ServerSettings, env_name, flag
 
@@ -74,6 +76,39 @@ def test_help(tmp_path: Path) -> None:
     assert result.returncode == 0, describe(result)
     for command in ("serve", "demo", "manifest", "load"):
         assert command in result.stdout, describe(result)
+
+
+def test_every_command_says_what_it_does_today() -> None:
+    """Each subcommand has a help line and a description; serve's name every source, the tiers and publishing, the
+    demo's its live update."""
+    parser = build_parser()
+    (commands,) = (action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    helps = {action.dest: action.help or "" for action in commands._choices_actions}
+    descriptions = {name: sub.description or "" for name, sub in commands.choices.items()}
+    for name in commands.choices:
+        assert helps[name] and descriptions[name], f"{name} has no help line or no description"
+    for what in ("folder", "S3", "GCS", "Azure", "another server", "publish"):
+        assert what in helps["serve"], (what, helps["serve"])
+    for what in (
+        "--model-root",
+        "--s3-bucket",
+        "--gcs-bucket",
+        "--azure-container",
+        "--upstream",
+        "--cache-bytes",
+        "--disk-cache",
+        "--data-port",
+        "--shm-dir",
+        "--http-port",
+        "--keep-revisions",
+        "--allow-publish",
+        "--publish-token-file",
+    ):
+        assert what in descriptions["serve"], (what, descriptions["serve"])
+    for what in ("publish", "update", "in place", "verify"):
+        assert what in descriptions["demo"], (what, descriptions["demo"])
+    for what in ("S3", "Google Cloud Storage", "Azure", "publish"):
+        assert what in (parser.description or ""), (what, parser.description)
 
 
 def test_serve_help(tmp_path: Path) -> None:
