@@ -68,7 +68,6 @@ def built() -> dict[str, list[dict[str, Any]]]:
     return {overlay.name: kustomize_build(overlay) for overlay in OVERLAYS}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_overlays_are_valid_kubernetes(built: dict[str, list[dict[str, Any]]], version: str) -> None:
     for name, docs in built.items():
@@ -805,7 +804,6 @@ def test_compose_checker_rejects_a_misspelt_variable_and_a_wrong_port() -> None:
     assert any("the data port 50053 is not among the container's ports" in p for p in problems), problems
 
 
-@pytest.mark.slow
 def test_compose_checker_rejects_a_broken_sidecar_tier() -> None:
     def problems_after(change: Any) -> list[str]:
         document = compose_document()
