@@ -4,6 +4,7 @@ damaged deltas, a base the server does not hold, and the server's delta cache (c
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -36,6 +37,13 @@ TRANSPORTS = ("grpc", "tcp", "shm")
 
 
 def state_of(seed: int) -> dict[str, torch.Tensor]:
+    """The revision of seed: a dict of its own, holding tensors made once per run and shared (tests clone
+    a tensor before changing it)."""
+    return dict(_made_state(seed))
+
+
+@functools.cache
+def _made_state(seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=generator).to(torch.bfloat16) for name, shape in SHAPES.items()}
 
