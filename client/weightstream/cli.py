@@ -1,4 +1,4 @@
-"""The `weightstream` command: serve, demo, manifest, load, fetch, publish, watch."""
+"""The `weightstream` command: serve, demo, manifest, load, fetch, publish, watch, update."""
 
 from __future__ import annotations
 
@@ -19,20 +19,30 @@ if TYPE_CHECKING:
     from weightstream.client.vllm_http import VllmServer
 
 SERVER_INSTALL = "pip install 'weightstream[server]'"
+MODEL_HELP = "model id, for example tiny-llama, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightstream",
-        description="Stream safetensors checkpoints over gRPC straight into a model's parameters.",
+        description="Stream safetensors checkpoints straight into a model's parameters, in place. A server "
+        "(serve) reads them from a folder, S3, Google Cloud Storage, Azure Blob or another weightstream server and "
+        "streams them over gRPC, a TCP data port or shared memory; trainers publish new revisions to it, and "
+        "engines update to a revision by pulling only what changed.",
     )
     parser.add_argument("--version", action="version", version=f"weightstream {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     serve = commands.add_parser(
         "serve",
-        help="serve the models under a folder or in S3 buckets",
-        description="Serve the safetensors models under --model-root (or in --s3-bucket buckets) over gRPC. "
+        help="serve models from a folder, S3, GCS, Azure Blob or another server; take published revisions",
+        description="Serve the safetensors models under --model-root, in S3 (--s3-bucket), Google Cloud Storage "
+        "(--gcs-bucket) or Azure Blob (--azure-container), or held by another weightstream server (--upstream: "
+        "this one is then a tier), with a RAM cache (--cache-bytes) and a disk cache (--disk-cache) in between. "
+        "Tensors go over gRPC, the TCP data port (--data-port) or shared memory (--shm-dir); REST health, status "
+        "and metrics on --http-port. Each model's revisions are kept (--keep-revisions) and watched, and what "
+        "changed between two is sent alone; trainers publish revisions when --allow-publish or "
+        "--publish-token-file says so (held in memory, or written to --publish-dir or --publish-s3-prefix). "
         "Every option can also be set by the environment variable its help names, for example "
         "WEIGHTSTREAM_MODEL_ROOT; a flag beats its variable, and an empty variable counts as not set. Byte sizes "
         "take units (16GiB, 512MiB, 16GB) or a plain number of bytes; in the environment, lists are "
@@ -42,19 +52,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser(
         "demo",
-        help="make a small checkpoint, serve it, load it back and verify it",
-        description="Make a small Llama-like checkpoint in a temporary folder, serve it on a free port, "
-        "load it through the client into a torch module, verify it bit for bit, and report the speed.",
+        help="make a small checkpoint, serve it, load it, update it live with a new revision, verify both",
+        description="Make a small Llama-like checkpoint in a temporary folder, serve it on free loopback ports, "
+        "load it through the client into a torch module and verify it bit for bit; then publish a next revision "
+        "with a few tensors changed, update the module in place (only the changed bytes move) and verify it "
+        "against the new revision. Reports the speed and the bytes moved against the model's size.",
     )
 
-    manifest = commands.add_parser("manifest", help="list a model's tensors")
-    manifest.add_argument("model", help="model id, for example tiny-llama")
+    manifest = commands.add_parser(
+        "manifest",
+        help="list a model's tensors: names, dtypes, shapes, sizes and files",
+        description="Print the tensors of MODEL's current revision as the server holds them: name, dtype, shape, "
+        "bytes and file, then the totals. --json prints the same with the revision's name.",
+    )
+    manifest.add_argument("model", help=MODEL_HELP)
     manifest.add_argument("--target", required=True, help="server address, HOST:PORT")
     manifest.add_argument("--json", action="store_true", help="print the manifest as JSON")
     _add_connection_options(manifest)
 
-    load = commands.add_parser("load", help="stream a model's tensors, verify them and report the speed")
-    load.add_argument("model", help="model id, for example tiny-llama")
+    load = commands.add_parser(
+        "load",
+        help="stream a model's tensors into memory (CPU or GPU), check them and report the speed",
+        description="Stream every tensor of MODEL's current revision into memory on --device, every chunk "
+        "CRC32C-checked and every tensor checked complete, and print the tensors, bytes, seconds and GB/s. "
+        "Nothing is written to disk (fetch does that).",
+    )
+    load.add_argument("model", help=MODEL_HELP)
     load.add_argument("--target", required=True, help="server address, HOST:PORT")
     load.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu)")
     load.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
@@ -67,10 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "DIR, bit-identical to the server's, each checked by size and CRC32C. An interrupted fetch is "
         "continued by running the same command again.",
     )
-    fetch.add_argument(
-        "model",
-        help="model id, for example tiny-llama, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix",
-    )
+    fetch.add_argument("model", help=MODEL_HELP)
     fetch.add_argument("directory", metavar="DIR", type=Path, help="folder to write the files into (made if needed)")
     fetch.add_argument("--target", required=True, help="server address, HOST:PORT")
     fetch.add_argument(
@@ -81,10 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     publish = commands.add_parser(
         "publish",
-        help="publish safetensors files as a model's next revision (held in the server's memory)",
+        help="publish safetensors files as a model's next revision, which engines then update to",
         description="Send the tensors of FILE (a .safetensors file) or DIR (its *.safetensors files) to the server "
         "as MODEL's next revision. The revision is current only once every tensor arrived whole and "
-        "CRC32C-checked; a publish that fails leaves the current one. The server must take publishes "
+        "CRC32C-checked; a publish that fails leaves the current one. The server holds it in memory (and "
+        "writes it to its --publish-dir or --publish-s3-prefix, if set). The server must take publishes "
         "(--allow-publish, or --publish-token-file with a publisher's token in WEIGHTSTREAM_TOKEN). The files "
         "are read into memory first.",
     )
@@ -103,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print one JSON line per revision of MODEL as it becomes current: its name, origin "
         "(published or storage), size and the revisions the server keeps. Stops after --count lines, or on Ctrl-C.",
     )
-    watch.add_argument("model", help="model id, for example tiny-llama")
+    watch.add_argument("model", help=MODEL_HELP)
     watch.add_argument("--target", required=True, help="server address, HOST:PORT")
     watch.add_argument("--after", default="", help="a revision already held: start with the next one")
     watch.add_argument("--count", type=int, default=0, help="stop after this many revisions (default: never)")
@@ -119,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         "With --follow, watch MODEL and pull each new revision as it becomes current (a continuous deployment "
         "loop); one JSON line per update. The engine's API key, if any, comes from VLLM_API_KEY.",
     )
-    update.add_argument("model", help="model id, for example tiny-llama")
+    update.add_argument("model", help=MODEL_HELP)
     update.add_argument("--target", required=True, help="weightstream server address, HOST:PORT")
     update.add_argument("--vllm", required=True, metavar="URL", help="the vLLM server, e.g. http://127.0.0.1:8000")
     update.add_argument(

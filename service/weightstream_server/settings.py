@@ -255,8 +255,8 @@ class ServerSettings(BaseSettings):
     upstream_client_key: Path | None = Field(default=None, description="PEM private key of --upstream-client-cert")
     disk_cache: Path | None = Field(
         default=None,
-        description="directory of a disk cache of the model files read from S3 or --upstream, bit-identical, kept "
-        "across restarts; none: no disk cache",
+        description="directory of a disk cache of the model files read from object stores (S3, GCS, Azure) or "
+        "--upstream, bit-identical, kept across restarts; none: no disk cache",
     )
     disk_cache_bytes: ByteCount = Field(
         default=64 * 1024 * 1024 * 1024,
@@ -265,7 +265,7 @@ class ServerSettings(BaseSettings):
     shm_dir: Path | None = Field(
         default=None,
         description="directory shared with clients on the same host (a pod's emptyDir): turns the shared-memory "
-        "transport on; none serves gRPC only",
+        "transport on; none: no shared memory (gRPC and the data port only)",
     )
 
     @classmethod

@@ -21,6 +21,7 @@ import argparse
 import ast
 import contextlib
 import difflib
+import functools
 import io
 import ipaddress
 import json
@@ -132,7 +133,8 @@ def tool(name: str) -> str:
     return found
 
 
-def client_env_names() -> set[str]:
+@functools.cache  # the client's sources do not change during a run, and every check of a file asks
+def client_env_names() -> frozenset[str]:
     """WEIGHTSTREAM_* names the client reads: the *_ENV constants of weightstream.client (read, not imported)."""
     names = {CLIENT_SHM_ENV}
     for path in (ROOT / "client" / "weightstream" / "client").rglob("*.py"):
@@ -142,7 +144,7 @@ def client_env_names() -> set[str]:
                 if isinstance(value, str) and value.startswith(ENV_PREFIX):
                     if any(isinstance(t, ast.Name) and t.id.endswith("_ENV") for t in node.targets):
                         names.add(value)
-    return names
+    return frozenset(names)
 
 
 # --- what the files say about each container ----------------------------------------------------
@@ -191,12 +193,17 @@ def is_weightstream_image(image: str) -> bool:
     return image.split("@")[0].rsplit(":", 1)[0] in {n.rsplit(":", 1)[0] for n in IMAGE_NAMES}
 
 
+@functools.cache  # building it costs more than a parse; parse_args leaves it as it was
+def cli_parser() -> argparse.ArgumentParser:
+    return build_parser()
+
+
 def parse_cli(argv: list[str], where: str) -> argparse.Namespace:
     """argv parsed by `weightstream`'s own parser; ValueError naming where and why when it refuses."""
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
-            return build_parser().parse_args(argv)
+            return cli_parser().parse_args(argv)
     except SystemExit:
         last = errors.getvalue().strip().splitlines()[-1:] or ["refused"]
         raise ValueError(f"{where}: `weightstream {shlex.join(argv)}` is not accepted: {last[0]}") from None

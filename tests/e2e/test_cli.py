@@ -5,6 +5,7 @@ Every server here listens on 127.0.0.1 only, and every wait is bounded.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -22,6 +23,8 @@ import weightstream
 from tests.support.commands import COMMAND_TIMEOUT_S, clean_env, console_script, describe, run_cli
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.serve_processes import serve_process, wait_grpc_ready, wait_http_ready
+from weightstream import demo
+from weightstream.cli import build_parser
 from weightstream.samples import llama_like_state_dict, save_sharded
 from weightstream_server.settings import ServerSettings, env_name, flag
 
@@ -73,6 +76,39 @@ def test_help(tmp_path: Path) -> None:
     assert result.returncode == 0, describe(result)
     for command in ("serve", "demo", "manifest", "load"):
         assert command in result.stdout, describe(result)
+
+
+def test_every_command_says_what_it_does_today() -> None:
+    """Each subcommand has a help line and a description; serve's name every source, the tiers and publishing, the
+    demo's its live update."""
+    parser = build_parser()
+    (commands,) = (action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    helps = {action.dest: action.help or "" for action in commands._choices_actions}
+    descriptions = {name: sub.description or "" for name, sub in commands.choices.items()}
+    for name in commands.choices:
+        assert helps[name] and descriptions[name], f"{name} has no help line or no description"
+    for what in ("folder", "S3", "GCS", "Azure", "another server", "publish"):
+        assert what in helps["serve"], (what, helps["serve"])
+    for what in (
+        "--model-root",
+        "--s3-bucket",
+        "--gcs-bucket",
+        "--azure-container",
+        "--upstream",
+        "--cache-bytes",
+        "--disk-cache",
+        "--data-port",
+        "--shm-dir",
+        "--http-port",
+        "--keep-revisions",
+        "--allow-publish",
+        "--publish-token-file",
+    ):
+        assert what in descriptions["serve"], (what, descriptions["serve"])
+    for what in ("publish", "update", "in place", "verify"):
+        assert what in descriptions["demo"], (what, descriptions["demo"])
+    for what in ("S3", "Google Cloud Storage", "Azure", "publish"):
+        assert what in (parser.description or ""), (what, parser.description)
 
 
 def test_serve_help(tmp_path: Path) -> None:
@@ -153,10 +189,35 @@ def test_serve_without_the_server_installed_says_what_to_install(tmp_path: Path)
 
 @pytest.mark.slow
 def test_demo(tmp_path: Path) -> None:
+    """The demo loads, verifies, publishes a revision with a few tensors changed and updates in place, moving
+    only the changed tensors' bytes, and verifies again."""
     result = run_cli("demo", cwd=tmp_path, timeout=DEMO_TIMEOUT_S)
     assert result.returncode == 0, describe(result)
-    assert "bit-identical" in result.stdout, describe(result)
-    assert "GB/s" in result.stdout, describe(result)
+    lines = {line.split(":", 1)[0]: line for line in result.stdout.splitlines()}
+    assert "GB/s" in lines["load_into"], describe(result)
+    state = llama_like_state_dict()
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    changed = sum(state[name].numel() * state[name].element_size() for name in demo.UPDATED)
+    assert 0 < changed < total // 10
+    assert f"update_into moved {changed:,d} bytes of the model's {total:,d}" in lines["update"], describe(result)
+    assert f"{len(demo.UPDATED)} tensors, in place" in lines["update"], describe(result)
+    published = lines["publish"].split()[2].rstrip(":")
+    assert published.startswith("pub-"), describe(result)
+    assert f"to {published}" in lines["update"], describe(result)
+    verified = [line for line in result.stdout.splitlines() if line.startswith("verify:")]
+    assert verified == [
+        f"verify:     all {len(state)} tensors bit-identical to the checkpoint",
+        f"verify:     all {len(state)} tensors bit-identical to revision {published}",
+    ], describe(result)
+
+
+def test_the_demo_revision_changes_every_updated_tensor_and_nothing_else() -> None:
+    """What the demo's update test counts on: the changed bytes are exactly the UPDATED tensors'."""
+    state = llama_like_state_dict(layers=4, hidden=64, intermediate=128, vocab=256)
+    nudged = demo.next_revision(state)
+    assert sorted(nudged) == sorted(state)
+    for name, tensor in state.items():
+        assert torch.equal(nudged[name], tensor) == (name not in demo.UPDATED), name
 
 
 # --- serve ---------------------------------------------------------------------------------------

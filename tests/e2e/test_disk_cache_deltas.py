@@ -24,6 +24,9 @@ from weightstream.samples import ParameterTree
 from weightstream_server import WeightStreamServer
 from weightstream_server.storage import disk_cache
 
+# An upstream and a sidecar per test, and a checkpoint rewritten under them: seconds each.
+pytestmark = pytest.mark.slow
+
 MODEL = "sparse"
 
 

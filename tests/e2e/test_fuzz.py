@@ -39,6 +39,9 @@ from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server.errors import CorruptCheckpoint, UnsupportedCheckpoint
 from weightstream_server.storage.header import HeaderTensor, read_header
 
+# Hundreds of cases per test, seconds each: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 _PROFILES = {
     # CI gates every change, so its cases are the same on every run (derandomize): a failure there
     # is the change's, reproducible as it is. The nightly profile explores new random cases.
@@ -339,7 +342,6 @@ def check_code(counts: Counter[str], code: Code, details: str, allowed: set[Code
 
 
 @pytest.mark.usefixtures("still_serving")
-@pytest.mark.slow
 def test_stream_requests(good: dict[str, torch.Tensor], stub: pb_grpc.WeightStreamServiceStub) -> None:
     revision = stub.GetManifest(pb.GetManifestRequest(model=MODEL), timeout=CALL_TIMEOUT_S).revision
     names = st.one_of(st.sampled_from(sorted(good)), st.sampled_from(sorted(good)), _TEXT)

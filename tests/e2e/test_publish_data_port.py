@@ -111,6 +111,7 @@ def refused(call: object) -> grpc.RpcError:
     return caught.value
 
 
+@pytest.mark.slow
 def test_hostile_frames_end_the_publish_with_their_code_and_leave_nothing(server: WeightStreamServer) -> None:
     a = state_of(0)
     with client_of(server, "grpc") as client:

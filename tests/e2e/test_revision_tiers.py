@@ -26,6 +26,10 @@ from weightstream_server import WeightStreamServer
 from weightstream_server.ops.http import create_app, start_http
 from weightstream_server.transports.tcp.servicer import FrameSender
 
+# Two servers per test (an upstream and a sidecar with a disk cache) and waits for the sidecar to follow:
+# about a second each, like the disk-cache delta tests.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:

@@ -459,6 +459,7 @@ def test_a_complete_revision_is_written_to_the_publish_dir_and_served_from_there
     assert_holds(module, b)
 
 
+@pytest.mark.slow
 def test_a_complete_revision_is_uploaded_to_the_publish_s3_prefix_index_first_and_served_from_there(
     root: Path, s3_store: S3Process
 ) -> None:

@@ -77,6 +77,7 @@ def assert_logged_without_traceback(caplog: pytest.LogCaptureFixture, count: int
     assert "internal error" not in caplog.text
 
 
+@pytest.mark.slow
 def test_an_index_of_too_many_items_is_refused_unparsed(stub: pb_grpc.WeightStreamServiceStub, root: Path) -> None:
     folder = root / "too-many"
     byte_tensors(folder, 10)

@@ -6,7 +6,10 @@ import resource
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a Python process that imports the server: seconds
 def test_the_open_file_soft_limit_is_raised_to_the_hard_limit() -> None:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = min(256, hard)

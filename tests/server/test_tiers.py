@@ -236,6 +236,7 @@ def test_the_disk_cache_stays_within_its_bound_while_larger_models_load(
         assert snapshot.resident_bytes <= bound and snapshot.bypassed > 0 and snapshot.evictions > 0, snapshot
 
 
+@pytest.mark.slow
 def test_upstream_errors_keep_their_codes_and_name_the_tier(
     upstream: WeightStreamServer, upper_root: Path, tmp_path: Path
 ) -> None:
@@ -430,6 +431,7 @@ def _shm_base() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
+@pytest.mark.slow
 def test_an_upstream_behind_mutual_tls_and_tokens_with_its_companion_files(upper_root: Path, tmp_path: Path) -> None:
     """The tier's own token and certificate reach the upstream; its clients' tokens are never passed on."""
     pki = make_pki(tmp_path / "pki", "tiers")
@@ -470,6 +472,7 @@ def test_an_upstream_behind_mutual_tls_and_tokens_with_its_companion_files(upper
     (upper_root / "three" / "config.json").unlink()
 
 
+@pytest.mark.slow
 def test_a_cached_model_is_served_while_the_upstream_is_down(
     upper_root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

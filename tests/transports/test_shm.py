@@ -293,6 +293,7 @@ def test_segment_handover_ticket_seals_and_ring(shm_server: WeightStreamServer, 
     assert _entries(shm_dir) == before
 
 
+@pytest.mark.slow
 def test_silent_and_wrong_connections_to_a_segment_socket_cost_seconds_not_the_stream(
     shm_server: WeightStreamServer, shm_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
