@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from weightstream.client.engine_updates import LOADED, Loaded, parameter_device
-from weightstream.client.facade import LoadReport, WeightStreamClient
+from weightstream.client.facade import LoadReport
 from weightstream.client.loader_plan import LoadPlan, LoadWeights, plan_loads
 from weightstream.client.loader_settings import LoaderSettings
 from weightstream.client.manifest import Manifest
@@ -51,15 +51,7 @@ def stream_weights(
     """Load settings.model from settings.target into model through load_model_weights; see the module doc."""
     device = parameter_device(model)
     started = time.perf_counter()
-    with WeightStreamClient(
-        settings.target,
-        token=settings.token,
-        tls=settings.tls,
-        ca_file=settings.ca_file,
-        progress=progress,
-        transport=settings.transport,
-        shm_dir=settings.shm_dir,
-    ) as client:
+    with settings.client(progress=progress) as client:
         manifest = client.manifest(settings.model)
         connected = time.perf_counter() - started
         plan = plan_loads(load_model_weights, model, manifest)

@@ -11,12 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightstream.client.facade import WeightStreamClient
 from weightstream.client.options import MODEL_ENV, TARGET_ENV, ClientOptions
+from weightstream.client.retry import RetryPolicy
 from weightstream.protocol import names
 from weightstream.protocol.names import TransportChoice
 
 LOAD_FORMAT = "weightstream"
-KEYS = frozenset({"target", "model", "token", "tls", "ca_file", "shm_dir", "transport"})
+KEYS = frozenset({"target", "model", "token", "tls", "ca_file", "shm_dir", "transport", "retry_deadline"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +32,21 @@ class LoaderSettings:
     ca_file: str | None = None
     shm_dir: str | None = None
     transport: TransportChoice = "auto"
+    # Seconds an outage (a server not up yet, a broken stream) is retried before the load fails.
+    retry_deadline: float = RetryPolicy.total_deadline
+
+    def client(self, *, progress: bool = False) -> WeightStreamClient:
+        """A client of the server these settings name."""
+        return WeightStreamClient(
+            self.target,
+            token=self.token,
+            tls=self.tls,
+            ca_file=self.ca_file,
+            progress=progress,
+            transport=self.transport,
+            shm_dir=self.shm_dir,
+            retry=RetryPolicy(total_deadline=self.retry_deadline),
+        )
 
     @classmethod
     def resolve(
@@ -59,6 +76,9 @@ class LoaderSettings:
                 f"model_loader_extra_config['transport'] must be one of {names.TRANSPORTS}, not {transport!r}"
             )
         shm_dir = text(extra, "shm_dir") or (str(options.shm_dir) if options.shm_dir else None)
+        deadline = extra.get("retry_deadline", RetryPolicy.total_deadline)
+        if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not deadline > 0:
+            raise ValueError(f"model_loader_extra_config['retry_deadline'] must be a positive number, not {deadline!r}")
         return cls(
             target=target,
             model=model,
@@ -67,6 +87,7 @@ class LoaderSettings:
             ca_file=text(extra, "ca_file"),
             shm_dir=shm_dir,
             transport=transport,
+            retry_deadline=float(deadline),
         )
 
 

@@ -19,6 +19,7 @@ Configuration is `model_loader_extra_config` (`--model-loader-extra-config` on `
 | ca_file   |                        | PEM CA bundle for TLS (default: the system's roots)             |
 | shm_dir   | WEIGHTSTREAM_SHM_DIR   | shared-memory directory the server also sees (same pod or host) |
 | transport |                        | "auto" (default: shm, else tcp, else grpc), "shm", "tcp", "grpc"|
+| retry_deadline |                   | seconds a server not up yet (or an outage) is retried; 300      |
 
 vLLM's `model` folder then holds only config.json and the tokenizer: no weights are downloaded
 or staged on disk. Each rank receives only its own bytes: loader_plan.plan_loads runs the model's

@@ -143,15 +143,7 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         settings = LoaderSettings.resolve(extra, self.model_config.model)
         if self._client is not None:
             self._client.close()
-        self._client = WeightStreamClient(
-            settings.target,
-            token=settings.token,
-            tls=settings.tls,
-            ca_file=settings.ca_file,
-            progress=False,
-            transport=settings.transport,
-            shm_dir=settings.shm_dir,
-        )
+        self._client = settings.client()
         self._model_id = settings.model
         self._target = settings.target
         loaded = self._loaded()
