@@ -50,6 +50,8 @@ def revision_of_format(load_format: str) -> str | None:
 class SglangServer:
     """The update route of one SGLang HTTP server (base URL such as http://127.0.0.1:30000)."""
 
+    kind = "sglang"
+
     def __init__(self, url: str, *, api_key: str | None = None, timeout: float = UPDATE_TIMEOUT_S) -> None:
         self._routes = EngineRoutes(
             url, api_key=api_key, timeout=timeout, unreachable="is python -m sglang.launch_server running there?"

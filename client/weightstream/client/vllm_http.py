@@ -23,6 +23,8 @@ class VllmServerError(EngineHttpError):
 class VllmServer:
     """The weight-transfer routes of one vLLM server (base URL such as http://127.0.0.1:8000)."""
 
+    kind = "vllm"
+
     def __init__(self, url: str, *, api_key: str | None = None, timeout: float = UPDATE_TIMEOUT_S) -> None:
         self._routes = EngineRoutes(
             url,
