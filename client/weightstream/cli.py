@@ -368,5 +368,6 @@ def _update(client: WeightStreamClient, args: argparse.Namespace) -> int:
 
 def _pull(engine: VllmServer | SglangServer, model: str, revision: str, holding: str | None) -> None:
     seconds = engine.pull(revision)
-    line = {"model": model, "revision": revision, "since": holding, "seconds": round(seconds, 3), engine.kind: engine.url}
+    line = {"model": model, "revision": revision, "since": holding, "seconds": round(seconds, 3)}
+    line[engine.kind] = engine.url
     print(json.dumps(line), flush=True)
