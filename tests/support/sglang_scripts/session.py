@@ -3,8 +3,10 @@
 Usage: python tests/support/sglang_scripts/session.py SPEC_JSON
 
 SPEC: {"engine": {Engine keyword arguments on top of the CPU ones below}, "steps": [STEP, ...]}, or
-{"starts": [{Engine keyword arguments}, ...]} to try several engines that must fail to start (each
-start's error is recorded). A STEP is one of
+{"starts": [{"engine": {...}, "steps": [...]}, ...]} to start several engines one after the other in
+this process (importing SGLang once), each running its steps. An engine that fails to start ends
+this process (its scheduler's SIGQUIT makes SGLang end the whole process tree), with the error in
+the log. A STEP is one of
     {"do": "generate"}                                  greedy tokens of PROMPT_IDS
     {"do": "sync", "revision": R}                       weightstream.client.sglang.sync_weights(engine, R)
     {"do": "from_disk", "path": DIR}                    SGLang's own update_weights_from_disk(DIR)
@@ -12,7 +14,8 @@ start's error is recorded). A STEP is one of
     {"do": "replace", "target": T, "model": M, "dir": D, "storage": S}  move D's files over S's, wait for
                                                         the revision T's watch then reports
 A step that raises is recorded with its error, and the session goes on. Prints one line
-`RESULT {"steps": [{"do": ..., "ok": true|false, "error": "...", "seconds": S, ...}], "init_seconds": S}`.
+`RESULT {"steps": [{"do": ..., "ok": true|false, "error": "...", "seconds": S, ...}], "init_seconds": S}`,
+or with "starts" `RESULT {"starts": [{"ok": true|false, "error": "...", "steps": [...], ...}, ...]}`.
 """
 
 from __future__ import annotations
@@ -87,31 +90,19 @@ def run_step(engine: Any, step: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"unknown step {do!r}")
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def session(spec: dict[str, Any]) -> dict[str, Any]:
+    """Start Engine(**spec["engine"]), run spec["steps"], shut it down; what happened."""
     import sglang as sgl
 
-    if "starts" in spec:
-        records = []
-        for kwargs in spec["starts"]:
-            started = time.perf_counter()
-            try:
-                engine = sgl.Engine(**(CPU_ENGINE | kwargs))
-            except BaseException as exc:  # SGLang ends a failed start with SystemExit in places
-                records.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-            else:
-                engine.shutdown()
-                records.append({"ok": True})
-            records[-1]["seconds"] = time.perf_counter() - started
-        print("RESULT " + json.dumps({"starts": records}), flush=True)
-        return
-
     started = time.perf_counter()
-    engine = sgl.Engine(**(CPU_ENGINE | spec["engine"]))
+    try:
+        engine = sgl.Engine(**(CPU_ENGINE | spec["engine"]))
+    except BaseException as exc:  # a failed start ends in SystemExit in places
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "init_seconds": time.perf_counter() - started}
     init_seconds = time.perf_counter() - started
     records = []
     revisions: dict[str, str] = {}
-    for step in spec["steps"]:
+    for step in spec.get("steps", []):
         step = {k: revisions.get(v, v) if isinstance(v, str) else v for k, v in step.items()}
         began = time.perf_counter()
         try:
@@ -120,10 +111,21 @@ def main() -> None:
             record = {"do": step["do"], "ok": False, "error": f"{type(exc).__name__}: {exc}"}
         record["seconds"] = time.perf_counter() - began
         if "name" in step and "revision" in record:
-            revisions[step["name"]] = record["revision"]  # later steps may name it as "$name"
+            revisions[step["name"]] = record["revision"]  # later steps name it as "$name"
         records.append(record)
     engine.shutdown()
-    print("RESULT " + json.dumps({"steps": records, "init_seconds": init_seconds}), flush=True)
+    return {"ok": True, "steps": records, "init_seconds": init_seconds}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if "starts" in spec:
+        result: dict[str, Any] = {"starts": [session(one) for one in spec["starts"]]}
+    else:
+        result = session(spec)
+        if not result["ok"]:
+            raise RuntimeError(result["error"])
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
