@@ -9,11 +9,14 @@ RUNTIME_STAMP := $(VENV)/.weightstream-runtime
 STAMP := $(VENV)/.weightstream-installed
 VLLM_VENV ?= .venv-vllm
 VLLM_TORCH_SPEC ?= torch==2.13.0
+SGLANG_VENV ?= .venv-sglang
+# SGLang 0.5.23 needs Python 3.10 or later and pins its own torch (a CUDA build, unused on a CPU).
+SGLANG_PYTHON ?= $(PYTHON)
 # The store emulators the tests start, from npm: s3rver (S3) and Azurite (Azure Blob). moto (S3) and
 # gcp-storage-emulator (Google Cloud Storage) come with the dev extra.
 EMULATORS := tests/s3/node_modules/.weightstream-installed
 
-.PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv
+.PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv sglang-venv
 
 $(RUNTIME_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,7 +36,7 @@ $(EMULATORS): tests/s3/package.json
 	npm install --prefix tests/s3 --no-audit --no-fund --no-package-lock
 	touch $(EMULATORS)
 
-test: $(STAMP) $(EMULATORS) vllm-venv lint typecheck check-proto check-deploy
+test: $(STAMP) $(EMULATORS) vllm-venv sglang-venv lint typecheck check-proto check-deploy
 	$(BIN)/python -m pytest
 
 # The one-minute loop: the tests not marked slow (no vLLM, no S3 server, no `weightstream serve`
@@ -50,6 +53,11 @@ lint: $(STAMP)
 vllm-venv:
 	PYTHON=$(PYTHON) VLLM_VENV=$(VLLM_VENV) VLLM_TORCH_SPEC="$(VLLM_TORCH_SPEC)" bash scripts/vllm_venv.sh
 
+# SGLang's own environment for tests/e2e/test_sglang.py and benchmarks/sglang_load.py (about 11 GB and
+# 2.5 minutes to build; a no-op once built). It holds the CPU-only workaround for sgl_kernel.
+sglang-venv:
+	PYTHON=$(SGLANG_PYTHON) SGLANG_VENV=$(SGLANG_VENV) bash scripts/sglang_venv.sh
+
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
@@ -63,7 +71,7 @@ check-proto: $(STAMP)
 	for f in build/proto-check/*.py*; do diff -u "client/weightstream/v1/$$(basename $$f)" "$$f" || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build
 
 .PHONY: check-deploy container-test
 
