@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +47,10 @@ def stream_weights(
     *,
     progress: bool,
     logger: logging.Logger,
+    check: Callable[[Manifest, LoadPlan], None] | None = None,
 ) -> StreamedLoad:
-    """Load settings.model from settings.target into model through load_model_weights; see the module doc."""
+    """Load settings.model from settings.target into model through load_model_weights; see the module doc.
+    check: called with the manifest and the plan before any byte is written (raises to refuse them)."""
     device = parameter_device(model)
     started = time.perf_counter()
     with settings.client(progress=progress) as client:
@@ -56,6 +58,8 @@ def stream_weights(
         connected = time.perf_counter() - started
         plan = plan_loads(load_model_weights, model, manifest)
         planned = time.perf_counter() - started - connected
+        if check is not None:
+            check(manifest, plan)
         if plan.fallback:
             logger.info(
                 "weightstream: %d tensors of %s are streamed whole to %s.load_weights: %s",

@@ -76,6 +76,7 @@ from weightstream.client.errors import IncompatibleModuleError, WeightStreamErro
 from weightstream.client.facade import WeightStreamClient
 from weightstream.client.loader_plan import LoadPlan
 from weightstream.client.loader_settings import LOAD_FORMAT, LoaderSettings, flag
+from weightstream.client.manifest import Manifest
 from weightstream.client.sglang import revision_of_format
 
 # Below SGLang's logger, whose root handler SGLang configures (Engine: log_level, default "error").
@@ -142,7 +143,9 @@ class WeightStreamModelLoader(DefaultModelLoader):
             if not callable(load_model_weights):
                 raise ValueError(f"{type(model).__name__} has no load_weights(weights) method, which SGLang's have")
             try:
-                streamed = stream_weights(load_model_weights, model, settings, progress=False, logger=logger)
+                streamed = stream_weights(
+                    load_model_weights, model, settings, progress=False, logger=logger, check=_check_slices
+                )
             except WeightStreamError:
                 raise
             except Exception as exc:  # the model's own loaders refused a tensor
@@ -293,6 +296,31 @@ def check_layout(
         raise IncompatibleModuleError(
             f"revision {revision} of {model_id} does not fit the engine's model: {len(problems)} tensors differ: "
             + "; ".join(problems[:10])
+        )
+
+
+def _check_slices(manifest: Manifest, plan: LoadPlan) -> None:
+    from sglang.srt.distributed import get_tensor_model_parallel_world_size
+
+    check_slices(manifest, plan, get_tensor_model_parallel_world_size())
+
+
+def check_slices(manifest: Manifest, plan: LoadPlan, tp_size: int) -> None:
+    """Refuse checkpoint tensors larger than the model's parameters: SGLang's weight loaders narrow each
+    tensor to the rank's share of the parameter, so a wider checkpoint would be cut silently. The ranks'
+    slices together must cover a tensor's split dimension (with replicated or padded shares, more)."""
+    cut = []
+    for name, target in plan.targets.items():
+        piece = target.slice
+        if piece is None:
+            continue
+        size = manifest[name].shape[piece.dim]
+        if (piece.stop - piece.start) * tp_size < size:
+            cut.append(f"{name} {list(manifest[name].shape)} (the model takes {piece.stop - piece.start} of {size})")
+    if cut:
+        raise IncompatibleModuleError(
+            f"weightstream model {manifest.model!r} does not fit the engine's model: {len(cut)} tensors are larger "
+            f"than its parameters at tensor-parallel size {tp_size}: " + "; ".join(cut[:10])
         )
 
 
