@@ -300,7 +300,7 @@ def check_layout(
 
 
 def _check_slices(manifest: Manifest, plan: LoadPlan) -> None:
-    from sglang.srt.distributed import get_tensor_model_parallel_world_size
+    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
 
     check_slices(manifest, plan, get_tensor_model_parallel_world_size())
 
