@@ -154,7 +154,7 @@ def test_sglang_start_fails_with_an_error_naming_what_is_wrong(
     assert f"UnavailableError: UNAVAILABLE from 127.0.0.1:{nobody}" in unreachable, unreachable[-4000:]
     assert "NotFoundError: NOT_FOUND" in missing and "no-such-llama" in missing, missing[-4000:]
     # SGLang's own weight loaders would narrow the wider tensors to the model's and load them silently.
-    assert f"weightstream model {WIDE!r} does not fit the engine's model: 4 tensors are larger" in misfit, misfit[
+    assert f"weightstream model {WIDE!r} does not fit the engine's model: 6 tensors are larger" in misfit, misfit[
         -4000:
     ]
     assert "model.layers.0.mlp.down_proj.weight [128, 384]" in misfit, misfit[-4000:]
