@@ -8,7 +8,8 @@ publishing allowed. B changes 10% of its tensors (every tenth by name). In one S
 - SGLang's own loader on A's files (page cache warm after the first read): its start-up weight load,
   then `update_weights_from_disk` to B's files (the baseline update: it reads every tensor again);
 - load_format="weightstream" from a folder holding only config.json (the tcp transport's data
-  port), then B published by a trainer and `sync_weights(engine, B)` (only the changed tensors).
+  port; A published beforehand, so in the server's memory as in an RL loop), then B published by a
+  trainer and `sync_weights(engine, B)` (only the changed tensors).
 
 Load: SGLang's own "Load weight end. elapsed" line for both loaders. Update: the wall time of the
 update call (both pause generation, load, flush the cache). Greedy tokens of the two engines must
@@ -88,6 +89,10 @@ def main() -> None:
         updates: dict[str, list[float]] = {"sglang": [], "weightstream": []}
         with serve_weightstream(root, 4 * 1024 * 1024, ["--allow-publish"]) as (_process, port):
             target = f"127.0.0.1:{port}"
+            # Every run's engine loads A as an RL loop's engine would, published (in the server's memory),
+            # as SGLang's own loader reads A from the page cache, warm after the first read.
+            with WeightStreamClient(target, progress=False) as client:
+                client.publish(MODEL, state)
             for run in range(args.runs):
                 specs = [
                     {
@@ -123,7 +128,7 @@ def main() -> None:
                     f"{updates['weightstream'][-1]:.3f} s (sync_weights)",
                     flush=True,
                 )
-                # The next run's engine loads the current revision, B: republish A for it.
+                # The current revision is B now: A again for the next run.
                 with WeightStreamClient(target, progress=False) as client:
                     client.publish(MODEL, state)
 
