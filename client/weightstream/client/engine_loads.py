@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from weightstream.client.engine_updates import LOADED, Loaded, parameter_device
+from weightstream.client.errors import IncompatibleModuleError
 from weightstream.client.facade import LoadReport
 from weightstream.client.loader_plan import LoadPlan, LoadWeights, plan_loads
 from weightstream.client.loader_settings import LoaderSettings
@@ -103,3 +104,22 @@ def stream_weights(
         report.transport,
     )
     return StreamedLoad(manifest, plan, report, loaded, reported, loaded_bytes, seconds)
+
+
+def check_slices(manifest: Manifest, plan: LoadPlan, tp_size: int) -> None:
+    """Refuse checkpoint tensors larger than the model's parameters: SGLang's weight loaders narrow each
+    tensor to the rank's share of the parameter, so a wider checkpoint would be cut silently. The ranks'
+    slices together must cover a tensor's split dimension (with replicated or padded shares, more)."""
+    cut = []
+    for name, target in plan.targets.items():
+        piece = target.slice
+        if piece is None:
+            continue
+        size = manifest[name].shape[piece.dim]
+        if (piece.stop - piece.start) * tp_size < size:
+            cut.append(f"{name} {list(manifest[name].shape)} (the model takes {piece.stop - piece.start} of {size})")
+    if cut:
+        raise IncompatibleModuleError(
+            f"weightstream model {manifest.model!r} does not fit the engine's model: {len(cut)} tensors are larger "
+            f"than its parameters at tensor-parallel size {tp_size}: " + "; ".join(cut[:10])
+        )

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from weightstream.client.errors import FailedPreconditionError, NotFoundError
+from weightstream.client.errors import FailedPreconditionError, IncompatibleModuleError, NotFoundError
 from weightstream.client.facade import LoadReport, WeightStreamClient
-from weightstream.client.manifest import Manifest
+from weightstream.client.manifest import Manifest, TensorInfo
 from weightstream.client.sharding import sliced_manifest
 from weightstream.protocol.wire import TensorSlice
 
@@ -191,3 +191,29 @@ def fused_with(changed: list[str], all_names: list[str], packed: Mapping[str, li
                 wanted.add(".".join([*pieces[:i], other, *pieces[i + 1 :]]))
     present = set(all_names)
     return [n for n in all_names if n in wanted and n in present]
+
+
+def check_layout(
+    tensors: Iterable[TensorInfo],
+    layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    model_id: str,
+    revision: str,
+) -> None:
+    """Refuse a revision whose tensors are not the ones the engine's model holds (names, dtypes, shapes)."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for info in tensors:
+        seen.add(info.name)
+        held = layout.get(info.name)
+        if held is None:
+            problems.append(f"{info.name} is new")
+        elif held != (info.dtype, info.shape):
+            problems.append(
+                f"{info.name} is {info.dtype} {list(info.shape)}, the engine's is {held[0]} {list(held[1])}"
+            )
+    problems += [f"{name} is gone" for name in sorted(set(layout) - seen)]
+    if problems:
+        raise IncompatibleModuleError(
+            f"revision {revision} of {model_id} does not fit the engine's model: {len(problems)} tensors differ: "
+            + "; ".join(problems[:10])
+        )

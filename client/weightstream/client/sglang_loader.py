@@ -61,13 +61,14 @@ from sglang.srt.model_loader.loader import (
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 from torch import nn
 
-from weightstream.client.engine_loads import stream_weights
+from weightstream.client.engine_loads import check_slices, stream_weights
 from weightstream.client.engine_updates import (
     LATEST,
     LOADED,
     HostCopy,
     Loaded,
     UpdatePlan,
+    check_layout,
     full_shaped,
     packed_modules,
     plan_update,
@@ -276,52 +277,10 @@ def sglang_packed(model: nn.Module) -> dict[str, list[str]]:
     return packed
 
 
-def check_layout(
-    tensors: Iterable[Any], layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], model_id: str, revision: str
-) -> None:
-    """Refuse a revision whose tensors are not the ones the engine's model holds (names, dtypes, shapes)."""
-    problems: list[str] = []
-    seen: set[str] = set()
-    for info in tensors:
-        seen.add(info.name)
-        held = layout.get(info.name)
-        if held is None:
-            problems.append(f"{info.name} is new")
-        elif held != (info.dtype, info.shape):
-            problems.append(
-                f"{info.name} is {info.dtype} {list(info.shape)}, the engine's is {held[0]} {list(held[1])}"
-            )
-    problems += [f"{name} is gone" for name in sorted(set(layout) - seen)]
-    if problems:
-        raise IncompatibleModuleError(
-            f"revision {revision} of {model_id} does not fit the engine's model: {len(problems)} tensors differ: "
-            + "; ".join(problems[:10])
-        )
-
-
 def _check_slices(manifest: Manifest, plan: LoadPlan) -> None:
     from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_world_size
 
     check_slices(manifest, plan, get_tensor_model_parallel_world_size())
-
-
-def check_slices(manifest: Manifest, plan: LoadPlan, tp_size: int) -> None:
-    """Refuse checkpoint tensors larger than the model's parameters: SGLang's weight loaders narrow each
-    tensor to the rank's share of the parameter, so a wider checkpoint would be cut silently. The ranks'
-    slices together must cover a tensor's split dimension (with replicated or padded shares, more)."""
-    cut = []
-    for name, target in plan.targets.items():
-        piece = target.slice
-        if piece is None:
-            continue
-        size = manifest[name].shape[piece.dim]
-        if (piece.stop - piece.start) * tp_size < size:
-            cut.append(f"{name} {list(manifest[name].shape)} (the model takes {piece.stop - piece.start} of {size})")
-    if cut:
-        raise IncompatibleModuleError(
-            f"weightstream model {manifest.model!r} does not fit the engine's model: {len(cut)} tensors are larger "
-            f"than its parameters at tensor-parallel size {tp_size}: " + "; ".join(cut[:10])
-        )
 
 
 def parameters_not_written(model: nn.Module, plan: LoadPlan) -> set[str]:
