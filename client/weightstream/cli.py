@@ -16,6 +16,7 @@ from weightstream.protocol import names
 
 if TYPE_CHECKING:
     from weightstream.client import WeightStreamClient
+    from weightstream.client.sglang import SglangServer
     from weightstream.client.vllm_http import VllmServer
 
 SERVER_INSTALL = "pip install 'weightstream[server]'"
@@ -132,21 +133,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     update = commands.add_parser(
         "update",
-        help="tell a running vllm serve to pull a revision of MODEL in place (or each new one, with --follow)",
+        help="tell a running vllm serve or SGLang server to pull a revision of MODEL in place (or each new one, "
+        "with --follow)",
         description="Pull MODEL's current revision (or --revision R) into a running `vllm serve` through its "
-        "weight-transfer HTTP routes: the engine must run with VLLM_SERVER_DEV_MODE=1 and "
-        '--weight-transfer-config \'{"backend": "weightstream"}\'. Every rank pulls only what changed since '
-        "the revision it holds. The revision is resolved here, once, so that every rank pulls the same one. "
-        "With --follow, watch MODEL and pull each new revision as it becomes current (a continuous deployment "
-        "loop); one JSON line per update. The engine's API key, if any, comes from VLLM_API_KEY.",
+        "weight-transfer HTTP routes (the engine must run with VLLM_SERVER_DEV_MODE=1 and "
+        '--weight-transfer-config \'{"backend": "weightstream"}\'), or into an SGLang server started with '
+        "--load-format weightstream through its /update_weights_from_disk route. Every rank pulls only what "
+        "changed since the revision it holds. The revision is resolved here, once, so that every rank pulls the "
+        "same one. With --follow, watch MODEL and pull each new revision as it becomes current (a continuous "
+        "deployment loop); one JSON line per update. The engine's API key, if any, comes from VLLM_API_KEY "
+        "(vLLM) or SGLANG_API_KEY (SGLang).",
     )
     update.add_argument("model", help=MODEL_HELP)
     update.add_argument("--target", required=True, help="weightstream server address, HOST:PORT")
-    update.add_argument("--vllm", required=True, metavar="URL", help="the vLLM server, e.g. http://127.0.0.1:8000")
+    engines = update.add_mutually_exclusive_group(required=True)
+    engines.add_argument("--vllm", metavar="URL", help="the vLLM server, e.g. http://127.0.0.1:8000")
+    engines.add_argument("--sglang", metavar="URL", help="the SGLang server, e.g. http://127.0.0.1:30000")
     update.add_argument(
         "--engine-target",
         default=None,
-        help="the weightstream address as the engine reaches it (default: --target)",
+        help="vLLM: the weightstream address as the engine reaches it (default: --target)",
     )
     update.add_argument("--revision", default=None, help="the revision to pull (default: the current one)")
     update.add_argument("--follow", action="store_true", help="keep watching, and pull each new revision")
@@ -354,12 +360,18 @@ def _watch(client: WeightStreamClient, args: argparse.Namespace) -> int:
 def _update(client: WeightStreamClient, args: argparse.Namespace) -> int:
     import os
 
+    from weightstream.client.sglang import SglangServer
     from weightstream.client.vllm_http import VllmServer
 
-    engine = VllmServer(args.vllm, api_key=os.environ.get("VLLM_API_KEY"))
-    engine.init({"target": args.engine_target or args.target, "model": args.model})
     if args.revision and args.follow:
         raise ValueError("--revision and --follow: pass one")
+    engine: VllmServer | SglangServer
+    if args.sglang:
+        # The SGLang server pulls from where its --model-loader-extra-config points.
+        engine = SglangServer(args.sglang, api_key=os.environ.get("SGLANG_API_KEY"))
+    else:
+        engine = VllmServer(args.vllm, api_key=os.environ.get("VLLM_API_KEY"))
+        engine.init({"target": args.engine_target or args.target, "model": args.model})
     holding = engine.weight_version()
     if not args.follow:
         revision = args.revision or client.manifest(args.model).revision
@@ -375,7 +387,8 @@ def _update(client: WeightStreamClient, args: argparse.Namespace) -> int:
     return 0
 
 
-def _pull(engine: VllmServer, model: str, revision: str, holding: str | None) -> None:
+def _pull(engine: VllmServer | SglangServer, model: str, revision: str, holding: str | None) -> None:
     seconds = engine.pull(revision)
-    line = {"model": model, "revision": revision, "since": holding, "seconds": round(seconds, 3), "vllm": engine.url}
+    line = {"model": model, "revision": revision, "since": holding, "seconds": round(seconds, 3)}
+    line[engine.kind] = engine.url
     print(json.dumps(line), flush=True)

@@ -12,4 +12,6 @@
 - reliability_report: the pytest plugin that prints the figures the reliability tests record.
 - vllm_runs: the vLLM test's model and engine runs in .venv-vllm; vllm_scripts/ holds the scripts
   that run there (by path, with that environment's interpreter).
+- sglang_runs: the SGLang tests' model, engine sessions in .venv-sglang and launch_server;
+  sglang_scripts/ holds the session script that runs there.
 """

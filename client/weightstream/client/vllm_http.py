@@ -10,27 +10,29 @@ library is used (urllib); an engine started with --api-key gets it as a bearer t
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
-# An update pulls and re-processes layers: allow it time on a large model.
-UPDATE_TIMEOUT_S = 900.0
+from weightstream.client.engine_http import UPDATE_TIMEOUT_S, EngineHttpError, EngineRoutes
 
 
-class VllmServerError(RuntimeError):
+class VllmServerError(EngineHttpError):
     """A route of the vLLM server failed: its path, status and answer."""
 
 
 class VllmServer:
     """The weight-transfer routes of one vLLM server (base URL such as http://127.0.0.1:8000)."""
 
+    kind = "vllm"
+
     def __init__(self, url: str, *, api_key: str | None = None, timeout: float = UPDATE_TIMEOUT_S) -> None:
-        self.url = url.rstrip("/")
-        self._api_key = api_key
-        self._timeout = timeout
+        self._routes = EngineRoutes(
+            url,
+            api_key=api_key,
+            timeout=timeout,
+            unreachable="is vllm serve running there, with VLLM_SERVER_DEV_MODE=1?",
+        )
+        self.url = self._routes.url
 
     def init(self, init_info: dict[str, Any]) -> None:
         """init_info: the loader's keys (target, model, token, tls, ...), where the engine pulls from."""
@@ -50,20 +52,4 @@ class VllmServer:
         return str(version) if version is not None else None
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(f"{self.url}/{path}", data=data, method=method)
-        request.add_header("Content-Type", "application/json")
-        if self._api_key:
-            request.add_header("Authorization", f"Bearer {self._api_key}")
-        try:
-            with urllib.request.urlopen(request, timeout=self._timeout) as answer:
-                raw = answer.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:2000]
-            raise VllmServerError(f"{self.url}/{path}: HTTP {exc.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise VllmServerError(
-                f"{self.url}/{path}: {reason} (is vllm serve running there, with VLLM_SERVER_DEV_MODE=1?)"
-            ) from None
-        return json.loads(raw) if raw else None
+        return self._routes.call(method, path, body, error=VllmServerError)

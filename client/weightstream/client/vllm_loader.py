@@ -19,6 +19,7 @@ Configuration is `model_loader_extra_config` (`--model-loader-extra-config` on `
 | ca_file   |                        | PEM CA bundle for TLS (default: the system's roots)             |
 | shm_dir   | WEIGHTSTREAM_SHM_DIR   | shared-memory directory the server also sees (same pod or host) |
 | transport |                        | "auto" (default: shm, else tcp, else grpc), "shm", "tcp", "grpc"|
+| retry_deadline |                   | seconds a server not up yet (or an outage) is retried; 300      |
 
 vLLM's `model` folder then holds only config.json and the tokenizer: no weights are downloaded
 or staged on disk. Each rank receives only its own bytes: loader_plan.plan_loads runs the model's
@@ -35,13 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
-import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
 
-import torch
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
@@ -49,89 +45,19 @@ from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-from weightstream.client.facade import WeightStreamClient
-from weightstream.client.loader_plan import plan_loads
-from weightstream.client.options import MODEL_ENV, TARGET_ENV, ClientOptions
-from weightstream.protocol import names
-from weightstream.protocol.names import TransportChoice
-from weightstream.protocol.wire import TensorSlice
+from weightstream.client.engine_loads import stream_weights
+from weightstream.client.loader_settings import LOAD_FORMAT, LoaderSettings
 
 # A child of vLLM's logger, so that these lines reach vLLM's handler and format (vLLM configures
 # only the "vllm" logger; a weightstream.* logger would be dropped at the root's WARNING level).
 logger = logging.getLogger("vllm.weightstream")
 
-LOAD_FORMAT = "weightstream"
 # WeightTransferConfig(backend=...) of the weight-transfer engine (vllm_transfer).
 TRANSFER_BACKEND = "weightstream"
 
 
-@dataclass(frozen=True)
-class Loaded:
-    """What a vLLM model last received from weightstream: the model id, its revision, and the slice of
-    each checkpoint tensor that this rank's loaders read (None: all of it), as this loader planned them."""
-
-    model: str
-    revision: str
-    slices: Mapping[str, TensorSlice | None]
-
-
-# Each vLLM model's Loaded (this loader's load, then each update of vllm_transfer), so that an update
-# asks only for what changed since, and only this rank's slices of it.
-LOADED: weakref.WeakKeyDictionary[nn.Module, Loaded] = weakref.WeakKeyDictionary()
-_KEYS = frozenset({"target", "model", "token", "tls", "ca_file", "shm_dir", "transport"})
 # Parameters built from a quantization config, never read from a checkpoint (as in vLLM's own check).
 _CONFIG_BUILT_PARAMS = ("input_scale_ub",)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoaderSettings:
-    """Where the loader streams from, resolved once from the extra config and the environment."""
-
-    target: str
-    model: str
-    token: str | None = None
-    tls: bool = False
-    ca_file: str | None = None
-    shm_dir: str | None = None
-    transport: TransportChoice = "auto"
-
-    @classmethod
-    def resolve(
-        cls, extra: Mapping[str, object], model_path: str, environ: Mapping[str, str] | None = None
-    ) -> LoaderSettings:
-        """Settings from model_loader_extra_config, falling back to WEIGHTSTREAM_* variables and vLLM's model path."""
-        options = ClientOptions.from_environ(environ)
-        unknown = sorted(set(extra) - _KEYS)
-        if unknown:
-            raise ValueError(
-                f"model_loader_extra_config for load_format={LOAD_FORMAT!r} has unknown keys {unknown}; "
-                f"known: {sorted(_KEYS)}"
-            )
-        target = _text(extra, "target") or options.target
-        if not target:
-            raise ValueError(
-                f"load_format={LOAD_FORMAT!r} needs the server's address: model_loader_extra_config "
-                f'{{"target": "HOST:PORT"}} or the environment variable {TARGET_ENV}'
-            )
-        model = _text(extra, "model") or options.model or Path(model_path).name
-        if not model:
-            raise ValueError(f"no weightstream model id: set model_loader_extra_config['model'] or {MODEL_ENV}")
-        token = _text(extra, "token") or options.token
-        transport = _text(extra, "transport") or "auto"
-        if transport not in names.TRANSPORTS:
-            raise ValueError(
-                f"model_loader_extra_config['transport'] must be one of {names.TRANSPORTS}, not {transport!r}"
-            )
-        shm_dir = _text(extra, "shm_dir") or (str(options.shm_dir) if options.shm_dir else None)
-        return cls(
-            target=target,
-            model=model,
-            token=token,
-            tls=_flag(extra, "tls"),
-            ca_file=_text(extra, "ca_file"),
-            shm_dir=shm_dir,
-            transport=transport,
-        )
 
 
 class WeightStreamModelLoader(BaseModelLoader):
@@ -152,65 +78,10 @@ class WeightStreamModelLoader(BaseModelLoader):
         load_model_weights = getattr(model, "load_weights", None)
         if not callable(load_model_weights):
             raise ValueError(f"{type(model).__name__} has no load_weights(weights) method, which vLLM's models have")
-        device = _parameter_device(model)
-        started = time.perf_counter()
-        with WeightStreamClient(
-            settings.target,
-            token=settings.token,
-            tls=settings.tls,
-            ca_file=settings.ca_file,
-            progress=self.load_config.use_tqdm_on_load,
-            transport=settings.transport,
-            shm_dir=settings.shm_dir,
-        ) as client:
-            manifest = client.manifest(settings.model)
-            connected = time.perf_counter() - started
-            plan = plan_loads(load_model_weights, model, manifest)
-            planned = time.perf_counter() - started - connected
-            if plan.fallback:
-                logger.info(
-                    "weightstream: %d tensors of %s are streamed whole to %s.load_weights: %s",
-                    len(plan.fallback),
-                    settings.model,
-                    type(model).__name__,
-                    "; ".join(f"{name}: {why}" for name, why in plan.fallback.items()),
-                )
-            report = client.load_targets(settings.model, plan.targets, manifest=manifest)
-            loaded_bytes = report.bytes
-            loaded = set(plan.loaded)
-            reported = plan.reports_loaded
-            if plan.fallback:
-
-                def counted(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-                    nonlocal loaded_bytes
-                    for name, tensor in weights:
-                        loaded_bytes += tensor.numel() * tensor.element_size()
-                        yield name, tensor
-
-                names = load_model_weights(
-                    counted(client.iter_tensors(settings.model, names=plan.fallback, device=device))
-                )
-                reported = reported and names is not None
-                loaded |= set(names or ())
-        LOADED[model] = Loaded(settings.model, manifest.revision, {n: t.slice for n, t in plan.targets.items()})
-        seconds = time.perf_counter() - started
-        logger.info(
-            "weightstream: loaded %s from %s: %d bytes in %.3f s (%.2f GB/s); %d tensors written in place, "
-            "%d streamed whole, %d unused; connected and manifest in %.3f s, planned in %.3f s, "
-            "written in place in %.3f s; transport %s",
-            settings.model,
-            settings.target,
-            loaded_bytes,
-            seconds,
-            loaded_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-            len(plan.targets),
-            len(plan.fallback),
-            len(plan.unused),
-            connected,
-            planned,
-            report.seconds,
-            report.transport,
+        streamed = stream_weights(
+            load_model_weights, model, settings, progress=self.load_config.use_tqdm_on_load, logger=logger
         )
+        loaded, reported = streamed.loaded, streamed.reported
         if not reported:
             logger.warning(
                 "weightstream: %s.load_weights returned no names; cannot check that every weight was loaded",
@@ -272,29 +143,3 @@ def register_trainer() -> None:
         WeightTransferTrainerFactory.register_engine(
             TRANSFER_BACKEND, "weightstream.client.vllm_trainer", "WeightStreamTrainerEngine"
         )
-
-
-def _parameter_device(model: nn.Module) -> torch.device:
-    """Where model's parameters live (vLLM builds them on the load device); tensors are streamed there."""
-    for param in model.parameters():
-        if param.device.type in ("cpu", "cuda"):
-            return param.device
-    return torch.device("cpu")
-
-
-def _text(extra: Mapping[str, object], key: str) -> str | None:
-    value = extra.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ValueError(f"model_loader_extra_config[{key!r}] must be a string, not {type(value).__name__}")
-    return value.strip() or None
-
-
-def _flag(extra: Mapping[str, object], key: str) -> bool:
-    value = extra.get(key, False)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "0", "false", "no", ""):
-        return value.strip().lower() in ("1", "true", "yes")
-    raise ValueError(f"model_loader_extra_config[{key!r}] must be true or false, not {value!r}")

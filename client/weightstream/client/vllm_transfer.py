@@ -51,12 +51,20 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from weightstream.client.engine_updates import (
+    LATEST,
+    LOADED,
+    HostCopy,
+    Loaded,
+    full_shaped,
+    packed_modules,
+    plan_update,
+)
 from weightstream.client.errors import FailedPreconditionError, NotFoundError
 from weightstream.client.facade import WeightStreamClient
-from weightstream.client.sharding import sliced_manifest
-from weightstream.client.vllm_loader import LOADED, Loaded, LoaderSettings, register_trainer
+from weightstream.client.loader_settings import LoaderSettings
+from weightstream.client.vllm_loader import register_trainer
 from weightstream.client.vllm_trainer import OfflineLLMClient, WeightStreamTrainerInitInfo, WeightSyncError
-from weightstream.protocol.wire import TensorSlice
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,8 +80,6 @@ __all__ = [
     "WeightSyncError",
     "sync_weights",
 ]
-
-LATEST = "latest"
 
 
 @dataclass
@@ -129,37 +135,30 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         self._tensors = 0
         self._bytes = 0
         self._since = ""
-        # With init_info deltas: the rank's checkpoint-format slices on the host, and their revision.
-        self._deltas = False
-        self._mirror: dict[str, torch.Tensor] | None = None
-        self._mirror_revision = ""
+        # With init_info deltas: the rank's checkpoint-format slices on the host.
+        self._host_copy: HostCopy | None = None
 
     def init_transfer_engine(self, init_info: WeightStreamInitInfo) -> None:
         extra = {key: value for key, value in asdict(init_info).items() if value is not None and key != "deltas"}
         settings = LoaderSettings.resolve(extra, self.model_config.model)
         if self._client is not None:
             self._client.close()
-        self._client = WeightStreamClient(
-            settings.target,
-            token=settings.token,
-            tls=settings.tls,
-            ca_file=settings.ca_file,
-            progress=False,
-            transport=settings.transport,
-            shm_dir=settings.shm_dir,
-        )
+        self._client = settings.client()
         self._model_id = settings.model
         self._target = settings.target
-        self._deltas = init_info.deltas
-        self._mirror, self._mirror_revision = None, ""
         loaded = self._loaded()
+        self._host_copy = (
+            HostCopy(self._client, settings.model, loaded.slices if loaded is not None else {})
+            if init_info.deltas
+            else None
+        )
         if loaded is not None:
             # Tell the server which revision this engine holds: it keeps that revision's block
             # CRC32Cs from now on, so that the next update finds what changed even in rewritten files.
             self._client.changes(settings.model, since=loaded.revision, revision=loaded.revision)
-            if self._deltas:
+            if self._host_copy is not None:
                 try:
-                    self._pull_mirror(loaded.revision)
+                    self._host_copy.pull(loaded.revision, logger=logger)
                 except (NotFoundError, FailedPreconditionError) as exc:
                     logger.warning(
                         "weightstream: revision %s is gone (%s): the first update fills the host copy",
@@ -189,64 +188,37 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         client = self._check_ready()
         if not self._updating:
             raise RuntimeError("weightstream: update_weights needs start_weight_update first")
-        wanted = "" if update_info.revision == LATEST else update_info.revision
-        loaded = self._loaded()
-        since = self._pending or (loaded.revision if loaded is not None else "")
-        names: list[str] | None = None
-        revision = ""
-        if since:
-            try:
-                changes = client.changes(self._model_id, since=since, revision=wanted)
-            except (NotFoundError, FailedPreconditionError) as exc:
-                logger.warning("weightstream: no changes known since %s (%s): every tensor is pulled", since, exc)
-            else:
-                revision = changes.revision
-                names = list(changes.tensors)
-        manifest = client.manifest(self._model_id, revision=revision or wanted)
-        if names is None:
-            names = [t.name for t in manifest.tensors]
-        else:
-            names = fused_with(names, [t.name for t in manifest.tensors], packed_modules(self.model))
-        # This rank's slices only, as the loader planned them; each lands in a tensor of the full
-        # shape, in the place the model's loaders read it from (the rest of it is never read).
-        planned = loaded.slices if loaded is not None else {}
-        slices = {n: s for n in names if (s := planned.get(n)) is not None}
-        nbytes = sum(manifest[name].nbytes for name in names if name not in slices)
-        nbytes += sum(_slice_bytes(manifest[name].shape, manifest[name].nbytes, s) for name, s in slices.items())
-
-        if self._deltas:
-            self._pull_mirror(manifest.revision)
-            assert self._mirror is not None
-            mirror = self._mirror
-            received: Iterator[tuple[str, torch.Tensor]] = (
-                # A copy (a slice is copied below anyway): the model must not keep or alias the host
-                # copy, which the next update rewrites.
-                (name, mirror[name].to(self.device, copy=name not in slices))
-                for name in names
-            )
+        plan = plan_update(
+            client,
+            self._model_id,
+            self._loaded(),
+            update_info.revision,
+            packed_modules(self.model),
+            since=self._pending or "",
+            logger=logger,
+        )
+        if self._host_copy is not None:
+            self._host_copy.pull(plan.manifest.revision, logger=logger)
+            received = self._host_copy.tensors(plan.names, self.device)
         else:
             received = client.iter_tensors(
-                self._model_id, names=names, device=self.device, slices=slices, revision=manifest.revision
+                self._model_id,
+                names=plan.names,
+                device=self.device,
+                slices=plan.slices,
+                revision=plan.manifest.revision,
             )
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            if not names:
-                return
-            for name, tensor in received:
-                piece = slices.get(name)
-                if piece is None:
-                    yield name, tensor
-                    continue
-                full = torch.empty(manifest[name].shape, dtype=tensor.dtype, device=tensor.device)
-                full.narrow(piece.dim, piece.start, piece.stop - piece.start).copy_(tensor)
-                yield name, full
+            if plan.names:
+                yield from full_shaped(received, plan)
 
         with disable_mtp_completeness_check():
             self.model.load_weights(weights())
-        self._pending = manifest.revision
-        self._since = since
-        self._tensors += len(names)
-        self._bytes += nbytes
+        self._pending = plan.manifest.revision
+        self._since = plan.since
+        self._tensors += len(plan.names)
+        self._bytes += plan.nbytes
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -273,38 +245,6 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         )
         self._pending = None
 
-    def _pull_mirror(self, revision: str) -> None:
-        """Make the host copy hold revision: whole the first time, then only what changed (as XOR deltas
-        where the server holds the copy's revision in memory)."""
-        client = self._check_ready()
-        if self._mirror is not None and self._mirror_revision == revision:
-            return
-        loaded = self._loaded()
-        planned = {n: s for n, s in (loaded.slices if loaded is not None else {}).items() if s is not None}
-        if self._mirror is None:
-            manifest = sliced_manifest(client.manifest(self._model_id, revision=revision), planned)
-            self._mirror = {t.name: torch.empty(t.shape, dtype=t.dtype) for t in manifest.tensors}
-            self._mirror_revision = ""
-        if self._mirror_revision:
-            report = client.update_into(
-                self._mirror, self._model_id, since=self._mirror_revision, revision=revision, shard=planned
-            )
-        else:
-            report = client.load_into(self._mirror, self._model_id, revision=revision, shard=planned)
-        self._mirror_revision = revision
-        logger.info(
-            "weightstream: host copy of %s at %s: %d tensors, %d bytes changed, %d chunks as deltas (%d bytes), "
-            "%d fell back, in %.3f s",
-            self._model_id,
-            revision,
-            report.tensors,
-            report.bytes,
-            report.delta_chunks,
-            report.delta_bytes,
-            report.delta_fallbacks,
-            report.seconds,
-        )
-
     def shutdown(self) -> None:
         if self._client is not None:
             self._client.close()
@@ -318,32 +258,6 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
         if self._client is None:
             raise RuntimeError("weightstream: init_weight_transfer_engine comes first")
         return self._client
-
-
-def _slice_bytes(shape: tuple[int, ...], nbytes: int, piece: TensorSlice) -> int:
-    return nbytes // shape[piece.dim] * (piece.stop - piece.start) if shape and shape[piece.dim] else 0
-
-
-def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
-    """The model's fused parameters and their checkpoint parts ({"qkv_proj": ["q_proj", "k_proj", "v_proj"]})."""
-    mapping = getattr(model, "packed_modules_mapping", None)
-    return {k: list(v) for k, v in mapping.items()} if isinstance(mapping, dict) else {}
-
-
-def fused_with(changed: list[str], all_names: list[str], packed: dict[str, list[str]]) -> list[str]:
-    """changed, plus every checkpoint tensor fused with one of them into one parameter, in all_names' order."""
-    siblings: dict[str, list[str]] = {}
-    for parts in packed.values():
-        for part in parts:
-            siblings[part] = parts
-    wanted = set(changed)
-    for name in changed:
-        pieces = name.split(".")
-        for i, piece in enumerate(pieces):
-            for other in siblings.get(piece, ()):
-                wanted.add(".".join([*pieces[:i], other, *pieces[i + 1 :]]))
-    present = set(all_names)
-    return [n for n in all_names if n in wanted and n in present]
 
 
 def sync_weights(llm: Any, revision: str = LATEST) -> None:
