@@ -23,13 +23,9 @@ SGLANG_STAMP="$VENV/.sglang-installed"
 PROJECT_STAMP="$VENV/.weightstream-installed"
 LOG="$VENV/build.log"
 
-step() {
-    if ! "$@" >>"$LOG" 2>&1; then
-        echo "sglang_venv.sh: failed: $*" >&2
-        grep -v "^WARNING: Location" "$LOG" | tail -40 >&2
-        exit 1
-    fi
-}
+SCRIPT=sglang_venv.sh
+# shellcheck source=scripts/venv_steps.sh
+source scripts/venv_steps.sh
 
 start=$(date +%s)
 built=""

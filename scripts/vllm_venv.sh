@@ -18,13 +18,9 @@ VLLM_STAMP="$VENV/.vllm-installed"
 PROJECT_STAMP="$VENV/.weightstream-installed"
 LOG="$VENV/build.log"
 
-step() {
-    if ! "$@" >>"$LOG" 2>&1; then
-        echo "vllm_venv.sh: failed: $*" >&2
-        grep -v "^WARNING: Location" "$LOG" | tail -40 >&2
-        exit 1
-    fi
-}
+SCRIPT=vllm_venv.sh
+# shellcheck source=scripts/venv_steps.sh
+source scripts/venv_steps.sh
 
 start=$(date +%s)
 built=""

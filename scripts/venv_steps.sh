@@ -1,0 +1,9 @@
+# Sourced by the engines' environment scripts (vllm_venv.sh, sglang_venv.sh): step runs a command with
+# its output appended to $LOG, shown (less pip's index warnings) only when it fails, naming $SCRIPT.
+step() {
+    if ! "$@" >>"$LOG" 2>&1; then
+        echo "$SCRIPT: failed: $*" >&2
+        grep -v "^WARNING: Location" "$LOG" | tail -40 >&2
+        exit 1
+    fi
+}
