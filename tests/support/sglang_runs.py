@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from tests.support.ports import LOOPBACK, free_ports
-from tests.support.vllm_runs import vllm_llama_config, write_vllm_llama
+from tests.support.vllm_runs import ensure_engine_venv, vllm_llama_config, write_vllm_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_VENV = Path(os.environ.get("SGLANG_VENV", ROOT / ".venv-sglang"))
@@ -61,16 +61,7 @@ def sglang_env() -> dict[str, str]:
 
 def ensure_sglang_venv() -> None:
     """Build .venv-sglang when it is missing (scripts/sglang_venv.sh); fail, with its output, when that fails."""
-    started = time.perf_counter()
-    result = subprocess.run(
-        ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=1800, cwd=ROOT, check=False
-    )
-    if result.returncode != 0 or not SGLANG_PYTHON.exists():
-        raise AssertionError(
-            f"could not build the SGLang environment {SGLANG_VENV} with {BUILD_SCRIPT} "
-            f"(exit {result.returncode} after {time.perf_counter() - started:.0f} s); the SGLang tests need it.\n"
-            f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
-        )
+    ensure_engine_venv("SGLang", BUILD_SCRIPT, SGLANG_PYTHON, timeout=1800)
 
 
 @dataclass(frozen=True)

@@ -107,14 +107,19 @@ def write_vllm_llama(
 
 def ensure_vllm_venv() -> None:
     """Build .venv-vllm when it is missing (scripts/vllm_venv.sh); fail, with its output, when that fails."""
+    ensure_engine_venv("vLLM", BUILD_SCRIPT, VLLM_PYTHON, timeout=1200)
+
+
+def ensure_engine_venv(engine: str, script: Path, python: Path, *, timeout: float) -> None:
+    """Run an engine's environment script (it returns at once when the environment is built); fail,
+    with its output, when it fails or leaves no interpreter at python."""
     started = time.perf_counter()
-    result = subprocess.run(
-        ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=1200, cwd=ROOT, check=False
-    )
-    if result.returncode != 0 or not VLLM_PYTHON.exists():
+    command = ["bash", str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
+    if result.returncode != 0 or not python.exists():
         raise AssertionError(
-            f"could not build the vLLM environment {VLLM_VENV} with {BUILD_SCRIPT} "
-            f"(exit {result.returncode} after {time.perf_counter() - started:.0f} s); the vLLM test needs it.\n"
+            f"could not build the {engine} environment {python.parent.parent} with {script} "
+            f"(exit {result.returncode} after {time.perf_counter() - started:.0f} s); the {engine} tests need it.\n"
             f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
         )
 
