@@ -1,0 +1,121 @@
+"""Fleet fan-out: seconds from a publish returning to the last engine's update_into, and the origin's bytes.
+
+Each node in its own network namespace behind a link limited to --rate each way (tests/support/netns.py):
+node 0 the origin (upstream server and trainer), nodes 1..N a sidecar and an engine each. For each
+size and N, the trainer publishes --runs revisions with every element changed; the table gives the
+median seconds (and spread) until every engine's update_into returned, bit-exact (BLAKE3 digest),
+the bytes the origin's link sent per revision in copies of the revision, and the CPU seconds all
+processes used per revision.
+
+    sudo PYTHONPATH=$PWD:$PWD/client:$PWD/service .venv/bin/python -m benchmarks.fanout --mib 64 256 --nodes 1 2 4 8
+
+--modes star peers runs each fleet without and with peers serving peers (`--peers`), side by side.
+Needs root (network namespaces, tc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.harness import process_cpu_seconds
+from tests.support import fleet, netns
+
+MODES: dict[str, list[str]] = {"star": [], "peers": ["--peers"]}
+
+
+def _cpu_seconds(running: fleet.Cluster) -> float:
+    """CPU seconds (user and system) the fleet's processes (servers, engines, trainer) used so far."""
+    total = 0.0
+    for node in running.fleet.nodes:
+        for process in node.processes:
+            for pid in _tree(process.pid):
+                total += process_cpu_seconds(pid)
+    return total
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants (nsenter runs the command as its child)."""
+    found = [pid]
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return found
+    for child in children:
+        found += _tree(int(child))
+    return found
+
+
+def measure(mib: int, nodes: int, mode: str, runs: int, rate: str, folder: Path) -> dict[str, object]:
+    with fleet.cluster(folder, nodes, mib, rate=rate, sidecar_extra=MODES[mode]) as running:
+        seconds: list[float] = []
+        copies: list[float] = []
+        cpu: list[float] = []
+        indexes = list(range(1, nodes + 1))
+        for k in range(1, runs + 1):
+            time.sleep(0.5)  # the previous revision's last messages drain
+            sent = running.origin.tx_bytes()
+            cpu_before = _cpu_seconds(running)
+            revision, published = running.publish(k)
+            records = running.wait_engines(revision, indexes)
+            if not all(r["exact"] for r in records.values()):
+                raise AssertionError(f"an engine does not hold revision {revision} bit for bit: {records}")
+            seconds.append(max(float(r["done"]) for r in records.values()) - published)
+            cpu.append(_cpu_seconds(running) - cpu_before)
+            time.sleep(0.3)
+            copies.append((running.origin.tx_bytes() - sent) / (mib * 1024 * 1024))
+    return {
+        "mib": mib,
+        "nodes": nodes,
+        "mode": mode,
+        "seconds": statistics.median(seconds),
+        "spread": max(seconds) - min(seconds),
+        "copies": statistics.median(copies),
+        "cpu": statistics.median(cpu),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, nargs="+", default=[64])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["star", "peers"])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rate", default="500mbit")
+    args = parser.parse_args()
+    why = netns.available()
+    if why is not None:
+        sys.exit(f"fanout benchmark: {why}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ws-fanout-") as tmp:
+        for mib in args.mib:
+            for mode in args.modes:
+                for nodes in args.nodes:
+                    folder = Path(tmp) / f"{mib}-{mode}-{nodes}"
+                    row = measure(mib, nodes, mode, args.runs, args.rate, folder)
+                    rows.append(row)
+                    print(
+                        f"{mib:>5} MiB {mode:>5} N={nodes}: {row['seconds']:.2f} s (spread {row['spread']:.2f}), "
+                        f"origin sent {row['copies']:.2f} copies, {row['cpu']:.1f} CPU-s",
+                        flush=True,
+                    )
+    print(f"\nlinks {args.rate} each way; median of {args.runs} revisions, every element changed\n")
+    print("| MiB | mode | N | seconds (spread) | vs N=1 | origin bytes (copies) | CPU-s per revision |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for row in rows:
+        one = next(
+            r for r in rows if r["mib"] == row["mib"] and r["mode"] == row["mode"] and r["nodes"] == min(args.nodes)
+        )
+        ratio = float(row["seconds"]) / float(one["seconds"])  # type: ignore[arg-type]
+        print(
+            f"| {row['mib']} | {row['mode']} | {row['nodes']} | {row['seconds']:.2f} ({row['spread']:.2f}) | "
+            f"{ratio:.2f}x | {row['copies']:.2f} | {row['cpu']:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
