@@ -253,6 +253,26 @@ class ServerSettings(BaseSettings):
         default=None, description="PEM certificate shown to --upstream when it requires mutual TLS"
     )
     upstream_client_key: Path | None = Field(default=None, description="PEM private key of --upstream-client-cert")
+    peers: bool = Field(
+        default=False,
+        description="fleet fan-out: take published revisions' blocks from the peers --upstream names (each block "
+        "checked against the upstream's BLAKE3 hashes) and serve them to peers on the gRPC port",
+    )
+    peer_stall_seconds: float = Field(
+        default=2.0,
+        description="seconds without a block from a peer (a killed, cut or stalled peer) before the rest of the "
+        "revision is taken from --upstream instead",
+    )
+    fanout_roots: int = Field(
+        default=1,
+        description="fleet fan-out (an upstream of sidecars with --peers): how many peers of a model take each "
+        "published revision from this server; the others from a peer",
+    )
+    fanout_degree: int = Field(
+        default=1,
+        description="fleet fan-out: how many peers take a revision from each peer (1: chains, each peer forwarding "
+        "every block as it arrives)",
+    )
     disk_cache: Path | None = Field(
         default=None,
         description="directory of a disk cache of the model files read from S3 or --upstream, bit-identical, kept "
@@ -341,6 +361,14 @@ class ServerSettings(BaseSettings):
             problems.append("mutual TLS to the upstream needs both --upstream-client-cert and --upstream-client-key")
         if self.upstream_client_cert is not None and not self.upstream_tls:
             problems.append("--upstream-client-cert needs --upstream-tls")
+        if self.peers and self.upstream is None:
+            problems.append("--peers takes revisions from the peers --upstream names: pass --upstream")
+        if not self.peer_stall_seconds > 0:
+            problems.append(f"peer_stall_seconds must be more than 0, not {self.peer_stall_seconds}")
+        if not 1 <= self.fanout_roots <= 4096:
+            problems.append(f"fanout_roots must be within 1..4096, not {self.fanout_roots}")
+        if not 1 <= self.fanout_degree <= 64:
+            problems.append(f"fanout_degree must be within 1..64, not {self.fanout_degree}")
         if self.disk_cache_bytes < 1:
             problems.append(f"disk_cache_bytes must be at least 1, not {self.disk_cache_bytes}")
         if self.disk_cache is not None and self.upstream is None and not self.object_buckets:

@@ -1,0 +1,178 @@
+"""Fleet fan-out, the puller's side: a published revision's blocks from the peer the upstream planned, checked.
+
+The upstream's block hashes of the revision (GetBlockHashes, themselves checked against the digest
+of the upstream's manifest) are the only thing a block is checked against: each block from a peer
+must have the expected index and length and the expected BLAKE3 hash, or it is refused, counted,
+logged with the peer's address, and the rest of the revision is taken from the upstream (whose
+next request names the peer as refused, so that the upstream plans no one else below it). A peer that
+errs, ends early, or sends no block for stall_s (killed, cut off, stalled) is left the same way,
+without the refusal. Each checked block is written into its place and made available to this
+server's own peers at once (peer_blocks.Pull), so a chain forwards each block while it still receives.
+
+Concurrency: one pull runs on its caller's thread, with one watchdog thread for the stall rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from weightstream.client import WeightStreamClient
+from weightstream.client.errors import WeightStreamError
+from weightstream.client.manifest import Manifest
+from weightstream.client.peers import BlockStream
+from weightstream.protocol import digests, dtypes
+from weightstream.protocol.digests import DIGEST_BLOCK_BYTES
+from weightstream_server.errors import UpstreamError
+from weightstream_server.revisions.peer_blocks import Holdings, Pull, blocks_of
+
+logger = logging.getLogger(__name__)
+
+
+class BadBlock(Exception):
+    """A block that is not the one asked for, or whose bytes do not hash to the upstream's hash."""
+
+
+class EndedEarly(Exception):
+    """A stream of blocks that ended before the last block."""
+
+
+@dataclass
+class PullReport:
+    peer_bytes: int = 0
+    upstream_bytes: int = 0
+    refused: str = ""  # the peer whose block failed its hash, if one did
+    # The pull, still serving this server's peers: ended by the caller once the revision is kept.
+    pull: Pull | None = None
+
+
+def checked_hashes(upstream: Manifest, hashes: dict[str, tuple[bytes, ...]]) -> None:
+    """Raise UpstreamError unless hashes are a whole set for upstream's tensors and give its digest."""
+    tensors = []
+    for info in upstream.tensors:
+        blocks = hashes.get(info.name)
+        if blocks is None or len(blocks) != blocks_of(info.nbytes) or any(len(h) != 32 for h in blocks):
+            raise UpstreamError(f"the upstream's block hashes of tensor {info.name!r} are not whole")
+        tensors.append((info.name, dtypes.BY_TORCH[info.dtype].safetensors, info.shape, digests.hash_of_blocks(blocks)))
+    if not upstream.digest or digests.revision_digest(tensors) != upstream.digest:
+        raise UpstreamError(f"the upstream's block hashes do not give its digest of revision {upstream.revision}")
+
+
+class _Watchdog:
+    """Cancels a stream that brings no block for stall_s."""
+
+    def __init__(self, stream: BlockStream, stall_s: float) -> None:
+        self._stream = stream
+        self._stall_s = stall_s
+        self.last = time.monotonic()
+        self.fired = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weightstream-peer-stall", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(min(0.1, self._stall_s / 4)):
+            if time.monotonic() - self.last > self._stall_s:
+                self.fired = True
+                self._stream.cancel()
+                return
+
+    def close(self) -> None:
+        self._done.set()
+
+
+def pull_blocks(
+    holdings: Holdings,
+    upstream: WeightStreamClient,
+    connect: Callable[[str], WeightStreamClient],
+    manifest: Manifest,
+    views: dict[str, torch.Tensor],
+    names: Sequence[str],
+    parent: str,
+    stall_s: float,
+) -> PullReport:
+    """Fill views (tensors names of the revision manifest describes, in that order) from parent's blocks
+    (or the upstream's, parent ""), each checked; the rest from the upstream where parent fails.
+
+    Raises where the upstream itself fails or lies (the caller's pull then fails whole)."""
+    model, revision = manifest.model, manifest.revision
+    hashes = upstream.block_hashes(model, revision)
+    checked_hashes(manifest, hashes)
+    sizes = {info.name: info.nbytes for info in manifest.tensors}
+    order = [(name, j) for name in names for j in range(blocks_of(sizes[name]))]
+    flats = {name: views[name].view(-1).view(torch.uint8) for name in names}
+    counts = holdings.counts
+    report = PullReport()
+    pull = holdings.begin(model, revision, {name: views[name] for name in names})
+    try:
+        source = parent
+        next_block = 0
+        while next_block < len(order):
+            client = connect(source) if source else upstream
+            stream = client.revision_blocks(
+                model, revision, names, first_block=next_block, refused_peer="" if source else report.refused
+            )
+            watchdog = _Watchdog(stream, stall_s)
+            try:
+                next_block = _receive(stream, watchdog, order, hashes, flats, pull, next_block, report, source)
+                if next_block < len(order):
+                    raise EndedEarly(f"the stream ended at block {next_block} of {len(order)}")
+            except (WeightStreamError, BadBlock, EndedEarly) as exc:
+                if not source:
+                    raise UpstreamError(f"the upstream's blocks of revision {revision}: {exc}") from exc
+                why = f"sent no block for {stall_s:.1f} s" if watchdog.fired else str(exc)[:300]
+                if isinstance(exc, BadBlock) and not watchdog.fired:
+                    counts.refused_blocks += 1
+                    counts.refused_peers = [*counts.refused_peers[-15:], source]
+                    report.refused = source
+                    logger.warning("model %r: revision %s: peer %s refused: %s", model, revision, source, why)
+                else:
+                    logger.warning("model %r: revision %s: peer %s left: %s", model, revision, source, why)
+                counts.fallbacks += 1
+                source = ""
+            finally:
+                watchdog.close()
+                if source:
+                    client.close()
+    except BaseException:
+        holdings.end(pull)
+        raise
+    report.pull = pull
+    return report
+
+
+def _receive(
+    stream: BlockStream,
+    watchdog: _Watchdog,
+    order: Sequence[tuple[str, int]],
+    hashes: dict[str, tuple[bytes, ...]],
+    flats: dict[str, torch.Tensor],
+    pull: Pull,
+    next_block: int,
+    report: PullReport,
+    source: str,
+) -> int:
+    for index, data in stream:
+        watchdog.last = time.monotonic()
+        if index != next_block or next_block >= len(order):
+            raise BadBlock(f"block {index} came where block {next_block} was due")
+        name, j = order[next_block]
+        flat = flats[name]
+        start = j * DIGEST_BLOCK_BYTES
+        length = min(DIGEST_BLOCK_BYTES, flat.numel() - start)
+        if len(data) != length or digests.block_hash(memoryview(data)) != hashes[name][j]:
+            raise BadBlock(f"block {j} of tensor {name!r} does not match the upstream's hash")
+        flat[start : start + length].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        pull.advance(name, j + 1)
+        if source:
+            report.peer_bytes += length
+        else:
+            report.upstream_bytes += length
+        next_block += 1
+    return next_block
