@@ -16,6 +16,7 @@ Needs root (network namespaces, tc).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -28,13 +29,16 @@ from tests.support import fleet, netns
 MODES: dict[str, list[str]] = {"star": [], "peers": ["--peers"]}
 
 
-def _cpu_seconds(running: fleet.Cluster) -> float:
-    """CPU seconds (user and system) the fleet's processes (servers, engines, trainer) used so far."""
-    total = 0.0
-    for node in running.fleet.nodes:
-        for process in node.processes:
+def _cpu_seconds(running: fleet.Cluster) -> dict[str, float]:
+    """CPU seconds (user and system) the fleet's processes used so far: the origin's (server and trainer),
+    the sidecars' and the engines' (each node starts its sidecar, then its engine)."""
+    total = {"origin": 0.0, "sidecars": 0.0, "engines": 0.0}
+    for n, node in enumerate(running.fleet.nodes):
+        for i, process in enumerate(node.processes):
+            role = "origin" if n == 0 else ("sidecars" if i == 0 else "engines")
             for pid in _tree(process.pid):
-                total += process_cpu_seconds(pid)
+                with contextlib.suppress(OSError):
+                    total[role] += process_cpu_seconds(pid)
     return total
 
 
@@ -54,7 +58,7 @@ def measure(mib: int, nodes: int, mode: str, runs: int, rate: str, folder: Path)
     with fleet.cluster(folder, nodes, mib, rate=rate, sidecar_extra=MODES[mode]) as running:
         seconds: list[float] = []
         copies: list[float] = []
-        cpu: list[float] = []
+        cpu: list[dict[str, float]] = []
         indexes = list(range(1, nodes + 1))
         for k in range(1, runs + 1):
             time.sleep(0.5)  # the previous revision's last messages drain
@@ -65,7 +69,8 @@ def measure(mib: int, nodes: int, mode: str, runs: int, rate: str, folder: Path)
             if not all(r["exact"] for r in records.values()):
                 raise AssertionError(f"an engine does not hold revision {revision} bit for bit: {records}")
             seconds.append(max(float(r["done"]) for r in records.values()) - published)
-            cpu.append(_cpu_seconds(running) - cpu_before)
+            cpu_after = _cpu_seconds(running)
+            cpu.append({role: cpu_after[role] - cpu_before[role] for role in cpu_after})
             time.sleep(0.3)
             copies.append((running.origin.tx_bytes() - sent) / (mib * 1024 * 1024))
     return {
@@ -75,7 +80,8 @@ def measure(mib: int, nodes: int, mode: str, runs: int, rate: str, folder: Path)
         "seconds": statistics.median(seconds),
         "spread": max(seconds) - min(seconds),
         "copies": statistics.median(copies),
-        "cpu": statistics.median(cpu),
+        "cpu": statistics.median(sum(c.values()) for c in cpu),
+        "cpu_roles": {role: statistics.median(c[role] for c in cpu) for role in cpu[0]},
     }
 
 
@@ -100,7 +106,7 @@ def main() -> None:
                     rows.append(row)
                     print(
                         f"{mib:>5} MiB {mode:>5} N={nodes}: {row['seconds']:.2f} s (spread {row['spread']:.2f}), "
-                        f"origin sent {row['copies']:.2f} copies, {row['cpu']:.1f} CPU-s",
+                        f"origin sent {row['copies']:.2f} copies, {row['cpu']:.1f} CPU-s {row['cpu_roles']}",
                         flush=True,
                     )
     print(f"\nlinks {args.rate} each way; median of {args.runs} revisions, every element changed\n")

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.commands import clean_env, weightstream_cmd
@@ -43,6 +43,8 @@ class Cluster:
     fleet: Fleet
     folder: Path
     nodes: int
+    # The trainer's revisions, in the order published.
+    revisions: list[str] = field(default_factory=list)
 
     @property
     def origin(self) -> Node:
@@ -57,6 +59,7 @@ class Cluster:
         done = self.folder / f"published-{k}.json"
         _wait(done.exists, f"the trainer's publish {k}", timeout, self.fleet)
         published = json.loads(done.read_text())
+        self.revisions.append(str(published["revision"]))
         return str(published["revision"]), float(published["published"])
 
     def engine_records(self, index: int) -> list[dict[str, object]]:
@@ -80,6 +83,17 @@ class Cluster:
 
         _wait(all_there, f"engines {list(indexes)} at revision {revision}", timeout, self.fleet)
         return found
+
+    def metrics(self, index: int) -> dict[str, float]:
+        """Node index's server's /metrics, as {"name{labels}": value}."""
+        fetch = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{HTTP_PORT}/metrics').read().decode())"
+        text = self.node(index).run([sys.executable, "-c", fetch])
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
 
     def logs(self) -> str:
         return "\n".join(
@@ -106,8 +120,10 @@ def _env() -> dict[str, str]:
 
 
 def sidecar_args(origin: Node, extra: Sequence[str] = ()) -> list[str]:
+    # The sidecar's data port carries its engine's updates (same host, other namespaces' ports apart).
     return [
-        "--host", "0.0.0.0", "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT), "--data-port", "0",
+        "--host", "0.0.0.0", "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
+        "--data-port", str(DATA_PORT), "--data-advertise", "127.0.0.1",
         "--upstream", f"{origin.address}:{GRPC_PORT}", "--watch-interval", "0.5", *extra,
     ]  # fmt: skip
 
