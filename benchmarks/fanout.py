@@ -9,7 +9,8 @@ processes used per revision.
 
     sudo PYTHONPATH=$PWD:$PWD/client:$PWD/service .venv/bin/python -m benchmarks.fanout --mib 64 256 --nodes 1 2 4 8
 
---modes star peers runs each fleet without and with peers serving peers (`--peers`), side by side.
+--modes star chain tree: each fleet without peers serving peers, then with them (`--peers`) in chains and
+in a tree of degree 2 (`--fanout-degree 2` at the origin), side by side.
 Needs root (network namespaces, tc).
 """
 
@@ -26,7 +27,13 @@ from pathlib import Path
 from benchmarks.harness import process_cpu_seconds
 from tests.support import fleet, netns
 
-MODES: dict[str, list[str]] = {"star": [], "peers": ["--peers"]}
+# mode: (the origin's options, the sidecars' options). star: every sidecar pulls from the origin (no
+# fan-out); chain: peers serve peers, each forwarding every block as it arrives; tree: each peer serves two.
+MODES: dict[str, tuple[list[str], list[str]]] = {
+    "star": ([], []),
+    "chain": ([], ["--peers"]),
+    "tree": (["--fanout-degree", "2"], ["--peers"]),
+}
 
 
 def _cpu_seconds(running: fleet.Cluster) -> dict[str, float]:
@@ -55,7 +62,10 @@ def _tree(pid: int) -> list[int]:
 
 
 def measure(mib: int, nodes: int, mode: str, runs: int, rate: str, folder: Path) -> dict[str, object]:
-    with fleet.cluster(folder, nodes, mib, rate=rate, sidecar_extra=MODES[mode]) as running:
+    origin_extra, sidecar_extra = MODES[mode]
+    with fleet.cluster(
+        folder, nodes, mib, rate=rate, origin_extra=origin_extra, sidecar_extra=sidecar_extra
+    ) as running:
         seconds: list[float] = []
         copies: list[float] = []
         cpu: list[dict[str, float]] = []
@@ -89,7 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, nargs="+", default=[64])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["star", "peers"])
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["star", "chain"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rate", default="500mbit")
     args = parser.parse_args()

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from weightstream.client import WeightStreamClient
 from weightstream.client.errors import WeightStreamError
 from weightstream.client.manifest import Manifest
 from weightstream.client.peers import BlockStream
-from weightstream.protocol import digests, dtypes
+from weightstream.protocol import digests, dtypes, wire
 from weightstream.protocol.digests import DIGEST_BLOCK_BYTES
 from weightstream_server.errors import UpstreamError
 from weightstream_server.revisions.peer_blocks import Holdings, Pull, blocks_of
@@ -50,6 +50,8 @@ class PullReport:
     refused: str = ""  # the peer whose block failed its hash, if one did
     # The pull, still serving this server's peers: ended by the caller once the revision is kept.
     pull: Pull | None = None
+    # Each tensor's (CRC32C, BLAKE3) per block as written and checked: not computed again.
+    known: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
 
 
 def checked_hashes(upstream: Manifest, hashes: dict[str, tuple[bytes, ...]]) -> None:
@@ -166,9 +168,13 @@ def _receive(
         flat = flats[name]
         start = j * DIGEST_BLOCK_BYTES
         length = min(DIGEST_BLOCK_BYTES, flat.numel() - start)
-        if len(data) != length or digests.block_hash(memoryview(data)) != hashes[name][j]:
+        expected = hashes[name][j]
+        if len(data) != length or digests.block_hash(memoryview(data)) != expected:
             raise BadBlock(f"block {j} of tensor {name!r} does not match the upstream's hash")
         flat[start : start + length].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        known = report.known.setdefault(name, [])
+        del known[j:]  # a block taken again after a fallback
+        known.append((wire.crc32c_at(flat.data_ptr() + start, length), expected))
         pull.advance(name, j + 1)
         if source:
             report.peer_bytes += length

@@ -48,7 +48,7 @@ from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ModelNotFound, ServerError, UpstreamError
 from weightstream_server.revisions.peer_blocks import Holdings
 from weightstream_server.revisions.peer_pull import PullReport, pull_blocks
-from weightstream_server.revisions.published import Publisher
+from weightstream_server.revisions.published import Known, Publisher
 from weightstream_server.revisions.published_source import PublishedSource, Shared
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest
@@ -420,13 +420,11 @@ class Relay:
         def connect(target: str) -> WeightStreamClient:
             return peer_client(self._settings, target)
 
-        def fill(views: dict[str, torch.Tensor]) -> None:
+        def fill(views: dict[str, torch.Tensor]) -> Known:
             names = [name for name in order if name in views]
-            reports.append(
-                pull_blocks(
-                    holdings, self._client, connect, upstream, views, names, parent, self._settings.peer_stall_seconds
-                )
-            )
+            stall_s = self._settings.peer_stall_seconds
+            reports.append(pull_blocks(holdings, self._client, connect, upstream, views, names, parent, stall_s))
+            return reports[-1].known
 
         try:
             self._publisher.relay(start, fill, f"peers of {self._client.target}", list(shared.values()), order)

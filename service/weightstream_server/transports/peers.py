@@ -74,11 +74,26 @@ class PeersServicer:
             )
             counts = self._holdings.counts
             for index, data in blocks:
-                message = pb.StreamRevisionBlocksResponse(index=index, data=data).SerializeToString()
+                message = _block_message(index, data)
                 with session.waiting_on_client():
                     yield message
                 session.count_sent(len(data))
                 counts.served_bytes += len(data)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _block_message(index: int, data: bytes) -> bytes:
+    """StreamRevisionBlocksResponse(index, data) serialized, with one copy of data (protobuf's own takes two)."""
+    # Field 1 (index, varint) and field 15 (data, length-delimited), as protobuf writes them.
+    return b"".join((b"\x08", _varint(index), b"\x7a", _varint(len(data)), data))
 
 
 def add_to_server(servicer: PeersServicer, server: grpc.Server) -> None:
