@@ -47,7 +47,7 @@ def test_a_revision_reaches_every_node_bit_exact_with_the_origin_sending_about_o
 
 def test_a_peer_killed_midway_leaves_the_nodes_below_it_bit_exact_from_the_upstream(tmp_path: Path) -> None:
     mib = 16
-    with fleet.cluster(tmp_path, 3, mib, rate="100mbit", sidecar_extra=PEERS) as running:
+    with fleet.cluster(tmp_path, 3, mib, rate="100mbit", sidecar_extra=PEERS, one_by_one=True) as running:
         # The chain: origin -> node 1 -> node 2 -> node 3; node 2's sidecar dies while the revision flows.
         revision, _ = running.publish(1)
         time.sleep(0.6)  # about a third of the revision has passed each link
@@ -67,9 +67,9 @@ def test_a_hostile_peer_is_refused_and_its_pullers_end_bit_exact(tmp_path: Path)
         )
         time.sleep(2.0)  # its watch comes first: the upstream plans node 2 below it
         first = running.revisions[0]
-        for i in (2, 3):
+        for i in (2, 3):  # one by one: node 2 is planned below the hostile peer, node 3 below node 2
             fleet.start_node(running, i, PEERS)
-        _exact(running.wait_engines(first, [2, 3]))
+            _exact(running.wait_engines(first, [i]))
         revision, _ = running.publish(1)
         _exact(running.wait_engines(revision, [2, 3]))
         refused = running.metrics(2)["weightstream_fanout_blocks_refused_total"]

@@ -151,9 +151,11 @@ def cluster(
     origin_extra: Sequence[str] = (),
     sidecar_extra: Sequence[str] = (),
     start: Sequence[int] | None = None,
+    one_by_one: bool = False,
 ) -> Iterator[Cluster]:
     """An origin and nodes sidecars with an engine each, all at revision 0 of a mib MiB model on return
-    (only the nodes of start, 1..nodes by default, are started)."""
+    (only the nodes of start, 1..nodes by default, are started). one_by_one: each node is started once
+    the one before holds revision 0, so that the upstream's fan-out lists them in this order."""
     folder.mkdir(parents=True, exist_ok=True)
     with Fleet(nodes + 1, rate=rate) as fleet:
         running = Cluster(fleet, folder, nodes)
@@ -174,6 +176,8 @@ def cluster(
             indexes = list(range(1, nodes + 1)) if start is None else list(start)
             for i in indexes:
                 start_node(running, i, sidecar_extra)
+                if one_by_one:
+                    running.wait_engines(first, [i])
             running.wait_engines(first, indexes)
             yield running
         except BaseException:
