@@ -59,6 +59,11 @@ class Pull:
         self._closed = False
         self._changed = threading.Condition()
 
+    def size(self, tensor: str) -> int | None:
+        """The bytes of tensor in this pull; None if it does not have it."""
+        view = self._views.get(tensor)
+        return None if view is None else int(view.numel())
+
     def advance(self, tensor: str, blocks: int) -> None:
         """The first `blocks` blocks of tensor are written and checked."""
         with self._changed:
@@ -136,10 +141,9 @@ class Holdings:
         while True:
             with self._lock:
                 pull = self._pulls.get((model, revision))
-            if pull is not None:
-                view = pull._views.get(tensor)
-                if view is not None:
-                    return int(view.numel())
+            size = pull.size(tensor) if pull is not None else None
+            if size is not None:
+                return size
             kept = self._kept(model, revision)
             if kept is not None:
                 entry = kept.by_name.get(tensor)

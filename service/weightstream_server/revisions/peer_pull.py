@@ -34,6 +34,9 @@ from weightstream_server.revisions.peer_blocks import Holdings, Pull, blocks_of
 
 logger = logging.getLogger(__name__)
 
+# Seconds without a block from the upstream itself before its pull fails.
+UPSTREAM_STALL_S = 60.0
+
 
 class BadBlock(Exception):
     """A block that is not the one asked for, or whose bytes do not hash to the upstream's hash."""
@@ -120,7 +123,8 @@ def pull_blocks(
             stream = client.revision_blocks(
                 model, revision, names, first_block=next_block, refused_peer="" if source else report.refused
             )
-            watchdog = _Watchdog(stream, stall_s)
+            # The upstream is held to the server-wide stall rule, not to a peer's.
+            watchdog = _Watchdog(stream, stall_s if source else max(stall_s, UPSTREAM_STALL_S))
             try:
                 next_block = _receive(stream, watchdog, order, hashes, flats, pull, next_block, report, source)
                 if next_block < len(order):

@@ -320,8 +320,14 @@ class Relay:
 
     def _pull(self, model: str, revision: str, parent: str = "") -> None:
         if self._holdings is not None:
-            self._pull_from_peers(model, revision, parent)
-            return
+            try:
+                self._pull_from_peers(model, revision, parent)
+                return
+            except (ServerError, WeightStreamError) as exc:
+                # An upstream without the fan-out RPCs, or one that failed them: the way without peers.
+                logger.warning(
+                    "model %r: revision %s not taken through peers (%s); pulled from the upstream", model, revision, exc
+                )
         started = time.perf_counter()
         upstream = self._client.manifest(model, revision=revision)
         held = self._held(model)
