@@ -26,6 +26,7 @@ from weightstream.protocol.digests import DIGEST_BLOCK_BYTES
 from weightstream_server.errors import InvalidRequest, ModelNotFound, RequestTimeout
 from weightstream_server.revisions.published_source import PublishedSource
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
+from weightstream_server.serving.catalog import Manifest
 
 # Tensors one request may name.
 MAX_TENSORS = 1 << 20
@@ -175,7 +176,7 @@ class Holdings:
                 raise RequestTimeout(f"block {index} of tensor {tensor!r} did not arrive here in time")
             time.sleep(POLL_S)
 
-    def _kept(self, model: str, revision: str):  # type: ignore[no-untyped-def]
+    def _kept(self, model: str, revision: str) -> Manifest | None:
         kept = self._store.find(model, revision)
         if kept is None or kept.origin != PUBLISHED or not isinstance(kept.manifest.source, PublishedSource):
             return None

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 import torch
 
@@ -34,6 +35,8 @@ from weightstream_server.revisions.peer_blocks import Holdings, Pull, blocks_of
 
 logger = logging.getLogger(__name__)
 
+# What an upstream whose hashes or blocks do not add up is answered with.
+LIED = grpc.StatusCode.DATA_LOSS
 # Seconds without a block from the upstream itself before its pull fails.
 UPSTREAM_STALL_S = 60.0
 
@@ -63,10 +66,10 @@ def checked_hashes(upstream: Manifest, hashes: dict[str, tuple[bytes, ...]]) -> 
     for info in upstream.tensors:
         blocks = hashes.get(info.name)
         if blocks is None or len(blocks) != blocks_of(info.nbytes) or any(len(h) != 32 for h in blocks):
-            raise UpstreamError(f"the upstream's block hashes of tensor {info.name!r} are not whole")
+            raise UpstreamError(f"the upstream's block hashes of tensor {info.name!r} are not whole", LIED)
         tensors.append((info.name, dtypes.BY_TORCH[info.dtype].safetensors, info.shape, digests.hash_of_blocks(blocks)))
     if not upstream.digest or digests.revision_digest(tensors) != upstream.digest:
-        raise UpstreamError(f"the upstream's block hashes do not give its digest of revision {upstream.revision}")
+        raise UpstreamError(f"the upstream's block hashes do not give its digest of revision {upstream.revision}", LIED)
 
 
 class _Watchdog:
@@ -131,7 +134,8 @@ def pull_blocks(
                     raise EndedEarly(f"the stream ended at block {next_block} of {len(order)}")
             except (WeightStreamError, BadBlock, EndedEarly) as exc:
                 if not source:
-                    raise UpstreamError(f"the upstream's blocks of revision {revision}: {exc}") from exc
+                    code = exc.code if isinstance(exc, WeightStreamError) and exc.code is not None else LIED
+                    raise UpstreamError(f"the upstream's blocks of revision {revision}: {exc}", code) from exc
                 why = f"sent no block for {stall_s:.1f} s" if watchdog.fired else str(exc)[:300]
                 if isinstance(exc, BadBlock) and not watchdog.fired:
                     counts.refused_blocks += 1
