@@ -31,6 +31,10 @@ from weightstream_server.serving.catalog import Manifest
 # Tensors one request may name.
 MAX_TENSORS = 1 << 20
 POLL_S = 0.05
+# How long a peer's request waits for a revision this server has begun to take to start arriving
+# (its manifest, hashes and memory come first), and how many such revisions are remembered.
+ARRIVAL_S = 30.0
+MAX_EXPECTED = 64
 
 
 def blocks_of(nbytes: int) -> int:
@@ -102,7 +106,20 @@ class Holdings:
         self._store = store
         self._lock = threading.Lock()
         self._pulls: dict[tuple[str, str], Pull] = {}
+        # Revisions this server has begun to take (a watch reported them) but not yet pulling: a
+        # peer's request for one waits up to ARRIVAL_S for its pull, not only its stall time.
+        self._expected: dict[tuple[str, str], float] = {}
         self.counts = PeerCounts()
+
+    def expect(self, model: str, revision: str) -> None:
+        with self._lock:
+            self._expected[(model, revision)] = time.monotonic()
+            while len(self._expected) > MAX_EXPECTED:
+                self._expected.pop(next(iter(self._expected)))
+
+    def forget(self, model: str, revision: str) -> None:
+        with self._lock:
+            self._expected.pop((model, revision), None)
 
     def begin(self, model: str, revision: str, views: dict[str, torch.Tensor]) -> Pull:
         pull = Pull(model, revision, views)
@@ -142,6 +159,8 @@ class Holdings:
         while True:
             with self._lock:
                 pull = self._pulls.get((model, revision))
+                if (model, revision) in self._expected:
+                    deadline = max(deadline, self._expected[(model, revision)] + ARRIVAL_S)
             size = pull.size(tensor) if pull is not None else None
             if size is not None:
                 return size

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # What an upstream whose hashes or blocks do not add up is answered with.
 LIED = grpc.StatusCode.DATA_LOSS
+# A peer's first block may take this many stall times.
+FIRST_BLOCK_STALLS = 10
 # Seconds without a block from the upstream itself before its pull fails.
 UPSTREAM_STALL_S = 60.0
 
@@ -75,10 +77,11 @@ def checked_hashes(upstream: Manifest, hashes: dict[str, tuple[bytes, ...]]) -> 
 class _Watchdog:
     """Cancels a stream that brings no block for stall_s."""
 
-    def __init__(self, stream: BlockStream, stall_s: float) -> None:
+    def __init__(self, stream: BlockStream, stall_s: float, first_stalls: int = 1) -> None:
         self._stream = stream
         self._stall_s = stall_s
-        self.last = time.monotonic()
+        # Until the first block: as if the last came (first_stalls - 1) stall times from now.
+        self.last = time.monotonic() + (first_stalls - 1) * stall_s
         self.fired = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weightstream-peer-stall", daemon=True)
@@ -127,7 +130,9 @@ def pull_blocks(
                 model, revision, names, first_block=next_block, refused_peer="" if source else report.refused
             )
             # The upstream is held to the server-wide stall rule, not to a peer's.
-            watchdog = _Watchdog(stream, stall_s if source else max(stall_s, UPSTREAM_STALL_S))
+            # The first block of a peer may wait for the peer's own pull to start (its manifest,
+            # hashes and memory): FIRST_BLOCK_STALLS stall times; a dead peer is refused at once.
+            watchdog = _Watchdog(stream, stall_s if source else max(stall_s, UPSTREAM_STALL_S), FIRST_BLOCK_STALLS)
             try:
                 next_block = _receive(stream, watchdog, order, hashes, flats, pull, next_block, report, source)
                 if next_block < len(order):

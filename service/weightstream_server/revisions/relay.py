@@ -278,6 +278,8 @@ class Relay:
             return
         if self._store.find(model, event.revision) is not None:
             return
+        if self._holdings is not None:
+            self._holdings.expect(model, event.revision)  # peers planned below this one may ask already
         try:
             current = self._client.manifest(model).revision
             if current != event.revision:
@@ -324,6 +326,7 @@ class Relay:
                 self._pull_from_peers(model, revision, parent)
                 return
             except (ServerError, WeightStreamError) as exc:
+                self._holdings.forget(model, revision)
                 # An upstream without the fan-out RPCs, or one that failed them: the way without peers.
                 logger.warning(
                     "model %r: revision %s not taken through peers (%s); pulled from the upstream", model, revision, exc
@@ -438,6 +441,7 @@ class Relay:
             for report in reports:
                 if report.pull is not None:
                     holdings.end(report.pull)
+        holdings.forget(model, revision)
         report = reports[0]
         holdings.counts.peer_bytes += report.peer_bytes
         holdings.counts.upstream_bytes += report.upstream_bytes
