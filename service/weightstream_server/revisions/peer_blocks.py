@@ -62,6 +62,9 @@ class Pull:
         self._views = {name: view.view(-1).view(torch.uint8) for name, view in views.items()}
         self._done = dict.fromkeys(views, 0)
         self._closed = False
+        # Until its first block, a pull waits on its own source's set-up: waits then last up to ARRIVAL_S.
+        self._begun = time.monotonic()
+        self._flowing = False
         self._changed = threading.Condition()
 
     def size(self, tensor: str) -> int | None:
@@ -73,6 +76,7 @@ class Pull:
         """The first `blocks` blocks of tensor are written and checked."""
         with self._changed:
             self._done[tensor] = blocks
+            self._flowing = True
             self._changed.notify_all()
 
     def close(self) -> None:
@@ -89,7 +93,8 @@ class Pull:
             if view is None:
                 return None
             while not self._closed and self._done[tensor] <= index:
-                left = deadline - time.monotonic()
+                until = deadline if self._flowing else max(deadline, self._begun + ARRIVAL_S)
+                left = until - time.monotonic()
                 if left <= 0:
                     raise RequestTimeout(f"block {index} of tensor {tensor!r} did not arrive here in time")
                 self._changed.wait(left)
