@@ -327,7 +327,9 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     announced = (host, port if port is not None else (data_port.port if data_port is not None else 0))
     servicer.add_to_server(servicer.WeightStreamServicer(streams, data_port, announced), server)
     tcp_servicer.add_to_server(tcp_servicer.TcpServicer(streams, data_port, announced), server)
-    fanout = Fanout(settings.fanout_roots, settings.fanout_degree)
+    # Fan-out is opt-in: an upstream plans peers only with --fanout; a sidecar serves blocks to its
+    # peers only with --peers.
+    fanout = Fanout(settings.fanout_roots, settings.fanout_degree) if settings.fanout else None
     revisions_servicer.add_to_server(
         revisions_servicer.RevisionsServicer(
             streams, revisions, publisher, changes, publish_tokens, data_port=data_port, advertise=announced,
@@ -336,7 +338,10 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         server,
     )  # fmt: skip
     peers_servicer.add_to_server(
-        peers_servicer.PeersServicer(streams, revisions, holdings, fanout, settings.peer_stall_seconds), server
+        peers_servicer.PeersServicer(streams, revisions, holdings, fanout, settings.peer_stall_seconds),
+        server,
+        hashes=settings.fanout,
+        blocks=settings.fanout or settings.peers,
     )
     health_servicer = ReadinessHealthServicer(readiness)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -263,6 +263,12 @@ class ServerSettings(BaseSettings):
         description="seconds without a block from a peer (a killed, cut or stalled peer) before the rest of the "
         "revision is taken from --upstream instead",
     )
+    fanout: bool = Field(
+        default=False,
+        description="fleet fan-out, the upstream's side: plan which peer each watcher with a peer port (a sidecar "
+        "with --peers) takes a published revision from, and serve GetBlockHashes and StreamRevisionBlocks; "
+        "off: watchers are never named a peer and take revisions from this server",
+    )
     fanout_roots: int = Field(
         default=1,
         description="fleet fan-out (an upstream of sidecars with --peers): how many peers of a model take each "

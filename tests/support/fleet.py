@@ -166,7 +166,7 @@ def cluster(
         origin_args = [
             "--model-root", str(root), "--host", "0.0.0.0", "--grpc-port", str(GRPC_PORT),
             "--http-port", str(HTTP_PORT), "--data-port", str(DATA_PORT), "--data-advertise", origin.address,
-            "--allow-publish", *origin_extra,
+            "--allow-publish", "--fanout", *origin_extra,
         ]  # fmt: skip
         origin.start([*weightstream_cmd(), "serve", *origin_args], folder / "origin.log", env)
         trainer = [sys.executable, "-m", "tests.support.fleet", "trainer", "--target", f"127.0.0.1:{GRPC_PORT}"]

@@ -169,6 +169,7 @@ def target_at(root: Path) -> Iterator[Target]:
     settings = loopback_settings(
         model_root=root,
         allow_publish=True,
+        fanout=True,
         data_port=data_port,
         stall_timeout=2.0,
         watch_interval=0.2,

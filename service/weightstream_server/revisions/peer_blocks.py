@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightstream.protocol.digests import DIGEST_BLOCK_BYTES
-from weightstream_server.errors import InvalidRequest, ModelNotFound, RequestTimeout
+from weightstream_server.errors import InvalidRequest, ModelNotFound, SourceStalled
 from weightstream_server.revisions.published_source import PublishedSource
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
 from weightstream_server.serving.catalog import Manifest
@@ -43,7 +43,9 @@ def blocks_of(nbytes: int) -> int:
 
 @dataclass
 class PeerCounts:
-    """What fan-out did here, for /metrics: blocks and bytes from peers and the upstream, refusals, fallbacks."""
+    """What fan-out did here, for /metrics: blocks and bytes from peers and the upstream, refusals, fallbacks.
+
+    Written from many threads (each pull, each peer served): through add() and refused(), under a lock."""
 
     peer_bytes: int = 0
     upstream_bytes: int = 0
@@ -51,6 +53,20 @@ class PeerCounts:
     fallbacks: int = 0
     served_bytes: int = 0
     refused_peers: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, *, peer_bytes: int = 0, upstream_bytes: int = 0, served_bytes: int = 0, fallbacks: int = 0) -> None:
+        with self._lock:
+            self.peer_bytes += peer_bytes
+            self.upstream_bytes += upstream_bytes
+            self.served_bytes += served_bytes
+            self.fallbacks += fallbacks
+
+    def refused(self, peer: str) -> None:
+        """One block of peer failed its hash here (the last 16 such peers are kept)."""
+        with self._lock:
+            self.refused_blocks += 1
+            self.refused_peers = [*self.refused_peers[-15:], peer]
 
 
 class Pull:
@@ -87,7 +103,7 @@ class Pull:
 
     def block(self, tensor: str, index: int, deadline: float) -> bytes | None:
         """A copy of block index of tensor once checked here; None if this pull does not have the tensor
-        or ended. RequestTimeout at deadline."""
+        or ended. SourceStalled at deadline."""
         with self._changed:
             view = self._views.get(tensor)
             if view is None:
@@ -96,7 +112,7 @@ class Pull:
                 until = deadline if self._flowing else max(deadline, self._begun + ARRIVAL_S)
                 left = until - time.monotonic()
                 if left <= 0:
-                    raise RequestTimeout(f"block {index} of tensor {tensor!r} did not arrive here in time")
+                    raise SourceStalled(f"block {index} of tensor {tensor!r} did not arrive here in time")
                 self._changed.wait(left)
             if self._closed:
                 return None
@@ -142,7 +158,7 @@ class Holdings:
         self, model: str, revision: str, tensors: Sequence[str], first: int, stall_s: float
     ) -> Iterator[tuple[int, bytes]]:
         """(index, bytes) of each block of tensors of revision from block first, each as soon as it is
-        here; a wait longer than stall_s for one block ends it (RequestTimeout); a revision neither kept
+        here; a wait longer than stall_s for one block ends it (SourceStalled); a revision neither kept
         nor being pulled here within stall_s is ModelNotFound."""
         if not tensors or len(tensors) > MAX_TENSORS or len(set(tensors)) != len(tensors):
             raise InvalidRequest("StreamRevisionBlocks needs distinct tensor names, at least one")
@@ -173,10 +189,12 @@ class Holdings:
             if kept is not None:
                 entry = kept.by_name.get(tensor)
                 if entry is None:
-                    raise ModelNotFound(f"model {model!r}: revision {revision} has no tensor {tensor[:200]!r}")
+                    raise ModelNotFound(f"model {model[:200]!r}: revision {revision} has no tensor {tensor[:200]!r}")
                 return int(entry.nbytes)
             if time.monotonic() > deadline:
-                raise ModelNotFound(f"model {model!r}: published revision {revision} is neither kept nor arriving here")
+                raise ModelNotFound(
+                    f"model {model[:200]!r}: published revision {revision} is neither kept nor arriving here"
+                )
             time.sleep(POLL_S)
 
     def _block(self, model: str, revision: str, tensor: str, index: int, stall_s: float) -> bytes:
@@ -197,7 +215,7 @@ class Holdings:
                 end = min(entry.file_offset + entry.nbytes, start + DIGEST_BLOCK_BYTES)
                 return bytes(part[start:end].numpy().data)
             if time.monotonic() > deadline:
-                raise RequestTimeout(f"block {index} of tensor {tensor!r} did not arrive here in time")
+                raise SourceStalled(f"block {index} of tensor {tensor!r} did not arrive here in time")
             time.sleep(POLL_S)
 
     def _kept(self, model: str, revision: str) -> Manifest | None:

@@ -125,10 +125,17 @@ def pull_blocks(
         source = parent
         next_block = 0
         while next_block < len(order):
-            client = connect(source) if source else upstream
-            stream = client.revision_blocks(
-                model, revision, names, first_block=next_block, refused_peer="" if source else report.refused
-            )
+            # A peer's own client, closed whatever happens to its stream (the upstream's is the caller's).
+            peer = connect(source) if source else None
+            client = peer if peer is not None else upstream
+            try:
+                stream = client.revision_blocks(
+                    model, revision, names, first_block=next_block, refused_peer="" if source else report.refused
+                )
+            except BaseException:
+                if peer is not None:
+                    peer.close()
+                raise
             # The upstream is held to the server-wide stall rule, not to a peer's.
             # The first block of a peer may wait for the peer's own pull to start (its manifest,
             # hashes and memory): FIRST_BLOCK_STALLS stall times; a dead peer is refused at once.
@@ -143,18 +150,17 @@ def pull_blocks(
                     raise UpstreamError(f"the upstream's blocks of revision {revision}: {exc}", code) from exc
                 why = f"sent no block for {stall_s:.1f} s" if watchdog.fired else str(exc)[:300]
                 if isinstance(exc, BadBlock) and not watchdog.fired:
-                    counts.refused_blocks += 1
-                    counts.refused_peers = [*counts.refused_peers[-15:], source]
+                    counts.refused(source)
                     report.refused = source
                     logger.warning("model %r: revision %s: peer %s refused: %s", model, revision, source, why)
                 else:
                     logger.warning("model %r: revision %s: peer %s left: %s", model, revision, source, why)
-                counts.fallbacks += 1
+                counts.add(fallbacks=1)
                 source = ""
             finally:
                 watchdog.close()
-                if source:
-                    client.close()
+                if peer is not None:
+                    peer.close()
     except BaseException:
         holdings.end(pull)
         raise

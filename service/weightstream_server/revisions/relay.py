@@ -443,8 +443,7 @@ class Relay:
                     holdings.end(report.pull)
         holdings.forget(model, revision)
         report = reports[0]
-        holdings.counts.peer_bytes += report.peer_bytes
-        holdings.counts.upstream_bytes += report.upstream_bytes
+        holdings.counts.add(peer_bytes=report.peer_bytes, upstream_bytes=report.upstream_bytes)
         seconds = time.perf_counter() - started
         shared_bytes = sum(s.nbytes for s in shared.values())
         with self._lock:

@@ -51,7 +51,8 @@ class RevisionsServicer:
     ) -> None:
         self._streams = streams
         # Who follows each model as a peer (watches with a peer_port), and whom each takes a revision from.
-        self._fanout = fanout if fanout is not None else Fanout()
+        # None: fan-out is off here (no --fanout): a watch's peer_port is ignored.
+        self._fanout = fanout
         # Where publishes that ask for it send their bytes; None: over gRPC only.
         self._data_port = data_port
         self._advertise = advertise
@@ -136,7 +137,7 @@ class RevisionsServicer:
             rpc.abort(context, streams.stats, "WatchModel", request.model, exc)
         logger.info("watch of model %r from %s", request.model, peer)
         joined = None
-        if request.peer_port:
+        if request.peer_port and self._fanout is not None:
             address = peer_address(peer, request.peer_port)
             if address is not None:
                 joined = self._fanout.join(request.model, address)
@@ -151,7 +152,7 @@ class RevisionsServicer:
                     continue
                 with streams.stalls.waiting(context, lambda: f"watch of model {request.model!r} from {peer}"):
                     message = _watch_message(current, self._revisions.kept(request.model))
-                    if joined is not None and current.origin == PUBLISHED:
+                    if joined is not None and self._fanout is not None and current.origin == PUBLISHED:
                         message.peer = self._fanout.parent(request.model, current.id, joined)
                     yield message
                 after = current.id
@@ -159,7 +160,7 @@ class RevisionsServicer:
             if context.is_active():
                 rpc.abort(context, streams.stats, "WatchModel", request.model, exc)
         finally:
-            if joined is not None:
+            if joined is not None and self._fanout is not None:
                 self._fanout.leave(request.model, joined)
             slots.give_back(client)
             logger.info("watch of model %r from %s ended", request.model, peer)
