@@ -263,6 +263,12 @@ class ServerSettings(BaseSettings):
         description="seconds without a block from a peer (a killed, cut or stalled peer) before the rest of the "
         "revision is taken from --upstream instead",
     )
+    peer_min_rate: ByteCount = Field(
+        default=2 * 1024 * 1024,
+        description="bytes per second a peer must forward a revision's blocks at, judged from its first block over "
+        "at least two --peer-stall-seconds; a slower peer is left and the rest taken from --upstream (a slow peer "
+        "would slow its whole chain); 0: no floor",
+    )
     fanout: bool = Field(
         default=False,
         description="fleet fan-out, the upstream's side: plan which peer each watcher with a peer port (a sidecar "

@@ -5,9 +5,10 @@ of the upstream's manifest) are the only thing a block is checked against: each 
 must have the expected index and length and the expected BLAKE3 hash, or it is refused, counted,
 logged with the peer's address, and the rest of the revision is taken from the upstream (whose
 next request names the peer as refused, so that the upstream plans no one else below it). A peer that
-errs, ends early, or sends no block for stall_s (killed, cut off, stalled) is left the same way,
-without the refusal. Each checked block is written into its place and made available to this
-server's own peers at once (peer_blocks.Pull), so a chain forwards each block while it still receives.
+errs, ends early, sends no block for stall_s (killed, cut off, stalled), or forwards slower than
+min_rate (a slow peer would slow its whole chain) is left the same way, without the refusal. Each
+checked block is written into its place and made available to this server's own peers at once
+(peer_blocks.Pull), so a chain forwards each block while it still receives.
 
 Concurrency: one pull runs on its caller's thread, with one watchdog thread for the stall rule.
 """
@@ -41,6 +42,8 @@ LIED = grpc.StatusCode.DATA_LOSS
 FIRST_BLOCK_STALLS = 10
 # Seconds without a block from the upstream itself before its pull fails.
 UPSTREAM_STALL_S = 60.0
+# A peer's rate is judged over at least this many stall times from its first block.
+RATE_WINDOW_STALLS = 2
 
 
 class BadBlock(Exception):
@@ -75,22 +78,52 @@ def checked_hashes(upstream: Manifest, hashes: dict[str, tuple[bytes, ...]]) -> 
 
 
 class _Watchdog:
-    """Cancels a stream that brings no block for stall_s."""
+    """Cancels a stream that brings no block for stall_s, or (min_rate > 0) whose bytes since its first
+    block came slower than min_rate bytes/s over at least RATE_WINDOW_STALLS stall times."""
 
-    def __init__(self, stream: BlockStream, stall_s: float, first_stalls: int = 1) -> None:
+    def __init__(self, stream: BlockStream, stall_s: float, first_stalls: int = 1, min_rate: float = 0.0) -> None:
         self._stream = stream
         self._stall_s = stall_s
+        self._min_rate = min_rate
         # Until the first block: as if the last came (first_stalls - 1) stall times from now.
         self.last = time.monotonic() + (first_stalls - 1) * stall_s
+        self.first: float | None = None
+        self.received = 0  # bytes after the first block
         self.fired = False
+        self.slow = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weightstream-peer-stall", daemon=True)
         self._thread.start()
 
+    def block(self, nbytes: int) -> None:
+        """A block of nbytes came now."""
+        now = time.monotonic()
+        self.last = now
+        if self.first is None:
+            self.first = now
+        else:
+            self.received += nbytes
+
+    def rate(self) -> float:
+        """Bytes per second since the first block."""
+        first = self.first
+        return self.received / max(time.monotonic() - first, 1e-9) if first is not None else 0.0
+
     def _run(self) -> None:
         while not self._done.wait(min(0.1, self._stall_s / 4)):
-            if time.monotonic() - self.last > self._stall_s:
+            now = time.monotonic()
+            if now - self.last > self._stall_s:
                 self.fired = True
+                self._stream.cancel()
+                return
+            first = self.first
+            if (
+                self._min_rate > 0
+                and first is not None
+                and now - first >= RATE_WINDOW_STALLS * self._stall_s
+                and self.rate() < self._min_rate
+            ):
+                self.slow = True
                 self._stream.cancel()
                 return
 
@@ -107,9 +140,11 @@ def pull_blocks(
     names: Sequence[str],
     parent: str,
     stall_s: float,
+    min_rate: float = 0.0,
 ) -> PullReport:
     """Fill views (tensors names of the revision manifest describes, in that order) from parent's blocks
-    (or the upstream's, parent ""), each checked; the rest from the upstream where parent fails.
+    (or the upstream's, parent ""), each checked; the rest from the upstream where parent fails, stalls
+    or (min_rate > 0) forwards slower than min_rate bytes/s (a slow peer would slow its whole chain).
 
     Raises where the upstream itself fails or lies (the caller's pull then fails whole)."""
     model, revision = manifest.model, manifest.revision
@@ -139,7 +174,12 @@ def pull_blocks(
             # The upstream is held to the server-wide stall rule, not to a peer's.
             # The first block of a peer may wait for the peer's own pull to start (its manifest,
             # hashes and memory): FIRST_BLOCK_STALLS stall times; a dead peer is refused at once.
-            watchdog = _Watchdog(stream, stall_s if source else max(stall_s, UPSTREAM_STALL_S), FIRST_BLOCK_STALLS)
+            watchdog = _Watchdog(
+                stream,
+                stall_s if source else max(stall_s, UPSTREAM_STALL_S),
+                FIRST_BLOCK_STALLS,
+                min_rate if source else 0.0,
+            )
             try:
                 next_block = _receive(stream, watchdog, order, hashes, flats, pull, next_block, report, source)
                 if next_block < len(order):
@@ -148,8 +188,13 @@ def pull_blocks(
                 if not source:
                     code = exc.code if isinstance(exc, WeightStreamError) and exc.code is not None else LIED
                     raise UpstreamError(f"the upstream's blocks of revision {revision}: {exc}", code) from exc
-                why = f"sent no block for {stall_s:.1f} s" if watchdog.fired else str(exc)[:300]
-                if isinstance(exc, BadBlock) and not watchdog.fired:
+                if watchdog.slow:
+                    why = f"sent {watchdog.rate():.0f} bytes/s, under --peer-min-rate {min_rate:.0f}"
+                elif watchdog.fired:
+                    why = f"sent no block for {stall_s:.1f} s"
+                else:
+                    why = str(exc)[:300]
+                if isinstance(exc, BadBlock) and not (watchdog.fired or watchdog.slow):
                     counts.refused(source)
                     report.refused = source
                     logger.warning("model %r: revision %s: peer %s refused: %s", model, revision, source, why)
@@ -180,7 +225,7 @@ def _receive(
     source: str,
 ) -> int:
     for index, data in stream:
-        watchdog.last = time.monotonic()
+        watchdog.block(len(data))
         if index != next_block or next_block >= len(order):
             raise BadBlock(f"block {index} came where block {next_block} was due")
         name, j = order[next_block]

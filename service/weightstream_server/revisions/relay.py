@@ -432,7 +432,10 @@ class Relay:
         def fill(views: dict[str, torch.Tensor]) -> Known:
             names = [name for name in order if name in views]
             stall_s = self._settings.peer_stall_seconds
-            reports.append(pull_blocks(holdings, self._client, connect, upstream, views, names, parent, stall_s))
+            min_rate = self._settings.peer_min_rate
+            reports.append(
+                pull_blocks(holdings, self._client, connect, upstream, views, names, parent, stall_s, min_rate)
+            )
             return reports[-1].known
 
         try:
