@@ -13,12 +13,14 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import pytest
 import torch
 
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server.errors import ServerError, status_code
 from weightstream_server.revisions.peer_blocks import Holdings
 from weightstream_server.revisions.peer_pull import pull_blocks
 from weightstream_server.revisions.store import RevisionStore
@@ -62,8 +64,17 @@ def test_a_peer_forwarding_slower_than_the_floor_is_left_for_the_upstream(tmp_pa
                 views = {"w": torch.empty_like(state["w"])}
                 holdings = Holdings(RevisionStore())
 
+                opened: list[WeightStreamClient] = []
+                closed: list[WeightStreamClient] = []
+
+                class PeerClient(WeightStreamClient):
+                    def close(self) -> None:
+                        closed.append(self)
+                        super().close()
+
                 def connect(address: str) -> WeightStreamClient:
-                    return WeightStreamClient(address, progress=False, retry=None)
+                    opened.append(PeerClient(address, progress=False, retry=None))
+                    return opened[-1]
 
                 started = time.monotonic()
                 report = pull_blocks(
@@ -77,5 +88,21 @@ def test_a_peer_forwarding_slower_than_the_floor_is_left_for_the_upstream(tmp_pa
     assert torch.equal(views["w"], state["w"])
     assert report.peer_bytes > 0 and report.upstream_bytes > 0, report
     assert holdings.counts.fallbacks == 1
+    assert len(opened) == 1 and closed[:1] == opened  # the peer's client, closed after the fallback
     # All from the slow peer would take BLOCKS * BLOCK_DELAY_S.
     assert seconds < BLOCKS * BLOCK_DELAY_S - 1.0, seconds
+
+
+def test_a_block_whose_own_source_stalls_here_ends_the_peers_stream_unavailable() -> None:
+    holdings = Holdings(RevisionStore())
+    pull = holdings.begin(MODEL, "r1", {"w": torch.zeros(2 * 1024 * 1024 // 4)})
+    try:
+        pull.advance("w", 1)  # block 0 arrived here, block 1 never does
+        blocks = holdings.blocks(MODEL, "r1", ["w"], 0, 0.2)
+        assert next(blocks)[0] == 0
+        with pytest.raises(ServerError) as raised:
+            next(blocks)
+        # Not DEADLINE_EXCEEDED: that would say the peer asking did not send in time.
+        assert status_code(raised.value) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        holdings.end(pull)
