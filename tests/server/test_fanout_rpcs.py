@@ -128,3 +128,26 @@ def test_a_made_up_refusal_is_neither_kept_nor_logged_whole(root: Path, caplog: 
     assert max(len(record.getMessage()) for record in caplog.records) < 4096
     # This caller is no puller planned below 198.18.0.9: the honest model's report is ignored too.
     assert not any("refused for revision" in record.getMessage() for record in caplog.records)
+
+
+def test_a_sidecar_with_peers_takes_revisions_from_an_upstream_without_fanout(root: Path) -> None:
+    first = {"w": torch.zeros(1024 * 1024 // 4), "v": torch.ones(16)}
+    second = {"w": torch.full((1024 * 1024 // 4,), 2.0), "v": torch.ones(16)}
+    with running(root, allow_publish=True) as upstream:
+        with WeightStreamClient(upstream.target, progress=False) as far:
+            far.publish(PUB, first)
+            with (
+                serving(loopback_settings(upstream=upstream.target, peers=True)) as sidecar,
+                WeightStreamClient(f"127.0.0.1:{sidecar.port}", progress=False) as near,
+            ):
+                events = near.watch(PUB)
+                next(events)
+                revision = far.publish(PUB, second)
+                while next(events).revision != revision:
+                    pass
+                events.close()
+                got = near.load_state_dict(PUB)
+                assert near.manifest(PUB).revision == revision
+                relay = sidecar.relay
+                assert relay is not None and relay.counts.revisions >= 1
+    assert all(torch.equal(got[name], second[name]) for name in second)
