@@ -122,6 +122,9 @@ class Relay:
         self._holdings = holdings if settings.peers else None
         # The gRPC port this server serves peers on (set once bound; 0: not serving peers).
         self.peer_port = 0
+        # False once the upstream answered UNIMPLEMENTED (no --fanout there): revisions it plans no
+        # peer for are pulled the way without peers, until an event names a peer again.
+        self._upstream_fans_out = True
         self._store = store
         self._catalog = catalog
         self._publisher = publisher
@@ -321,12 +324,20 @@ class Relay:
         return now if now.revision == held.id else None
 
     def _pull(self, model: str, revision: str, parent: str = "") -> None:
-        if self._holdings is not None:
+        if parent:
+            self._upstream_fans_out = True
+        if self._holdings is not None and self._upstream_fans_out:
             try:
                 self._pull_from_peers(model, revision, parent)
                 return
             except (ServerError, WeightStreamError) as exc:
                 self._holdings.forget(model, revision)
+                if isinstance(exc, WeightStreamError) and exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                    self._upstream_fans_out = False
+                    logger.info(
+                        "upstream %s serves no fan-out (no --fanout there): revisions are pulled from it whole",
+                        self._client.target,
+                    )
                 # An upstream without the fan-out RPCs, or one that failed them: the way without peers.
                 logger.warning(
                     "model %r: revision %s not taken through peers (%s); pulled from the upstream", model, revision, exc
