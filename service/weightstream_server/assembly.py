@@ -31,6 +31,8 @@ from weightstream_server.ops.health import (
 from weightstream_server.ops.preload import start_preload
 from weightstream_server.ops.stats import ServerStats
 from weightstream_server.revisions.changes import Changes
+from weightstream_server.revisions.fanout import Fanout
+from weightstream_server.revisions.peer_blocks import Holdings
 from weightstream_server.revisions.published import Publisher
 from weightstream_server.revisions.relay import Relay
 from weightstream_server.revisions.store import RevisionStore
@@ -47,6 +49,7 @@ from weightstream_server.storage.local import LocalSource
 from weightstream_server.storage.objects import ObjectSource
 from weightstream_server.storage.sources import Source
 from weightstream_server.storage.tiers import TieredSource, Tiers
+from weightstream_server.transports import peers as peers_servicer
 from weightstream_server.transports import revisions as revisions_servicer
 from weightstream_server.transports import servicer
 from weightstream_server.transports.rpc import HeldCallLimit
@@ -103,6 +106,8 @@ class WeightStreamServer:
     relay: Relay | None = None
     # XOR deltas against revisions this server holds, shared by every stream; None when --delta-cache-bytes is 0.
     deltas: Deltas | None = None
+    # Fleet fan-out: the blocks of revisions kept or being pulled here that peers may take.
+    holdings: Holdings | None = None
 
     @property
     def tls(self) -> bool:
@@ -309,7 +314,8 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         revisions.on_evicted.append(lambda revision: deltas.forget(revision.model, revision.id))
     publisher.restore()
     changes = Changes(revisions, streams.read_blocks)
-    relay = Relay(settings, revisions, catalog, publisher) if settings.upstream is not None else None
+    holdings = Holdings(revisions)
+    relay = Relay(settings, revisions, catalog, publisher, holdings) if settings.upstream is not None else None
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
     data_port = None
     if settings.data_port:
@@ -325,11 +331,21 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     announced = (host, port if port is not None else (data_port.port if data_port is not None else 0))
     servicer.add_to_server(servicer.WeightStreamServicer(streams, data_port, announced), server)
     tcp_servicer.add_to_server(tcp_servicer.TcpServicer(streams, data_port, announced), server)
+    # Fan-out is opt-in: an upstream plans peers only with --fanout; a sidecar serves blocks to its
+    # peers only with --peers.
+    fanout = Fanout(settings.fanout_roots, settings.fanout_degree) if settings.fanout else None
     revisions_servicer.add_to_server(
         revisions_servicer.RevisionsServicer(
-            streams, revisions, publisher, changes, publish_tokens, data_port=data_port, advertise=announced
+            streams, revisions, publisher, changes, publish_tokens, data_port=data_port, advertise=announced,
+            fanout=fanout,
         ),
         server,
+    )  # fmt: skip
+    peers_servicer.add_to_server(
+        peers_servicer.PeersServicer(streams, revisions, holdings, fanout, settings.peer_stall_seconds),
+        server,
+        hashes=settings.fanout,
+        blocks=settings.fanout or settings.peers,
     )
     health_servicer = ReadinessHealthServicer(readiness)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -343,6 +359,8 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind gRPC to {settings.host}:{settings.grpc_port}")
+    if relay is not None:
+        relay.peer_port = port
     return WeightStreamServer(
         grpc_server=server,
         port=port,
@@ -363,6 +381,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         changes=changes,
         relay=relay,
         deltas=streams.deltas,
+        holdings=holdings,
     )
 
 

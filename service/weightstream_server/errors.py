@@ -25,6 +25,8 @@ ServerError
 ├── StorageUnauthenticated UNAUTHENTICATED   storage rejected the server's credentials
 ├── StorageUnavailable    UNAVAILABLE        storage failed in a way worth retrying
 ├── Draining              UNAVAILABLE        the server is shutting down and takes no new streams
+├── SourceStalled         UNAVAILABLE        a block a peer asked for did not reach this server in time
+│                                            (its own source stalled; the peer may ask another)
 ├── Unauthenticated       UNAUTHENTICATED    the call carries no valid bearer token
 └── UpstreamError         the upstream's     the server this one reads from (--upstream) refused or
                           own code           failed a call; the message names that tier first
@@ -122,6 +124,10 @@ class Draining(ServerError):
     pass
 
 
+class SourceStalled(ServerError):
+    pass
+
+
 class Unauthenticated(ServerError):
     pass
 
@@ -175,6 +181,7 @@ _CODES: dict[type[ServerError], grpc.StatusCode] = {
     StorageUnauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     StorageUnavailable: grpc.StatusCode.UNAVAILABLE,
     Draining: grpc.StatusCode.UNAVAILABLE,
+    SourceStalled: grpc.StatusCode.UNAVAILABLE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     RevisionNotKept: grpc.StatusCode.NOT_FOUND,
     PublishRefused: grpc.StatusCode.PERMISSION_DENIED,

@@ -253,6 +253,38 @@ class ServerSettings(BaseSettings):
         default=None, description="PEM certificate shown to --upstream when it requires mutual TLS"
     )
     upstream_client_key: Path | None = Field(default=None, description="PEM private key of --upstream-client-cert")
+    peers: bool = Field(
+        default=False,
+        description="fleet fan-out: take published revisions' blocks from the peers --upstream names (each block "
+        "checked against the upstream's BLAKE3 hashes) and serve them to peers on the gRPC port",
+    )
+    peer_stall_seconds: float = Field(
+        default=2.0,
+        description="seconds without a block from a peer (a killed, cut or stalled peer) before the rest of the "
+        "revision is taken from --upstream instead",
+    )
+    peer_min_rate: ByteCount = Field(
+        default=2 * 1024 * 1024,
+        description="bytes per second a peer must forward a revision's blocks at, judged from its first block over "
+        "at least two --peer-stall-seconds; a slower peer is left and the rest taken from --upstream (a slow peer "
+        "would slow its whole chain); 0: no floor",
+    )
+    fanout: bool = Field(
+        default=False,
+        description="fleet fan-out, the upstream's side: plan which peer each watcher with a peer port (a sidecar "
+        "with --peers) takes a published revision from, and serve GetBlockHashes and StreamRevisionBlocks; "
+        "off: watchers are never named a peer and take revisions from this server",
+    )
+    fanout_roots: int = Field(
+        default=1,
+        description="fleet fan-out (an upstream of sidecars with --peers): how many peers of a model take each "
+        "published revision from this server; the others from a peer",
+    )
+    fanout_degree: int = Field(
+        default=1,
+        description="fleet fan-out: how many peers take a revision from each peer (1: chains, each peer forwarding "
+        "every block as it arrives)",
+    )
     disk_cache: Path | None = Field(
         default=None,
         description="directory of a disk cache of the model files read from object stores (S3, GCS, Azure) or "
@@ -341,6 +373,14 @@ class ServerSettings(BaseSettings):
             problems.append("mutual TLS to the upstream needs both --upstream-client-cert and --upstream-client-key")
         if self.upstream_client_cert is not None and not self.upstream_tls:
             problems.append("--upstream-client-cert needs --upstream-tls")
+        if self.peers and self.upstream is None:
+            problems.append("--peers takes revisions from the peers --upstream names: pass --upstream")
+        if not self.peer_stall_seconds > 0:
+            problems.append(f"peer_stall_seconds must be more than 0, not {self.peer_stall_seconds}")
+        if not 1 <= self.fanout_roots <= 4096:
+            problems.append(f"fanout_roots must be within 1..4096, not {self.fanout_roots}")
+        if not 1 <= self.fanout_degree <= 64:
+            problems.append(f"fanout_degree must be within 1..64, not {self.fanout_degree}")
         if self.disk_cache_bytes < 1:
             problems.append(f"disk_cache_bytes must be at least 1, not {self.disk_cache_bytes}")
         if self.disk_cache is not None and self.upstream is None and not self.object_buckets:

@@ -72,6 +72,7 @@ MUST_SEE = {
     "revisions": {"OK", "INVALID_ARGUMENT"},
     "raw_bytes": {"INVALID_ARGUMENT"},
     "deltas": {"APPLIED", "UNUSABLE"},
+    "peer_blocks": {"OK", "INVALID_ARGUMENT", "NOT_FOUND"},
 }
 
 

@@ -238,9 +238,9 @@ def test_a_revision_named_at_the_sidecar_a_moment_after_its_publish_upstream_is_
     assert relay is not None
     pull = relay._pull
 
-    def slow_pull(model: str, revision: str) -> None:
+    def slow_pull(model: str, revision: str, parent: str = "") -> None:
         time.sleep(1.0)  # the relay takes its time: the request naming the revision comes first
-        pull(model, revision)
+        pull(model, revision, parent)
 
     monkeypatch.setattr(relay, "_pull", slow_pull)
     b = changed(state_of(0), ["head.weight"], seed=12)

@@ -43,7 +43,7 @@ from tests.support.ports import LOOPBACK, free_ports
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient, revisions
 from weightstream.client.revisions import chunk_message
-from weightstream.protocol import deltas, dtypes, tcp, wire
+from weightstream.protocol import deltas, digests, dtypes, tcp, wire
 from weightstream.samples import ParameterTree
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
@@ -169,12 +169,14 @@ def target_at(root: Path) -> Iterator[Target]:
     settings = loopback_settings(
         model_root=root,
         allow_publish=True,
+        fanout=True,
         data_port=data_port,
         stall_timeout=2.0,
         watch_interval=0.2,
         max_watches=64,
         keep_revisions=4,
         publish_max_bytes=64 * 1024 * 1024,
+        peer_stall_seconds=0.2,
     )
     with serving(settings) as server:
         target = Target(server, good, pub)
@@ -1392,6 +1394,83 @@ def run_delta(target: Target | None, case: DeltaCase) -> str:
 DELTA_OUTCOMES = frozenset({"APPLIED", "UNUSABLE", "WHOLE"})
 
 
+# --- GetBlockHashes and StreamRevisionBlocks (fleet fan-out) -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerCase:
+    rpc: str  # "hashes" or "blocks"
+    model: str
+    revision: str  # a revision choice (see _kept)
+    tensors: tuple[str, ...]  # names of the model's tensors (as the layout names them) or text
+    first_block: int
+    refused_peer: str
+
+
+def peer_cases() -> st.SearchStrategy[PeerCase]:
+    names = weighted((6, st.sampled_from(sorted(LAYOUT))), (1, _TEXT), (1, st.just("x" * 5000)))
+    return st.builds(
+        PeerCase,
+        rpc=st.sampled_from(["hashes", "blocks", "blocks"]),
+        model=weighted((8, st.sampled_from([PUB, PUB, GOOD, NEW])), (1, st.sampled_from(HOSTILE_IDS)), (1, _TEXT)),
+        revision=weighted((6, st.sampled_from(["current", "current", "kept:1"])), (1, _TEXT)),
+        tensors=st.lists(names, max_size=4).map(tuple),
+        first_block=weighted((6, st.integers(0, 4)), (1, st.integers(0, 2**64 - 1))),
+        refused_peer=weighted(
+            (6, st.just("")),
+            (1, st.sampled_from(["198.18.0.9:50051", "[::1]:1", "evil.example:80", "1.2.3.4"])),
+            (1, _TEXT),
+        ),
+    )
+
+
+PEER_CODES = frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND"})
+
+
+def run_peer(target: Target, case: PeerCase) -> str:
+    """One GetBlockHashes or StreamRevisionBlocks; what it serves must be the revision's own blocks."""
+    if not any(m == PUB for m, _ in target.published):  # run alone: a published revision to serve
+        state = state_of(LAYOUT, 7)
+        with WeightStreamClient(target.address, progress=False) as client:
+            target.took(PUB, client.publish(PUB, state), state)
+    model, revision = case.model, _kept(target, case.model, case.revision)
+    state = target.revisions.get((model, revision)) if (model, revision) in target.published else None
+    if case.rpc == "hashes":
+        request = pb.GetBlockHashesRequest(model=model, revision=revision)
+        code, details, got = outcome(lambda: list(target.stub.GetBlockHashes(request, timeout=CALL_TIMEOUT_S)))
+        check_refusal(code, details, PEER_CODES)
+        if got is not None and state is not None:
+            for message in got:
+                flat = raw_bytes(state[message.tensor])
+                step = digests.DIGEST_BLOCK_BYTES
+                want = [digests.block_hash(memoryview(flat)[i : i + step]) for i in range(0, max(len(flat), 1), step)]
+                if list(message.hashes) != want:
+                    raise Violation(f"GetBlockHashes gives wrong hashes of {message.tensor!r}")
+        return code.name
+    request = pb.StreamRevisionBlocksRequest(
+        model=model,
+        revision=revision,
+        tensors=list(case.tensors),
+        first_block=case.first_block,
+        refused_peer=case.refused_peer,
+    )
+    code, details, got = outcome(lambda: list(target.stub.StreamRevisionBlocks(request, timeout=CALL_TIMEOUT_S)))
+    check_refusal(code, details, PEER_CODES)
+    if got is not None:
+        if state is None:
+            raise Violation(f"StreamRevisionBlocks served blocks of {model!r} revision {revision!r}, not published")
+        step = digests.DIGEST_BLOCK_BYTES
+        blocks = [
+            raw_bytes(state[name])[i : i + step]
+            for name in case.tensors
+            for i in range(0, max(state[name].numel() * state[name].element_size(), 1), step)
+        ]
+        want = list(enumerate(blocks))[case.first_block :]
+        if [(m.index, m.data) for m in got] != want:
+            raise Violation(f"StreamRevisionBlocks served other blocks than {model!r} revision {revision!r} holds")
+    return code.name
+
+
 SURFACES: dict[str, Surface] = {
     s.name: s
     for s in (
@@ -1403,5 +1482,6 @@ SURFACES: dict[str, Surface] = {
         Surface("revisions", revision_cases(), run_revisions, REVISION_CODES),
         Surface("raw_bytes", raw_cases(), run_raw, RAW_CODES),
         Surface("deltas", delta_cases(), run_delta, DELTA_OUTCOMES),
+        Surface("peer_blocks", peer_cases(), run_peer, PEER_CODES),
     )
 }

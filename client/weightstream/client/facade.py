@@ -18,7 +18,7 @@ from types import TracebackType
 import grpc
 import torch
 
-from weightstream.client import replicas, revisions, unchanged
+from weightstream.client import peers, replicas, revisions, unchanged
 from weightstream.client.channels import Channels, channel_credentials, data_tls_context
 from weightstream.client.deltas import APPLIER_THREADS
 from weightstream.client.errors import (
@@ -542,20 +542,44 @@ class WeightStreamClient:
             )
         return revisions.changes_from_proto(response)
 
-    def watch(self, model: str, *, after: str = "") -> Iterator[revisions.RevisionEvent]:
+    def watch(self, model: str, *, after: str = "", peer_port: int = 0) -> Iterator[revisions.RevisionEvent]:
         """model's current revision (once it is not after), then each new one as it becomes current.
 
         Runs until the caller stops iterating (the call is then cancelled) or the server ends it.
+        peer_port: this caller serves StreamRevisionBlocks to peers on that port (a sidecar with
+        --peers); each published revision's event then names the peer to take its blocks from.
         """
         with translated(self.target):
             call = self.stub.WatchModel(
-                pb.WatchModelRequest(model=model, after=after), metadata=self._channels.metadata
+                pb.WatchModelRequest(model=model, after=after, peer_port=peer_port), metadata=self._channels.metadata
             )
             try:
                 for response in call:
                     yield revisions.event_from_proto(response)
             finally:
                 call.cancel()
+
+    def block_hashes(self, model: str, revision: str) -> dict[str, tuple[bytes, ...]]:
+        """The BLAKE3 hash of each DIGEST_BLOCK_BYTES block of each tensor of revision, by tensor, in order."""
+        with translated(self.target):
+            call = self.stub.GetBlockHashes(
+                pb.GetBlockHashesRequest(model=model, revision=revision),
+                timeout=self._timeout,
+                metadata=self._channels.metadata,
+            )
+            return {response.tensor: tuple(response.hashes) for response in call}
+
+    def revision_blocks(
+        self, model: str, revision: str, tensors: Sequence[str], *, first_block: int = 0, refused_peer: str = ""
+    ) -> peers.BlockStream:
+        """The blocks of tensors of a published revision as this server holds them, from first_block.
+
+        What arrives is the server's word, unchecked: check each block against the block_hashes of a
+        server you trust (peers.BlockStream says how to cancel the stream)."""
+        request = pb.StreamRevisionBlocksRequest(
+            model=model, revision=revision, tensors=list(tensors), first_block=first_block, refused_peer=refused_peer
+        )
+        return peers.BlockStream(self.target, self.stub.StreamRevisionBlocks(request, metadata=self._channels.metadata))
 
     def update_into(
         self,

@@ -38,6 +38,9 @@ class RevisionEvent:
     origin: str  # "published" or "storage"
     total_bytes: int
     kept: tuple[str, ...]
+    # Fleet fan-out (a watch with peer_port): "HOST:PORT" of the peer to take this published revision's
+    # blocks from; "": from the server watched.
+    peer: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,9 @@ def changes_from_proto(response: pb.GetChangesResponse) -> Changes:
 
 
 def event_from_proto(response: pb.WatchModelResponse) -> RevisionEvent:
-    return RevisionEvent(response.model, response.revision, response.origin, response.total_bytes, tuple(response.kept))
+    return RevisionEvent(
+        response.model, response.revision, response.origin, response.total_bytes, tuple(response.kept), response.peer
+    )
 
 
 @dataclass(frozen=True)

@@ -405,23 +405,65 @@ class TensorBlocks(_message.Message):
     def __init__(self, name: _Optional[str] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WatchModelRequest(_message.Message):
-    __slots__ = ("model", "after")
+    __slots__ = ("model", "after", "peer_port")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
+    PEER_PORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     after: str
-    def __init__(self, model: _Optional[str] = ..., after: _Optional[str] = ...) -> None: ...
+    peer_port: int
+    def __init__(self, model: _Optional[str] = ..., after: _Optional[str] = ..., peer_port: _Optional[int] = ...) -> None: ...
 
 class WatchModelResponse(_message.Message):
-    __slots__ = ("model", "revision", "origin", "total_bytes", "kept")
+    __slots__ = ("model", "revision", "origin", "total_bytes", "kept", "peer")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     origin: str
     total_bytes: int
     kept: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., origin: _Optional[str] = ..., total_bytes: _Optional[int] = ..., kept: _Optional[_Iterable[str]] = ...) -> None: ...
+    peer: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., origin: _Optional[str] = ..., total_bytes: _Optional[int] = ..., kept: _Optional[_Iterable[str]] = ..., peer: _Optional[str] = ...) -> None: ...
+
+class GetBlockHashesRequest(_message.Message):
+    __slots__ = ("model", "revision")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
+
+class GetBlockHashesResponse(_message.Message):
+    __slots__ = ("tensor", "hashes")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tensor: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StreamRevisionBlocksRequest(_message.Message):
+    __slots__ = ("model", "revision", "tensors", "first_block", "refused_peer")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_PEER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    tensors: _containers.RepeatedScalarFieldContainer[str]
+    first_block: int
+    refused_peer: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ..., first_block: _Optional[int] = ..., refused_peer: _Optional[str] = ...) -> None: ...
+
+class StreamRevisionBlocksResponse(_message.Message):
+    __slots__ = ("index", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -84,6 +84,16 @@ class WeightStreamServiceStub:
                 request_serializer=weightstream_dot_v1_dot_weightstream__pb2.WatchModelRequest.SerializeToString,
                 response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.WatchModelResponse.FromString,
                 _registered_method=True)
+        self.GetBlockHashes = channel.unary_stream(
+                '/weightstream.v1.WeightStreamService/GetBlockHashes',
+                request_serializer=weightstream_dot_v1_dot_weightstream__pb2.GetBlockHashesRequest.SerializeToString,
+                response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.GetBlockHashesResponse.FromString,
+                _registered_method=True)
+        self.StreamRevisionBlocks = channel.unary_stream(
+                '/weightstream.v1.WeightStreamService/StreamRevisionBlocks',
+                request_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamRevisionBlocksRequest.SerializeToString,
+                response_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamRevisionBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WeightStreamServiceServicer:
@@ -176,6 +186,24 @@ class WeightStreamServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetBlockHashes(self, request, context):
+        """The BLAKE3 hash of each DIGEST_BLOCK_BYTES block of each tensor of a revision this server keeps
+        (weightstream.protocol.digests), one message per tensor in the revision's order: what a puller
+        checks a peer's bytes against. NOT_FOUND for a revision not kept or not hashed here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamRevisionBlocks(self, request, context):
+        """Fleet fan-out: the blocks of the named tensors of a published revision, in order, from
+        first_block, as this server holds them: a kept revision's, or one it is still pulling (each
+        block as soon as it arrived and was checked here). Never files, never another revision.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightStreamServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +256,16 @@ def add_WeightStreamServiceServicer_to_server(servicer, server):
                     servicer.WatchModel,
                     request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.WatchModelRequest.FromString,
                     response_serializer=weightstream_dot_v1_dot_weightstream__pb2.WatchModelResponse.SerializeToString,
+            ),
+            'GetBlockHashes': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetBlockHashes,
+                    request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.GetBlockHashesRequest.FromString,
+                    response_serializer=weightstream_dot_v1_dot_weightstream__pb2.GetBlockHashesResponse.SerializeToString,
+            ),
+            'StreamRevisionBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamRevisionBlocks,
+                    request_deserializer=weightstream_dot_v1_dot_weightstream__pb2.StreamRevisionBlocksRequest.FromString,
+                    response_serializer=weightstream_dot_v1_dot_weightstream__pb2.StreamRevisionBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -500,6 +538,60 @@ class WeightStreamService:
             '/weightstream.v1.WeightStreamService/WatchModel',
             weightstream_dot_v1_dot_weightstream__pb2.WatchModelRequest.SerializeToString,
             weightstream_dot_v1_dot_weightstream__pb2.WatchModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBlockHashes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightstream.v1.WeightStreamService/GetBlockHashes',
+            weightstream_dot_v1_dot_weightstream__pb2.GetBlockHashesRequest.SerializeToString,
+            weightstream_dot_v1_dot_weightstream__pb2.GetBlockHashesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamRevisionBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weightstream.v1.WeightStreamService/StreamRevisionBlocks',
+            weightstream_dot_v1_dot_weightstream__pb2.StreamRevisionBlocksRequest.SerializeToString,
+            weightstream_dot_v1_dot_weightstream__pb2.StreamRevisionBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -194,6 +194,7 @@ def create_app(server: WeightStreamServer) -> FastAPI:
         server.changes,
         server.deltas,
         server.pool,
+        server.holdings.counts if server.holdings is not None else None,
     )
     tokens = server.tokens
 

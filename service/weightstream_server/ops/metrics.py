@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from weightstream import __version__
 from weightstream_server.ops.stats import DURATION_BUCKETS_S, ServerStats
 from weightstream_server.revisions.changes import Changes
+from weightstream_server.revisions.peer_blocks import PeerCounts
 from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving.cache import CacheSnapshot, UnitCache
 from weightstream_server.serving.deltas import Deltas
@@ -184,6 +185,7 @@ def create_registry(
     changes: Changes | None = None,
     deltas: Deltas | None = None,
     pool: StreamerPool | None = None,
+    peers: PeerCounts | None = None,
 ) -> CollectorRegistry:
     """A registry holding only this server's metrics."""
     registry = CollectorRegistry(auto_describe=False)
@@ -192,7 +194,38 @@ def create_registry(
         registry.register(RevisionsCollector(revisions, changes))
     if deltas is not None:
         registry.register(DeltasCollector(deltas))
+    if peers is not None:
+        registry.register(PeersCollector(peers))
     return registry
+
+
+class PeersCollector(Collector):
+    """Fleet fan-out: revision bytes from peers and the upstream, blocks refused, peers left, bytes served to peers."""
+
+    def __init__(self, counts: PeerCounts) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._counts
+        pulled = CounterMetricFamily(
+            PREFIX + "fanout_bytes_received", "Published revisions' block bytes taken, by source.", labels=["source"]
+        )
+        pulled.add_metric(["peer"], c.peer_bytes)
+        pulled.add_metric(["upstream"], c.upstream_bytes)
+        yield pulled
+        yield CounterMetricFamily(
+            PREFIX + "fanout_blocks_refused",
+            "Blocks from a peer refused: not the block asked for, or not the upstream's BLAKE3 hash.",
+            value=c.refused_blocks,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "fanout_fallbacks",
+            "Pulls whose peer was left (refused, failed, ended early or stalled) for the upstream.",
+            value=c.fallbacks,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "fanout_bytes_served", "Block bytes served to peers (StreamRevisionBlocks).", value=c.served_bytes
+        )
 
 
 class DeltasCollector(Collector):

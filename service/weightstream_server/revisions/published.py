@@ -64,6 +64,9 @@ from weightstream_server.storage.sources import SourceFile
 
 logger = logging.getLogger(__name__)
 
+# Per tensor, the (CRC32C, BLAKE3 hash) of each of its blocks, in order, as a relay's fill checked them.
+Known = dict[str, list[tuple[int, bytes]]]
+
 # How long the parts of a revision published in several parts may take to all arrive (the default
 # of --publish-assembly-timeout).
 ASSEMBLY_TIMEOUT_S = 30.0
@@ -224,13 +227,14 @@ class Publisher:
     def relay(
         self,
         start: pb.PublishStart,
-        fill: Callable[[dict[str, torch.Tensor]], None],
+        fill: Callable[[dict[str, torch.Tensor]], Known | None],
         peer: str,
         shared: Sequence[Shared] = (),
         order: list[str] | None = None,
     ) -> Revision:
         """Take a revision another server holds: start names it and the tensors to receive (one part),
-        whose bytes fill writes into the views it is given, by name; shared are its tensors already
+        whose bytes fill writes into the views it is given, by name (and may return the (CRC32C, BLAKE3)
+        of each block it wrote and checked, which are then not computed again); shared are its tensors already
         in the memory of a revision kept here (held by reference, never copied); order is every
         tensor's name in the revision's order. Current once fill returned.
 
@@ -247,9 +251,11 @@ class Publisher:
             part = Part.allocate(0, layout)
             ahead = PopulateAhead(int(part.buffer.data_ptr()), part.buffer.numel())
             try:
-                fill({t.name: part.view(t) for t in layout.tensors.values()})
+                known = fill({t.name: part.view(t) for t in layout.tensors.values()})
             finally:
                 ahead.close()
+            if known:
+                part.known.update({name: list(blocks) for name, blocks in known.items() if name in layout.tensors})
             part.compute_blocks()
         except BaseException as exc:
             self._fail(pending, 0, f"the relay from {peer} failed: {exc}")

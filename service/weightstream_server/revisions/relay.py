@@ -39,13 +39,16 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from weightstream.client import WeightStreamClient
 from weightstream.client.errors import WeightStreamError
 from weightstream.client.manifest import TensorInfo
 from weightstream.client.revisions import RevisionEvent
 from weightstream.protocol import dtypes
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ModelNotFound, ServerError, UpstreamError
-from weightstream_server.revisions.published import Publisher
+from weightstream_server.revisions.peer_blocks import Holdings
+from weightstream_server.revisions.peer_pull import PullReport, pull_blocks
+from weightstream_server.revisions.published import Known, Publisher
 from weightstream_server.revisions.published_source import PublishedSource, Shared
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest
@@ -54,7 +57,7 @@ from weightstream_server.settings import ServerSettings
 from weightstream_server.storage.model_ids import check_revision_name
 from weightstream_server.storage.open_files import OpenFiles, read_exactly
 from weightstream_server.storage.tiers import TieredSource
-from weightstream_server.storage.upstream import UpstreamSource, upstream_client
+from weightstream_server.storage.upstream import UpstreamSource, peer_client, upstream_client
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +108,23 @@ class RelayCounts:
 class Relay:
     """Followers of the upstream's revisions, one per model asked for."""
 
-    def __init__(self, settings: ServerSettings, store: RevisionStore, catalog: Catalog, publisher: Publisher) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        store: RevisionStore,
+        catalog: Catalog,
+        publisher: Publisher,
+        holdings: Holdings | None = None,
+    ) -> None:
+        self._settings = settings
+        # Fleet fan-out (--peers): published revisions' blocks come from the peer each watch event
+        # names, and this server's pulls are served to its own peers (revisions.peer_pull).
+        self._holdings = holdings if settings.peers else None
+        # The gRPC port this server serves peers on (set once bound; 0: not serving peers).
+        self.peer_port = 0
+        # False once the upstream answered UNIMPLEMENTED (no --fanout there): revisions it plans no
+        # peer for are pulled the way without peers, until an event names a peer again.
+        self._upstream_fans_out = True
         self._store = store
         self._catalog = catalog
         self._publisher = publisher
@@ -204,7 +223,8 @@ class Relay:
             while not self._stop.is_set():
                 follower.source.hold_listings(model, True)
                 try:
-                    for event in self._client.watch(model):
+                    peer_port = self.peer_port if self._holdings is not None else 0
+                    for event in self._client.watch(model, peer_port=peer_port):
                         self._take(follower, event)
                         follower.ready.set()
                         delay = RETRY_S
@@ -261,6 +281,8 @@ class Relay:
             return
         if self._store.find(model, event.revision) is not None:
             return
+        if self._holdings is not None:
+            self._holdings.expect(model, event.revision)  # peers planned below this one may ask already
         try:
             current = self._client.manifest(model).revision
             if current != event.revision:
@@ -275,7 +297,7 @@ class Relay:
                 # The model's files first (if it has any): seen after the published revision, they
                 # would count as a newer storage revision and take its place.
                 self._observe_storage(model)
-            self._pull(model, event.revision)
+            self._pull(model, event.revision, event.peer)
         except (ServerError, WeightStreamError) as exc:
             logger.warning("model %r: published revision %s of the upstream not taken: %s", model, event.revision, exc)
 
@@ -301,7 +323,25 @@ class Relay:
             return None
         return now if now.revision == held.id else None
 
-    def _pull(self, model: str, revision: str) -> None:
+    def _pull(self, model: str, revision: str, parent: str = "") -> None:
+        if parent:
+            self._upstream_fans_out = True
+        if self._holdings is not None and self._upstream_fans_out:
+            try:
+                self._pull_from_peers(model, revision, parent)
+                return
+            except (ServerError, WeightStreamError) as exc:
+                self._holdings.forget(model, revision)
+                if isinstance(exc, WeightStreamError) and exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                    self._upstream_fans_out = False
+                    logger.info(
+                        "upstream %s serves no fan-out (no --fanout there): revisions are pulled from it whole",
+                        self._client.target,
+                    )
+                # An upstream without the fan-out RPCs, or one that failed them: the way without peers.
+                logger.warning(
+                    "model %r: revision %s not taken through peers (%s); pulled from the upstream", model, revision, exc
+                )
         started = time.perf_counter()
         upstream = self._client.manifest(model, revision=revision)
         held = self._held(model)
@@ -376,6 +416,63 @@ class Relay:
             copied,
             shared_bytes,
             held.revision if held is not None else "nothing",
+            seconds,
+        )
+
+    def _pull_from_peers(self, model: str, revision: str, parent: str) -> None:
+        """Take revision as the blocks of its changed tensors from parent (a peer the upstream planned;
+        "" for the upstream itself), each checked against the upstream's block hashes."""
+        holdings = self._holdings
+        assert holdings is not None
+        started = time.perf_counter()
+        upstream = self._client.manifest(model, revision=revision)
+        held = self._held(model)
+        shared = self._shared(model, held, upstream.tensors, revision)
+        start = pb.PublishStart(model=model, revision=revision, new_layout=True)
+        for info in upstream.tensors:
+            if info.name not in shared:
+                start.tensors.append(
+                    pb.PublishedTensor(name=info.name, dtype=dtypes.BY_TORCH[info.dtype].wire, shape=list(info.shape))
+                )
+        order = [info.name for info in upstream.tensors]
+        reports: list[PullReport] = []
+
+        def connect(target: str) -> WeightStreamClient:
+            return peer_client(self._settings, target)
+
+        def fill(views: dict[str, torch.Tensor]) -> Known:
+            names = [name for name in order if name in views]
+            stall_s = self._settings.peer_stall_seconds
+            min_rate = self._settings.peer_min_rate
+            reports.append(
+                pull_blocks(holdings, self._client, connect, upstream, views, names, parent, stall_s, min_rate)
+            )
+            return reports[-1].known
+
+        try:
+            self._publisher.relay(start, fill, f"peers of {self._client.target}", list(shared.values()), order)
+        finally:
+            for report in reports:
+                if report.pull is not None:
+                    holdings.end(report.pull)
+        holdings.forget(model, revision)
+        report = reports[0]
+        holdings.counts.add(peer_bytes=report.peer_bytes, upstream_bytes=report.upstream_bytes)
+        seconds = time.perf_counter() - started
+        shared_bytes = sum(s.nbytes for s in shared.values())
+        with self._lock:
+            self.counts.revisions += 1
+            self.counts.pulled_bytes += report.peer_bytes + report.upstream_bytes
+            self.counts.shared_bytes += shared_bytes
+            self.counts.seconds += seconds
+        logger.info(
+            "model %r: revision %s relayed: %d bytes from peer %s, %d from the upstream, %d shared, %.3f s",
+            model,
+            revision,
+            report.peer_bytes,
+            parent or "(none)",
+            report.upstream_bytes,
+            shared_bytes,
             seconds,
         )
 

@@ -370,7 +370,7 @@ class StreamSession:
         self.sent += nbytes
 
     def _describe(self) -> str:
-        return f"{self._kind} of model {self.model_id!r} from {self.peer}"
+        return f"{self._kind} of model {self.model_id[:200]!r} from {self.peer}"
 
     def _check_open(self) -> None:
         # Manifests are still served while draining: a load in flight may ask for one again.
@@ -392,7 +392,7 @@ class StreamSession:
             logger.info(
                 "%s end: model=%r file=%r peer=%s offset=%d bytes=%d seconds=%.3f code=%s",
                 self._kind,
-                self.model_id,
+                self.model_id[:200],
                 name,
                 self.peer,
                 offset,
@@ -404,7 +404,7 @@ class StreamSession:
         logger.info(
             "%s end: model=%r peer=%s tensors=%d bytes=%d seconds=%.3f gbps=%.2f code=%s",
             self._kind,
-            self.model_id,
+            self.model_id[:200],
             self.peer,
             self.tensors,
             self.sent,

@@ -167,9 +167,14 @@ class UpstreamSource:
 def upstream_client(settings: ServerSettings, transport: TransportChoice) -> WeightStreamClient:
     """A client of --upstream with its token and TLS settings (never this server's own token)."""
     assert settings.upstream is not None
+    return peer_client(settings, settings.upstream, transport)
+
+
+def peer_client(settings: ServerSettings, target: str, transport: TransportChoice = "grpc") -> WeightStreamClient:
+    """A client of target (the upstream, or a peer it named: fleet fan-out) with the upstream's token and TLS."""
     token = _read_token(settings.upstream_token_file) if settings.upstream_token_file is not None else None
     return WeightStreamClient(
-        settings.upstream,
+        target,
         # "" and not None: the server's own WEIGHTSTREAM_TOKEN must never be sent upstream.
         token=token or "",
         tls=settings.upstream_tls,

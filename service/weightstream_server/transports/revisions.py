@@ -20,8 +20,9 @@ from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import InvalidRequest, PublishRefused, TcpUnavailable
 from weightstream_server.ops.auth import TokenFile, bearer_token
 from weightstream_server.revisions.changes import Changes
+from weightstream_server.revisions.fanout import Fanout, peer_address
 from weightstream_server.revisions.published import Publisher
-from weightstream_server.revisions.store import Revision, RevisionStore
+from weightstream_server.revisions.store import PUBLISHED, Revision, RevisionStore
 from weightstream_server.serving.stream_session import Streams, StreamSlots, client_of
 from weightstream_server.transports import rpc
 from weightstream_server.transports.tcp.listener import DataPort
@@ -46,8 +47,12 @@ class RevisionsServicer:
         publish_tokens: TokenFile | None,
         data_port: DataPort | None = None,
         advertise: tuple[str, int] = ("", 0),
+        fanout: Fanout | None = None,
     ) -> None:
         self._streams = streams
+        # Who follows each model as a peer (watches with a peer_port), and whom each takes a revision from.
+        # None: fan-out is off here (no --fanout): a watch's peer_port is ignored.
+        self._fanout = fanout
         # Where publishes that ask for it send their bytes; None: over gRPC only.
         self._data_port = data_port
         self._advertise = advertise
@@ -132,6 +137,11 @@ class RevisionsServicer:
         except Exception as exc:
             rpc.abort(context, streams.stats, "WatchModel", request.model, exc)
         logger.info("watch of model %r from %s", request.model, peer)
+        joined = None
+        if request.peer_port and self._fanout is not None:
+            address = peer_address(peer, request.peer_port)
+            if address is not None:
+                joined = self._fanout.join(request.model, address)
         try:
             self._changes.follow(request.model)
             after = request.after
@@ -142,12 +152,17 @@ class RevisionsServicer:
                     streams.catalog.manifest(request.model)
                     continue
                 with streams.stalls.waiting(context, lambda: f"watch of model {request.model!r} from {peer}"):
-                    yield _watch_message(current, self._revisions.kept(request.model))
+                    message = _watch_message(current, self._revisions.kept(request.model))
+                    if joined is not None and self._fanout is not None and current.origin == PUBLISHED:
+                        message.peer = self._fanout.parent(request.model, current.id, joined)
+                    yield message
                 after = current.id
         except Exception as exc:
             if context.is_active():
                 rpc.abort(context, streams.stats, "WatchModel", request.model, exc)
         finally:
+            if joined is not None and self._fanout is not None:
+                self._fanout.leave(request.model, joined)
             slots.give_back(client)
             logger.info("watch of model %r from %s ended", request.model, peer)
 

@@ -58,7 +58,8 @@ def abort(context: grpc.ServicerContext, stats: ServerStats, method: str, model:
     if isinstance(exc, ServerError):
         # A client that falls back from shared memory or the data port to gRPC is no warning.
         level = logging.INFO if isinstance(exc, ShmUnavailable | TcpUnavailable) else logging.WARNING
-        logger.log(level, "%s %r: %s: %s", method, model, code.name, exc)
+        # model is as the client sent it: a log line holds its first 200 characters only.
+        logger.log(level, "%s %r: %s: %s", method, model[:200], code.name, exc)
         if isinstance(exc, StorageUnavailable):
             # The store's own client retried already: gRPC's retries (replicas.py) would repeat that
             # and run past the call's deadline. The caller's RetryPolicy decides on another try.

@@ -1,0 +1,31 @@
+"""A stream of a revision's blocks from a server or a peer (StreamRevisionBlocks), cancellable from any thread.
+
+The blocks are the sender's word: a caller checks each against block hashes it got from a server it
+trusts (weightstream.protocol.digests), never against anything the sender says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from weightstream.client.errors import translated
+
+
+class BlockStream:
+    """(index, bytes) of each block as it arrives; cancel() ends it (the iteration then raises)."""
+
+    def __init__(self, target: str, call: Any) -> None:
+        self.target = target
+        self._call = call
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        with translated(self.target):
+            try:
+                for response in self._call:
+                    yield response.index, response.data
+            finally:
+                self._call.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()

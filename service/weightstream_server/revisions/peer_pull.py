@@ -1,0 +1,248 @@
+"""Fleet fan-out, the puller's side: a published revision's blocks from the peer the upstream planned, checked.
+
+The upstream's block hashes of the revision (GetBlockHashes, themselves checked against the digest
+of the upstream's manifest) are the only thing a block is checked against: each block from a peer
+must have the expected index and length and the expected BLAKE3 hash, or it is refused, counted,
+logged with the peer's address, and the rest of the revision is taken from the upstream (whose
+next request names the peer as refused, so that the upstream plans no one else below it). A peer that
+errs, ends early, sends no block for stall_s (killed, cut off, stalled), or forwards slower than
+min_rate (a slow peer would slow its whole chain) is left the same way, without the refusal. Each
+checked block is written into its place and made available to this server's own peers at once
+(peer_blocks.Pull), so a chain forwards each block while it still receives.
+
+Concurrency: one pull runs on its caller's thread, with one watchdog thread for the stall rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+
+from weightstream.client import WeightStreamClient
+from weightstream.client.errors import WeightStreamError
+from weightstream.client.manifest import Manifest
+from weightstream.client.peers import BlockStream
+from weightstream.protocol import digests, dtypes, wire
+from weightstream.protocol.digests import DIGEST_BLOCK_BYTES
+from weightstream_server.errors import UpstreamError
+from weightstream_server.revisions.peer_blocks import Holdings, Pull, blocks_of
+
+logger = logging.getLogger(__name__)
+
+# What an upstream whose hashes or blocks do not add up is answered with.
+LIED = grpc.StatusCode.DATA_LOSS
+# A peer's first block may take this many stall times.
+FIRST_BLOCK_STALLS = 10
+# Seconds without a block from the upstream itself before its pull fails.
+UPSTREAM_STALL_S = 60.0
+# A peer's rate is judged over at least this many stall times from its first block.
+RATE_WINDOW_STALLS = 2
+
+
+class BadBlock(Exception):
+    """A block that is not the one asked for, or whose bytes do not hash to the upstream's hash."""
+
+
+class EndedEarly(Exception):
+    """A stream of blocks that ended before the last block."""
+
+
+@dataclass
+class PullReport:
+    peer_bytes: int = 0
+    upstream_bytes: int = 0
+    refused: str = ""  # the peer whose block failed its hash, if one did
+    # The pull, still serving this server's peers: ended by the caller once the revision is kept.
+    pull: Pull | None = None
+    # Each tensor's (CRC32C, BLAKE3) per block as written and checked: not computed again.
+    known: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
+
+
+def checked_hashes(upstream: Manifest, hashes: dict[str, tuple[bytes, ...]]) -> None:
+    """Raise UpstreamError unless hashes are a whole set for upstream's tensors and give its digest."""
+    tensors = []
+    for info in upstream.tensors:
+        blocks = hashes.get(info.name)
+        if blocks is None or len(blocks) != blocks_of(info.nbytes) or any(len(h) != 32 for h in blocks):
+            raise UpstreamError(f"the upstream's block hashes of tensor {info.name!r} are not whole", LIED)
+        tensors.append((info.name, dtypes.BY_TORCH[info.dtype].safetensors, info.shape, digests.hash_of_blocks(blocks)))
+    if not upstream.digest or digests.revision_digest(tensors) != upstream.digest:
+        raise UpstreamError(f"the upstream's block hashes do not give its digest of revision {upstream.revision}", LIED)
+
+
+class _Watchdog:
+    """Cancels a stream that brings no block for stall_s, or (min_rate > 0) whose bytes since its first
+    block came slower than min_rate bytes/s over at least RATE_WINDOW_STALLS stall times."""
+
+    def __init__(self, stream: BlockStream, stall_s: float, first_stalls: int = 1, min_rate: float = 0.0) -> None:
+        self._stream = stream
+        self._stall_s = stall_s
+        self._min_rate = min_rate
+        # Until the first block: as if the last came (first_stalls - 1) stall times from now.
+        self.last = time.monotonic() + (first_stalls - 1) * stall_s
+        self.first: float | None = None
+        self.received = 0  # bytes after the first block
+        self.fired = False
+        self.slow = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weightstream-peer-stall", daemon=True)
+        self._thread.start()
+
+    def block(self, nbytes: int) -> None:
+        """A block of nbytes came now."""
+        now = time.monotonic()
+        self.last = now
+        if self.first is None:
+            self.first = now
+        else:
+            self.received += nbytes
+
+    def rate(self) -> float:
+        """Bytes per second since the first block."""
+        first = self.first
+        return self.received / max(time.monotonic() - first, 1e-9) if first is not None else 0.0
+
+    def _run(self) -> None:
+        while not self._done.wait(min(0.1, self._stall_s / 4)):
+            now = time.monotonic()
+            if now - self.last > self._stall_s:
+                self.fired = True
+                self._stream.cancel()
+                return
+            first = self.first
+            if (
+                self._min_rate > 0
+                and first is not None
+                and now - first >= RATE_WINDOW_STALLS * self._stall_s
+                and self.rate() < self._min_rate
+            ):
+                self.slow = True
+                self._stream.cancel()
+                return
+
+    def close(self) -> None:
+        self._done.set()
+
+
+def pull_blocks(
+    holdings: Holdings,
+    upstream: WeightStreamClient,
+    connect: Callable[[str], WeightStreamClient],
+    manifest: Manifest,
+    views: dict[str, torch.Tensor],
+    names: Sequence[str],
+    parent: str,
+    stall_s: float,
+    min_rate: float = 0.0,
+) -> PullReport:
+    """Fill views (tensors names of the revision manifest describes, in that order) from parent's blocks
+    (or the upstream's, parent ""), each checked; the rest from the upstream where parent fails, stalls
+    or (min_rate > 0) forwards slower than min_rate bytes/s (a slow peer would slow its whole chain).
+
+    Raises where the upstream itself fails or lies (the caller's pull then fails whole)."""
+    model, revision = manifest.model, manifest.revision
+    hashes = upstream.block_hashes(model, revision)
+    checked_hashes(manifest, hashes)
+    sizes = {info.name: info.nbytes for info in manifest.tensors}
+    order = [(name, j) for name in names for j in range(blocks_of(sizes[name]))]
+    flats = {name: views[name].view(-1).view(torch.uint8) for name in names}
+    counts = holdings.counts
+    report = PullReport()
+    pull = holdings.begin(model, revision, {name: views[name] for name in names})
+    try:
+        source = parent
+        next_block = 0
+        while next_block < len(order):
+            # A peer's own client, closed whatever happens to its stream (the upstream's is the caller's).
+            peer = connect(source) if source else None
+            client = peer if peer is not None else upstream
+            try:
+                stream = client.revision_blocks(
+                    model, revision, names, first_block=next_block, refused_peer="" if source else report.refused
+                )
+            except BaseException:
+                if peer is not None:
+                    peer.close()
+                raise
+            # The upstream is held to the server-wide stall rule, not to a peer's.
+            # The first block of a peer may wait for the peer's own pull to start (its manifest,
+            # hashes and memory): FIRST_BLOCK_STALLS stall times; a dead peer is refused at once.
+            watchdog = _Watchdog(
+                stream,
+                stall_s if source else max(stall_s, UPSTREAM_STALL_S),
+                FIRST_BLOCK_STALLS,
+                min_rate if source else 0.0,
+            )
+            try:
+                next_block = _receive(stream, watchdog, order, hashes, flats, pull, next_block, report, source)
+                if next_block < len(order):
+                    raise EndedEarly(f"the stream ended at block {next_block} of {len(order)}")
+            except (WeightStreamError, BadBlock, EndedEarly) as exc:
+                if not source:
+                    code = exc.code if isinstance(exc, WeightStreamError) and exc.code is not None else LIED
+                    raise UpstreamError(f"the upstream's blocks of revision {revision}: {exc}", code) from exc
+                if watchdog.slow:
+                    why = f"sent {watchdog.rate():.0f} bytes/s, under --peer-min-rate {min_rate:.0f}"
+                elif watchdog.fired:
+                    why = f"sent no block for {stall_s:.1f} s"
+                else:
+                    why = str(exc)[:300]
+                if isinstance(exc, BadBlock) and not (watchdog.fired or watchdog.slow):
+                    counts.refused(source)
+                    report.refused = source
+                    logger.warning("model %r: revision %s: peer %s refused: %s", model, revision, source, why)
+                else:
+                    logger.warning("model %r: revision %s: peer %s left: %s", model, revision, source, why)
+                counts.add(fallbacks=1)
+                source = ""
+            finally:
+                watchdog.close()
+                if peer is not None:
+                    peer.close()
+    except BaseException:
+        holdings.end(pull)
+        raise
+    report.pull = pull
+    return report
+
+
+def _receive(
+    stream: BlockStream,
+    watchdog: _Watchdog,
+    order: Sequence[tuple[str, int]],
+    hashes: dict[str, tuple[bytes, ...]],
+    flats: dict[str, torch.Tensor],
+    pull: Pull,
+    next_block: int,
+    report: PullReport,
+    source: str,
+) -> int:
+    for index, data in stream:
+        watchdog.block(len(data))
+        if index != next_block or next_block >= len(order):
+            raise BadBlock(f"block {index} came where block {next_block} was due")
+        name, j = order[next_block]
+        flat = flats[name]
+        start = j * DIGEST_BLOCK_BYTES
+        length = min(DIGEST_BLOCK_BYTES, flat.numel() - start)
+        expected = hashes[name][j]
+        if len(data) != length or digests.block_hash(memoryview(data)) != expected:
+            raise BadBlock(f"block {j} of tensor {name!r} does not match the upstream's hash")
+        flat[start : start + length].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        known = report.known.setdefault(name, [])
+        del known[j:]  # a block taken again after a fallback
+        known.append((wire.crc32c_at(flat.data_ptr() + start, length), expected))
+        pull.advance(name, j + 1)
+        if source:
+            report.peer_bytes += length
+        else:
+            report.upstream_bytes += length
+        next_block += 1
+    return next_block

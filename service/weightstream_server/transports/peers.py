@@ -1,0 +1,123 @@
+"""The fleet fan-out RPCs: GetBlockHashes and StreamRevisionBlocks, translated to revisions.peer_blocks.
+
+Both are streams like the others: a stream slot, the per-client share, the stall rule on each
+message. An upstream serves them with --fanout (GetBlockHashes to every peer, StreamRevisionBlocks
+to the peers it plans at the root); a sidecar serves StreamRevisionBlocks with --peers (to the peers
+planned below it). StreamRevisionBlocks serves only blocks of a published revision kept here or being
+pulled here (revisions.peer_blocks), never files. A request that names a refused_peer is a puller's
+report that that peer's blocks failed their hashes: with --fanout, and when the caller is the puller
+this server planned directly below that peer, the peer is left out of that revision's plans here;
+otherwise the report is ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream_server.errors import InvalidRequest, ModelNotFound
+from weightstream_server.revisions.fanout import Fanout, parse_peer, reporter_host
+from weightstream_server.revisions.peer_blocks import Holdings
+from weightstream_server.revisions.store import RevisionStore
+from weightstream_server.serving.stream_session import Streams
+from weightstream_server.storage.model_ids import check_revision_name
+from weightstream_server.transports import rpc
+
+# A tensor name longer than this is no tensor's.
+MAX_NAME_CHARS = 4096
+# A refused_peer longer than this is no "HOST:PORT".
+MAX_ADDRESS_CHARS = 300
+
+
+class PeersServicer:
+    """GetBlockHashes and StreamRevisionBlocks. Safe to call from many threads.
+
+    fanout: this server's plan (--fanout), or None: refused_peer reports are ignored."""
+
+    def __init__(
+        self,
+        streams: Streams,
+        revisions: RevisionStore,
+        holdings: Holdings,
+        fanout: Fanout | None,
+        stall_s: float,
+    ) -> None:
+        self._streams = streams
+        self._revisions = revisions
+        self._holdings = holdings
+        self._fanout = fanout
+        self._stall_s = stall_s
+
+    def GetBlockHashes(
+        self, request: pb.GetBlockHashesRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GetBlockHashesResponse]:
+        with self._streams.session(context, method="GetBlockHashes", kind="hashes", model=request.model) as session:
+            check_revision_name(request.model, request.revision, "GetBlockHashes")
+            kept = self._revisions.find(request.model, request.revision)
+            if kept is None or kept.block_hashes is None:
+                raise ModelNotFound(
+                    f"model {request.model[:200]!r}: revision {request.revision} is not kept or not hashed here"
+                )
+            hashes = kept.block_hashes
+            for info in kept.manifest.tensors:
+                message = pb.GetBlockHashesResponse(tensor=info.name, hashes=list(hashes.get(info.name, ())))
+                with session.waiting_on_client():
+                    yield message
+
+    def StreamRevisionBlocks(
+        self, request: pb.StreamRevisionBlocksRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        streams = self._streams
+        with streams.session(context, method="StreamRevisionBlocks", kind="peer", model=request.model) as session:
+            check_revision_name(request.model, request.revision, "StreamRevisionBlocks")
+            if any(len(name) > MAX_NAME_CHARS for name in request.tensors):
+                raise InvalidRequest("StreamRevisionBlocks: a tensor name is too long")
+            refused = None
+            if request.refused_peer:
+                refused = parse_peer(request.refused_peer[:MAX_ADDRESS_CHARS])
+                if refused is None:
+                    raise InvalidRequest("StreamRevisionBlocks: refused_peer is no IP:PORT")
+            blocks = self._holdings.blocks(
+                request.model, request.revision, list(request.tensors), request.first_block, self._stall_s
+            )
+            # Only for a revision this server keeps (nothing is stored for names a reader made up), and
+            # only from the puller planned below the peer (Fanout.refuse).
+            fanout = self._fanout
+            if refused and fanout is not None and self._revisions.find(request.model, request.revision):
+                fanout.refuse(request.model, request.revision, refused, reporter_host(session.peer))
+            counts = self._holdings.counts
+            for index, data in blocks:
+                message = _block_message(index, data)
+                with session.waiting_on_client():
+                    yield message
+                session.count_sent(len(data))
+                counts.add(served_bytes=len(data))
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _block_message(index: int, data: bytes) -> bytes:
+    """StreamRevisionBlocksResponse(index, data) serialized, with one copy of data (protobuf's own takes two)."""
+    # Field 1 (index, varint) and field 15 (data, length-delimited), as protobuf writes them.
+    return b"".join((b"\x08", _varint(index), b"\x7a", _varint(len(data)), data))
+
+
+def add_to_server(servicer: PeersServicer, server: grpc.Server, *, hashes: bool, blocks: bool) -> None:
+    """Add GetBlockHashes if hashes (an upstream with --fanout) and StreamRevisionBlocks if blocks (--fanout or
+    --peers); a method not added answers UNIMPLEMENTED."""
+    handlers = []
+    if hashes:
+        handlers.append(rpc.handler(servicer.GetBlockHashes))
+    if blocks:
+        handlers.append(rpc.handler(servicer.StreamRevisionBlocks, serialized=True))
+    if handlers:
+        rpc.register(server, *handlers)

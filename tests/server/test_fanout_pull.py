@@ -1,0 +1,108 @@
+"""The puller's side of fan-out (revisions.peer_pull) against a real upstream with --fanout on 127.0.0.1.
+
+The peer is a small gRPC server in this process that forwards the upstream's own (correct) blocks,
+one every BLOCK_DELAY_S: honest but slow. pull_blocks is called directly with it as the parent (the
+upstream never plans a loopback peer itself).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tests.support.servers import loopback_settings, serving
+from weightstream.client import WeightStreamClient
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+from weightstream_server.errors import ServerError, status_code
+from weightstream_server.revisions.peer_blocks import Holdings
+from weightstream_server.revisions.peer_pull import pull_blocks
+from weightstream_server.revisions.store import RevisionStore
+
+MODEL = "fanout-pull"
+SERVICE = "weightstream.v1.WeightStreamService"
+BLOCKS = 12
+BLOCK_DELAY_S = 0.5
+STALL_S = 1.0
+MIN_RATE = 4 * 1024 * 1024
+
+
+def _slow_peer(upstream: str) -> tuple[grpc.Server, int]:
+    channel = grpc.insecure_channel(upstream)
+    stub = pb_grpc.WeightStreamServiceStub(channel)
+
+    def blocks(request: pb.StreamRevisionBlocksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        for response in stub.StreamRevisionBlocks(request):
+            time.sleep(BLOCK_DELAY_S)
+            yield response.SerializeToString()
+
+    handler = grpc.unary_stream_rpc_method_handler(
+        blocks, request_deserializer=pb.StreamRevisionBlocksRequest.FromString, response_serializer=None
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"StreamRevisionBlocks": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_a_peer_forwarding_slower_than_the_floor_is_left_for_the_upstream(tmp_path: Path) -> None:
+    state = {"w": torch.randn(BLOCKS * 1024 * 1024 // 4, generator=torch.Generator().manual_seed(5))}
+    with serving(loopback_settings(model_root=tmp_path, allow_publish=True, fanout=True)) as server:
+        target = f"127.0.0.1:{server.port}"
+        peer, port = _slow_peer(target)
+        try:
+            with WeightStreamClient(target, progress=False) as upstream:
+                revision = upstream.publish(MODEL, state)
+                manifest = upstream.manifest(MODEL, revision=revision)
+                views = {"w": torch.empty_like(state["w"])}
+                holdings = Holdings(RevisionStore())
+
+                opened: list[WeightStreamClient] = []
+                closed: list[WeightStreamClient] = []
+
+                class PeerClient(WeightStreamClient):
+                    def close(self) -> None:
+                        closed.append(self)
+                        super().close()
+
+                def connect(address: str) -> WeightStreamClient:
+                    opened.append(PeerClient(address, progress=False, retry=None))
+                    return opened[-1]
+
+                started = time.monotonic()
+                report = pull_blocks(
+                    holdings, upstream, connect, manifest, views, ["w"], f"127.0.0.1:{port}", STALL_S, MIN_RATE
+                )
+                seconds = time.monotonic() - started
+                assert report.pull is not None
+                holdings.end(report.pull)
+        finally:
+            peer.stop(grace=None)
+    assert torch.equal(views["w"], state["w"])
+    assert report.peer_bytes > 0 and report.upstream_bytes > 0, report
+    assert holdings.counts.fallbacks == 1
+    assert len(opened) == 1 and closed[:1] == opened  # the peer's client, closed after the fallback
+    # All from the slow peer would take BLOCKS * BLOCK_DELAY_S.
+    assert seconds < BLOCKS * BLOCK_DELAY_S - 1.0, seconds
+
+
+def test_a_block_whose_own_source_stalls_here_ends_the_peers_stream_unavailable() -> None:
+    holdings = Holdings(RevisionStore())
+    pull = holdings.begin(MODEL, "r1", {"w": torch.zeros(2 * 1024 * 1024 // 4)})
+    try:
+        pull.advance("w", 1)  # block 0 arrived here, block 1 never does
+        blocks = holdings.blocks(MODEL, "r1", ["w"], 0, 0.2)
+        assert next(blocks)[0] == 0
+        with pytest.raises(ServerError) as raised:
+            next(blocks)
+        # Not DEADLINE_EXCEEDED: that would say the peer asking did not send in time.
+        assert status_code(raised.value) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        holdings.end(pull)

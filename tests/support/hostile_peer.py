@@ -1,0 +1,61 @@
+"""A hostile peer for the fleet fan-out tests: joins its upstream's fan-out, then serves wrong bytes.
+
+`python -m tests.support.hostile_peer --upstream HOST:PORT --model M --port P` holds a watch of M on
+the upstream with peer_port P (so the upstream plans other peers below it) and serves
+StreamRevisionBlocks on P with the upstream's own blocks, one byte of each flipped: the right index
+and length, and a CRC32C of the wrong bytes would match too; only the BLAKE3 hashes tell them apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
+
+SERVICE = "weightstream.v1.WeightStreamService"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    channel = grpc.insecure_channel(args.upstream)
+    stub = pb_grpc.WeightStreamServiceStub(channel)
+
+    def blocks(request: pb.StreamRevisionBlocksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        for response in stub.StreamRevisionBlocks(request):
+            data = bytearray(response.data)
+            data[len(data) // 2] ^= 0x5A
+            yield pb.StreamRevisionBlocksResponse(index=response.index, data=bytes(data)).SerializeToString()
+
+    handler = grpc.unary_stream_rpc_method_handler(
+        blocks, request_deserializer=pb.StreamRevisionBlocksRequest.FromString, response_serializer=None
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"StreamRevisionBlocks": handler}),))
+    server.add_insecure_port(f"0.0.0.0:{args.port}")
+    server.start()
+
+    def watch() -> None:
+        while True:
+            try:
+                for _ in stub.WatchModel(pb.WatchModelRequest(model=args.model, peer_port=args.port)):
+                    pass
+            except grpc.RpcError:
+                time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+    server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    main()
