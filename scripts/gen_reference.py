@@ -43,6 +43,7 @@ _GROUPS = {
     "_disk_cache_metrics": "Streams, storage and caches",
     "RevisionsCollector": "Revisions and publishes",
     "DeltasCollector": "Sparse updates (XOR deltas)",
+    "PeersCollector": "Fleet fan-out",
 }
 
 

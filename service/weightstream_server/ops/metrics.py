@@ -94,7 +94,8 @@ class StatsCollector(Collector):
         yield transport_served
         yield CounterMetricFamily(
             PREFIX + "stalls",
-            "Streams ended by the stall rule: the client took nothing for --stall-timeout.",
+            "Calls ended by the stall rule (streams, and watches whose client stopped reading): "
+            "the client took nothing for --stall-timeout.",
             value=s.stalls_total,
         )
         refused = CounterMetricFamily(
