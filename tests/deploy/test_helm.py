@@ -180,6 +180,12 @@ def test_config_values_reach_the_server_as_given() -> None:
         "max_watches": 8,
         "watch_interval": 2.5,
         "preload": ["s3://models/a", "s3://models/b"],
+        "peers": False,  # True needs --upstream, which the shared mode has not
+        "peer_stall_seconds": 1.5,
+        "peer_min_rate": "4MiB",
+        "fanout": True,
+        "fanout_roots": 2,
+        "fanout_degree": 3,
         "disk_cache_bytes": "10GiB",
     }
     assert set(given) == set(yaml.safe_load((CHART / "values.yaml").read_text())["config"])
