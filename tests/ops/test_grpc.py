@@ -79,6 +79,9 @@ def test_reflection_describes_the_services(channel: grpc.Channel) -> None:
         "PublishTensors",
         "GetChanges",
         "WatchModel",
+        # Described always; served only with --fanout or --peers (UNIMPLEMENTED otherwise).
+        "GetBlockHashes",
+        "StreamRevisionBlocks",
     }
 
 
