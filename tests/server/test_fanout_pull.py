@@ -22,7 +22,7 @@ from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server.errors import ServerError, status_code
 from weightstream_server.revisions.peer_blocks import Holdings
-from weightstream_server.revisions.peer_pull import pull_blocks
+from weightstream_server.revisions.peer_pull import checked_hashes, pull_blocks
 from weightstream_server.revisions.store import RevisionStore
 
 MODEL = "fanout-pull"
@@ -106,3 +106,33 @@ def test_a_block_whose_own_source_stalls_here_ends_the_peers_stream_unavailable(
         assert status_code(raised.value) == grpc.StatusCode.UNAVAILABLE
     finally:
         holdings.end(pull)
+
+
+def test_a_revision_with_an_empty_tensor_is_pulled_through_a_peer(tmp_path: Path) -> None:
+    """An empty tensor has no blocks on either side (the upstream's hashes, a peer's stream): its hashes
+    add up to the digest and the pull takes the rest of the revision from the peer, bit-exact."""
+    state = {
+        "empty": torch.empty(0, 4),
+        "w": torch.randn(3 * 1024 * 1024 // 4 + 5, generator=torch.Generator().manual_seed(9)),
+    }
+    with serving(loopback_settings(model_root=tmp_path, allow_publish=True, fanout=True)) as server:
+        target = f"127.0.0.1:{server.port}"
+        with WeightStreamClient(target, progress=False) as upstream:
+            revision = upstream.publish(MODEL, state)
+            manifest = upstream.manifest(MODEL, revision=revision)
+            hashes = upstream.block_hashes(MODEL, revision)
+            assert hashes["empty"] == () and len(hashes["w"]) == 4
+            checked_hashes(manifest, hashes)  # raises unless they are whole and give the digest
+            assert [index for index, _ in upstream.revision_blocks(MODEL, revision, ["empty", "w"])] == [0, 1, 2, 3]
+            # The upstream (--fanout) serves its own blocks as a peer: the pull takes them all from it.
+            views = {name: torch.empty_like(tensor) for name, tensor in state.items()}
+            holdings = Holdings(RevisionStore())
+
+            def connect(address: str) -> WeightStreamClient:
+                return WeightStreamClient(address, progress=False, retry=None)
+
+            report = pull_blocks(holdings, upstream, connect, manifest, views, ["empty", "w"], target, STALL_S, 0)
+            assert report.pull is not None
+            holdings.end(report.pull)
+    assert all(torch.equal(views[name], state[name]) for name in state)
+    assert holdings.counts.fallbacks == 0 and report.peer_bytes == state["w"].numel() * 4, report

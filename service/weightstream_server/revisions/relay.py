@@ -41,6 +41,7 @@ import torch
 
 from weightstream.client import WeightStreamClient
 from weightstream.client.errors import WeightStreamError
+from weightstream.client.manifest import Manifest as UpstreamManifest
 from weightstream.client.manifest import TensorInfo
 from weightstream.client.revisions import RevisionEvent
 from weightstream.protocol import dtypes
@@ -343,15 +344,7 @@ class Relay:
                     "model %r: revision %s not taken through peers (%s); pulled from the upstream", model, revision, exc
                 )
         started = time.perf_counter()
-        upstream = self._client.manifest(model, revision=revision)
-        held = self._held(model)
-        shared = self._shared(model, held, upstream.tensors, revision)
-        start = pb.PublishStart(model=model, revision=revision, new_layout=True)
-        for info in upstream.tensors:
-            if info.name not in shared:
-                start.tensors.append(
-                    pb.PublishedTensor(name=info.name, dtype=dtypes.BY_TORCH[info.dtype].wire, shape=list(info.shape))
-                )
+        upstream, held, shared, start = self._begin(model, revision)
         pulled = copied = 0
         shared_bytes = sum(s.nbytes for s in shared.values())
         # The deltas from held to revision the upstream sent, checked: served here as they came.
@@ -419,12 +412,11 @@ class Relay:
             seconds,
         )
 
-    def _pull_from_peers(self, model: str, revision: str, parent: str) -> None:
-        """Take revision as the blocks of its changed tensors from parent (a peer the upstream planned;
-        "" for the upstream itself), each checked against the upstream's block hashes."""
-        holdings = self._holdings
-        assert holdings is not None
-        started = time.perf_counter()
+    def _begin(
+        self, model: str, revision: str
+    ) -> tuple[UpstreamManifest, Manifest | None, dict[str, Shared], pb.PublishStart]:
+        """revision's manifest from the upstream, what this server holds of model, the tensors revision
+        shares with it, and the PublishStart of the others (those to pull)."""
         upstream = self._client.manifest(model, revision=revision)
         held = self._held(model)
         shared = self._shared(model, held, upstream.tensors, revision)
@@ -434,6 +426,15 @@ class Relay:
                 start.tensors.append(
                     pb.PublishedTensor(name=info.name, dtype=dtypes.BY_TORCH[info.dtype].wire, shape=list(info.shape))
                 )
+        return upstream, held, shared, start
+
+    def _pull_from_peers(self, model: str, revision: str, parent: str) -> None:
+        """Take revision as the blocks of its changed tensors from parent (a peer the upstream planned;
+        "" for the upstream itself), each checked against the upstream's block hashes."""
+        holdings = self._holdings
+        assert holdings is not None
+        started = time.perf_counter()
+        upstream, _, shared, start = self._begin(model, revision)
         order = [info.name for info in upstream.tensors]
         reports: list[PullReport] = []
 
