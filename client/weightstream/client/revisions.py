@@ -115,6 +115,8 @@ def publish_start(
     return start
 
 
+# The encoder threads' name prefix (a generator closed on one of them does not wait for it).
+ENCODER_PREFIX = "weightstream-publish"
 # Threads that find and encode a delta publish's changed chunks (XOR, scan, zstd: each releases the
 # interpreter's lock for most of its work), and the chunks they may work ahead of the sender.
 ENCODER_THREADS = max(2, min(4, (os.cpu_count() or 2) // 2))
@@ -145,19 +147,21 @@ def publish_chunks(
             local.scratch = np.empty(chunk_bytes, dtype=np.uint8)
         return _delta_chunk(job, codec, local.scratch)
 
-    with ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="weightstream-publish") as pool:
-        ahead: deque[Future[OutChunk | None]] = deque()
-        try:
-            for job in pieces:
-                ahead.append(pool.submit(encoded, job))
-                if len(ahead) >= ENCODE_AHEAD and (chunk := ahead.popleft().result()) is not None:
-                    yield chunk
-            while ahead:
-                if (chunk := ahead.popleft().result()) is not None:
-                    yield chunk
-        finally:
-            for future in ahead:
-                future.cancel()
+    pool = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix=ENCODER_PREFIX)
+    ahead: deque[Future[OutChunk | None]] = deque()
+    try:
+        for job in pieces:
+            ahead.append(pool.submit(encoded, job))
+            if len(ahead) >= ENCODE_AHEAD and (chunk := ahead.popleft().result()) is not None:
+                yield chunk
+        while ahead:
+            if (chunk := ahead.popleft().result()) is not None:
+                yield chunk
+    finally:
+        # An abandoned generator may be closed by the garbage collector on one of the pool's own
+        # threads, which cannot wait for itself: the encodes still running then end on their own.
+        own = threading.current_thread().name.startswith(ENCODER_PREFIX)
+        pool.shutdown(wait=not own, cancel_futures=True)
 
 
 # A chunk to publish: its tensor, offset, bytes (a flat uint8 host view) and the base's bytes there (or None).
