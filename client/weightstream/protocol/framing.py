@@ -44,7 +44,8 @@ class RawChunk:
     encoded_length: int = 0
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """value as a protobuf varint."""
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -66,18 +67,18 @@ def encode_chunk(
     length = size if length is None else length
     head = bytearray()
     if name:
-        head += bytes([_KEY_TENSOR]) + _varint(len(name)) + name
+        head += bytes([_KEY_TENSOR]) + varint(len(name)) + name
     if offset:
-        head += bytes([_KEY_OFFSET]) + _varint(offset)
+        head += bytes([_KEY_OFFSET]) + varint(offset)
     if crc32c:
-        head += bytes([_KEY_CRC32C]) + _varint(crc32c)
+        head += bytes([_KEY_CRC32C]) + varint(crc32c)
     if length:
-        head += bytes([_KEY_LENGTH]) + _varint(length)
+        head += bytes([_KEY_LENGTH]) + varint(length)
     if encoding:
-        head += bytes([_KEY_ENCODING]) + _varint(encoding) + bytes([_KEY_ENCODED_LENGTH]) + _varint(size)
+        head += bytes([_KEY_ENCODING]) + varint(encoding) + bytes([_KEY_ENCODED_LENGTH]) + varint(size)
     if size:
-        head += bytes([_KEY_DATA]) + _varint(size)
-    return b"".join((bytes([_KEY_CHUNKS]) + _varint(len(head) + size) + bytes(head), data))
+        head += bytes([_KEY_DATA]) + varint(size)
+    return b"".join((bytes([_KEY_CHUNKS]) + varint(len(head) + size) + bytes(head), data))
 
 
 def encode_response(chunks: list[tuple[str, int, int, bytes]]) -> bytes:

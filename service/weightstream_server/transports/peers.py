@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from weightstream.protocol.framing import varint
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import InvalidRequest, ModelNotFound
 from weightstream_server.revisions.fanout import Fanout, parse_peer, reporter_host
@@ -96,19 +97,10 @@ class PeersServicer:
                 counts.add(served_bytes=len(data))
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _block_message(index: int, data: bytes) -> bytes:
     """StreamRevisionBlocksResponse(index, data) serialized, with one copy of data (protobuf's own takes two)."""
     # Field 1 (index, varint) and field 15 (data, length-delimited), as protobuf writes them.
-    return b"".join((b"\x08", _varint(index), b"\x7a", _varint(len(data)), data))
+    return b"".join((b"\x08", varint(index), b"\x7a", varint(len(data)), data))
 
 
 def add_to_server(servicer: PeersServicer, server: grpc.Server, *, hashes: bool, blocks: bool) -> None:
