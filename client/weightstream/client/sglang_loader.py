@@ -30,7 +30,8 @@ request's model_path and hands that to load_weights_and_postprocess, then flushe
 failure there it asks the same loader again, to restore what it held. With load_format
 "weightstream" the model_path names the revision (update_path(), "weightstream:REVISION"; any other
 path: the server's current revision), and this loader pulls only the tensors that changed since
-the revision the model holds (plus those fused with them), only this rank's slices of them, into
+the revision the model holds (plus those fused with them into a parameter that is processed after
+loading, such as a quantized one: sglang_packed), only this rank's slices of them, into
 host memory first, and checks their names, shapes and dtypes against what the model holds before
 the first byte is written; a failure up to there leaves every weight as it was. The restore call
 re-sends, at the held revision, the tensors that a failed write may have touched.
@@ -266,15 +267,35 @@ class WeightStreamModelLoader(DefaultModelLoader):
 
 
 def sglang_packed(model: nn.Module) -> dict[str, list[str]]:
-    """The model's fused parameters and their checkpoint parts: packed_modules_mapping where the model
-    has one, else its bitsandbytes_stacked_params_mapping ({".q_proj": (".qkv_proj", 0), ...})."""
+    """The model's fused parameters whose post-load processing rebuilds them from all of their
+    checkpoint parts, and those parts ({"qkv_proj": ["q_proj", "k_proj", "v_proj"]}): an update that
+    changes one part sends them all.
+
+    The fused parameters come from packed_modules_mapping where the model has one, else its
+    bitsandbytes_stacked_params_mapping ({".q_proj": (".qkv_proj", 0), ...}). SGLang's weight loaders
+    write each part into its own rows of the fused parameter, so where the parameter's processing
+    after loading leaves the loaded bytes as they are (an unquantized linear layer not repacked for
+    AMX), the parts that did not change stay in place and are not sent.
+    """
     packed = packed_modules(model)
     stacked = getattr(model, "bitsandbytes_stacked_params_mapping", None)
-    if packed or not isinstance(stacked, dict):
-        return packed
-    for part, (fused, _) in sorted(stacked.items(), key=lambda item: (item[1][0], item[1][1])):
-        packed.setdefault(fused.strip("."), []).append(part.strip("."))
-    return packed
+    if not packed and isinstance(stacked, dict):
+        for part, (fused, _) in sorted(stacked.items(), key=lambda item: (item[1][0], item[1][1])):
+            packed.setdefault(fused.strip("."), []).append(part.strip("."))
+    return {fused: parts for fused, parts in packed.items() if _rebuilt_after_loading(model, fused)}
+
+
+def _rebuilt_after_loading(model: nn.Module, fused: str) -> bool:
+    """Whether some module of model named fused processes its weights after loading (True when none is found)."""
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    keeps_bytes = UnquantizedLinearMethod.process_weights_after_loading
+    modules = [m for name, m in model.named_modules() if name == fused or name.endswith("." + fused)]
+    return not modules or any(
+        getattr(type(getattr(m, "quant_method", None)), "process_weights_after_loading", None) is not keeps_bytes
+        or getattr(m, "use_intel_amx_backend", False)
+        for m in modules
+    )
 
 
 def _check_slices(manifest: Manifest, plan: LoadPlan) -> None:
