@@ -29,8 +29,9 @@ class Pki:
     other_client_key: Path
 
 
-def make_pki(folder: Path, name: str = "test", hosts: tuple[str, ...] = ()) -> Pki:
-    """A fresh CA under folder, a server certificate (localhost, 127.0.0.1, hosts) and two client ones it signed."""
+def make_pki(folder: Path, name: str = "test", hosts: tuple[str, ...] = (), addresses: tuple[str, ...] = ()) -> Pki:
+    """A fresh CA under folder, a server certificate (localhost, 127.0.0.1, the DNS names hosts, the IP
+    addresses) and two client ones it signed."""
     folder.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"weightstream {name} CA")])
@@ -62,6 +63,7 @@ def make_pki(folder: Path, name: str = "test", hosts: tuple[str, ...] = ()) -> P
                     x509.DNSName("localhost"),
                     *(x509.DNSName(host) for host in hosts),
                     x509.IPAddress(ipaddress.ip_address(LOOPBACK)),
+                    *(x509.IPAddress(ipaddress.ip_address(address)) for address in addresses),
                 ]
             ),
             critical=False,
