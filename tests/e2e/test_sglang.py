@@ -11,17 +11,20 @@ and C in place with sync_weights; its tokens must equal the references' and the 
 sent it only the changed tensors. Failures: a server not there, a model not there and a checkpoint
 that does not fit the model stop the start with an error naming them; an update to a revision that
 does not exist fails and the engine keeps serving what it held. Last, `launch_server` is updated
-over HTTP by `weightstream update --sglang --follow`.
+over HTTP by `weightstream update --sglang --follow`. With deltas: an engine keeping a host copy
+takes D (2% of B's two tensors' elements changed, published on a server of its own) as XOR deltas
+and generates what a fresh engine on D's files does.
 
-Engine starts dominate (importing SGLang alone takes about 30 s here), so the reference engines
-share one process; an engine that fails to start ends its process, so each failed start has its own,
-all three at once.
+Engine starts dominate (importing SGLang alone takes about 30 s here), so the reference engines and
+the deltas engine share one process; an engine that fails to start ends its process, so each failed
+start has its own, all three at once.
 The tests fail, never skip, when the SGLang environment cannot be built.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -61,9 +64,16 @@ WIDE = "wide-llama"
 CHANGED_B = ["model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
 # C: a storage revision that also changes a part of a fused parameter (q of qkv_proj).
 CHANGED_C = ["model.layers.1.self_attn.q_proj.weight"]
+# D: B's tensors with this fraction of their elements changed (a sparse step, for deltas).
+SPARSE = 0.02
 
 
 FOLLOW_TWO = ("--follow", "--count", "2")
+# The loader's line for each pull of its host copy (engine_updates.HostCopy.pull).
+_HOST_COPY = re.compile(
+    r"host copy of \S+ at \S+: (?P<tensors>\d+) tensors, (?P<changed>\d+) bytes changed, (?P<chunks>\d+) chunks "
+    r"as deltas \((?P<delta_bytes>\d+) bytes\), (?P<fell_back>\d+) fell back"
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class Checkpoints:
     a: Path
     b: Path
     c: Path
+    d: Path
     config: Path
 
 
@@ -85,11 +96,16 @@ def _state(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _changed(state: dict[str, torch.Tensor], names: list[str], folder: Path, seed: int) -> None:
+def _changed(state: dict[str, torch.Tensor], names: list[str], folder: Path, seed: int, fraction: float = 1.0) -> None:
+    """state with names' elements (fraction of them, at random places) drawn anew, saved under folder."""
     generator = torch.Generator().manual_seed(seed)
     changed = dict(state)
     for name in names:
-        changed[name] = torch.randn(state[name].shape, generator=generator) * 0.2
+        fresh = torch.randn(state[name].shape, generator=generator) * 0.2
+        if fraction < 1.0:
+            places = torch.rand(state[name].shape, generator=generator) < fraction
+            fresh = torch.where(places, fresh * 10, state[name])
+        changed[name] = fresh
     save_sharded(changed, folder, shards=2)
 
 
@@ -109,12 +125,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     a = _state(root / MODEL)
     _changed(a, CHANGED_B, base / "B" / MODEL, seed=7)
     _changed(_state(base / "B" / MODEL), CHANGED_C, base / "C" / MODEL, seed=8)
-    for folder in (base / "B" / MODEL, base / "C" / MODEL):
+    _changed(a, CHANGED_B, base / "D" / MODEL, seed=9, fraction=SPARSE)
+    for folder in (base / "B" / MODEL, base / "C" / MODEL, base / "D" / MODEL):
         write_config_folder(folder, config)
     # The folder SGLang gets for weightstream: config.json and the tokenizer only.
     config_dir = base / "config" / MODEL
     write_config_folder(config_dir, config)
-    return Checkpoints(root, base / "A" / MODEL, base / "B" / MODEL, base / "C" / MODEL, config_dir)
+    return Checkpoints(root, base / "A" / MODEL, base / "B" / MODEL, base / "C" / MODEL, base / "D" / MODEL, config_dir)
 
 
 @pytest.fixture(scope="module")
@@ -126,19 +143,33 @@ def origin(checkpoints: Checkpoints) -> Iterator[Running]:
 
 
 @pytest.fixture(scope="module")
-def references(checkpoints: Checkpoints) -> tuple[Session, Session]:
+def references(checkpoints: Checkpoints) -> tuple[Session, Session, Session, Session]:
     """In one process, SGLang's own loader: on A's files (then its update_weights_from_disk to C's
-    files), and a fresh engine on B's files."""
+    files), and a fresh engine on B's files; then an engine keeping a host copy ("deltas": true) on a
+    server of its own that holds A published, synced to D published (the deltas session), and a fresh
+    engine on D's files."""
     generate = [{"do": "generate"}]
-    specs = [
-        {
-            "engine": {"model_path": str(checkpoints.a)},
-            "steps": [*generate, {"do": "from_disk", "path": str(checkpoints.c)}, *generate],
-        },
-        {"engine": {"model_path": str(checkpoints.b)}, "steps": generate},
-    ]
-    own_a, fresh_b = engine_sessions(specs, checkpoints.root.parent)
-    return own_a, fresh_b
+    (data_port,) = free_ports(1)
+    with running(checkpoints.a.parent, allow_publish=True, data_port=data_port) as served:
+        with WeightStreamClient(served.target, progress=False) as client:
+            client.publish(MODEL, _state(checkpoints.a))  # A in the server's memory: the deltas' base
+        deltas_engine = {
+            "model_path": str(checkpoints.config),
+            "load_format": "weightstream",
+            "model_loader_extra_config": {"target": served.target, "model": MODEL, "deltas": True},
+        }
+        publish_d = {"do": "publish", "target": served.target, "model": MODEL, "dir": str(checkpoints.d), "name": "$D"}
+        specs = [
+            {
+                "engine": {"model_path": str(checkpoints.a)},
+                "steps": [*generate, {"do": "from_disk", "path": str(checkpoints.c)}, *generate],
+            },
+            {"engine": {"model_path": str(checkpoints.b)}, "steps": generate},
+            {"engine": deltas_engine, "steps": [*generate, publish_d, {"do": "sync", "revision": "$D"}, *generate]},
+            {"engine": {"model_path": str(checkpoints.d)}, "steps": generate},
+        ]
+        own_a, fresh_b, deltas, fresh_d = engine_sessions(specs, checkpoints.root.parent)
+    return own_a, fresh_b, deltas, fresh_d
 
 
 def test_sglang_start_fails_with_an_error_naming_what_is_wrong(
@@ -170,9 +201,9 @@ def test_sglang_start_fails_with_an_error_naming_what_is_wrong(
 
 
 def test_sglang_loads_through_weightstream_and_pulls_published_and_storage_revisions_in_place(
-    references: tuple[Session, Session], checkpoints: Checkpoints, origin: Running, tmp_path: Path
+    references: tuple[Session, Session, Session, Session], checkpoints: Checkpoints, origin: Running, tmp_path: Path
 ) -> None:
-    own_a, fresh_b = references
+    own_a, fresh_b, _, _ = references
     tokens_a, tokens_c = own_a.tokens(0), own_a.tokens(2)
     tokens_b = fresh_b.tokens(0)
     assert tokens_a != tokens_b and tokens_b != tokens_c, "B and C change the tokens"
@@ -228,9 +259,9 @@ def test_sglang_loads_through_weightstream_and_pulls_published_and_storage_revis
 
 
 def test_launch_server_pulls_each_revision_told_by_weightstream_update_sglang(
-    references: tuple[Session, Session], checkpoints: Checkpoints, tmp_path: Path
+    references: tuple[Session, Session, Session, Session], checkpoints: Checkpoints, tmp_path: Path
 ) -> None:
-    own_a, fresh_b = references
+    own_a, fresh_b, _, _ = references
     root = tmp_path / "root"
     shutil.copytree(checkpoints.a, root / MODEL)
     with (
@@ -267,3 +298,21 @@ def test_launch_server_pulls_each_revision_told_by_weightstream_update_sglang(
     assert after == fresh_b.tokens(0), "launch_server updated over HTTP must generate what a fresh engine on B does"
     changed = _bytes(_state(checkpoints.b), CHANGED_B)
     assert changed <= sent <= 1.1 * changed, (sent, changed)
+
+
+def test_an_engine_keeping_a_host_copy_takes_a_published_revision_as_deltas(
+    references: tuple[Session, Session, Session, Session], checkpoints: Checkpoints
+) -> None:
+    own_a, _, deltas, fresh_d = references
+    assert deltas.tokens(0) == own_a.tokens(0), "deltas: the first load generates what SGLang's own loader does"
+    assert fresh_d.tokens(0) != own_a.tokens(0), "D changes the tokens"
+    assert deltas.tokens(3) == fresh_d.tokens(0), "deltas: after sync_weights to D, a fresh engine on D's files"
+    # The host copy's second pull is the update: D's changed chunks as XOR deltas against A, none whole.
+    copies = [m.groupdict() for m in _HOST_COPY.finditer(deltas.log)]
+    assert len(copies) == 2, copies
+    update = copies[1]
+    changed = _bytes(_state(checkpoints.d), CHANGED_B)
+    assert int(update["chunks"]) > 0 and int(update["fell_back"]) == 0, update
+    assert 0 < int(update["changed"]) <= changed, (update, changed)
+    assert 0 < int(update["delta_bytes"]) < changed / 2, (update, changed)
+    assert [line for line in deltas.updated_lines if f"{len(CHANGED_B)} tensors" in line], deltas.updated_lines
