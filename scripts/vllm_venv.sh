@@ -37,7 +37,7 @@ if [[ "$(cat "$VLLM_STAMP" 2>/dev/null)" != "$TORCH_SPEC $VLLM_SPEC" ]]; then
     built="$VLLM_SPEC with $TORCH_SPEC, "
 fi
 if [[ ! -f "$PROJECT_STAMP" || pyproject.toml -nt "$PROJECT_STAMP" ]]; then
-    step "${pip[@]}" install -e .
+    step editable_install "${pip[@]}"
     step "$VENV/bin/python" -c "import vllm, weightstream.client.vllm_loader"
     touch "$PROJECT_STAMP"
     echo "vllm_venv.sh: $VENV ready (${built}weightstream editable) in $(( $(date +%s) - start )) s"
