@@ -1,14 +1,16 @@
 """The puller's side of fan-out (revisions.peer_pull) against a real upstream with --fanout on 127.0.0.1.
 
-The peer is a small gRPC server in this process that forwards the upstream's own (correct) blocks,
-one every BLOCK_DELAY_S: honest but slow. pull_blocks is called directly with it as the parent (the
+The peers are small gRPC servers in this process: one forwards the upstream's own (correct) blocks,
+one every BLOCK_DELAY_S (honest but slow); one takes the call and never sends a block (as a peer whose
+link is cut before its first block looks). pull_blocks is called directly with one as the parent (the
 upstream never plans a loopback peer itself).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -42,6 +44,12 @@ def _slow_peer(upstream: str) -> tuple[grpc.Server, int]:
             time.sleep(BLOCK_DELAY_S)
             yield response.SerializeToString()
 
+    return _peer(blocks)
+
+
+def _peer(
+    blocks: Callable[[pb.StreamRevisionBlocksRequest, grpc.ServicerContext], Iterator[bytes]],
+) -> tuple[grpc.Server, int]:
     handler = grpc.unary_stream_rpc_method_handler(
         blocks, request_deserializer=pb.StreamRevisionBlocksRequest.FromString, response_serializer=None
     )
@@ -91,6 +99,45 @@ def test_a_peer_forwarding_slower_than_the_floor_is_left_for_the_upstream(tmp_pa
     assert len(opened) == 1 and closed[:1] == opened  # the peer's client, closed after the fallback
     # All from the slow peer would take BLOCKS * BLOCK_DELAY_S.
     assert seconds < BLOCKS * BLOCK_DELAY_S - 1.0, seconds
+
+
+def test_a_peer_that_never_sends_its_first_block_is_left_within_the_stall_time(tmp_path: Path) -> None:
+    """The stall rule holds from the start of a peer's stream, not only from its first block: a peer that
+    takes the call and then sends nothing (a link cut before its first block) is left after about STALL_S."""
+    state = {"w": torch.randn(3 * 1024 * 1024 // 4, generator=torch.Generator().manual_seed(7))}
+    released = threading.Event()
+
+    def silent(request: pb.StreamRevisionBlocksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        released.wait(60.0)
+        yield from ()
+
+    peer, port = _peer(silent)
+    try:
+        with (
+            serving(loopback_settings(model_root=tmp_path, allow_publish=True, fanout=True)) as server,
+            WeightStreamClient(f"127.0.0.1:{server.port}", progress=False) as upstream,
+        ):
+            revision = upstream.publish(MODEL, state)
+            manifest = upstream.manifest(MODEL, revision=revision)
+            views = {"w": torch.empty_like(state["w"])}
+            holdings = Holdings(RevisionStore())
+
+            def connect(address: str) -> WeightStreamClient:
+                return WeightStreamClient(address, progress=False, retry=None)
+
+            started = time.monotonic()
+            report = pull_blocks(holdings, upstream, connect, manifest, views, ["w"], f"127.0.0.1:{port}", STALL_S)
+            seconds = time.monotonic() - started
+            assert report.pull is not None
+            holdings.end(report.pull)
+    finally:
+        released.set()
+        peer.stop(grace=None)
+    assert torch.equal(views["w"], state["w"])
+    assert report.peer_bytes == 0 and report.upstream_bytes == state["w"].numel() * 4, report
+    assert holdings.counts.fallbacks == 1
+    # Left after one stall time (then the upstream's 3 MiB on loopback), not after ten as it once was.
+    assert STALL_S <= seconds < 5 * STALL_S, seconds
 
 
 def test_a_block_whose_own_source_stalls_here_ends_the_peers_stream_unavailable() -> None:

@@ -88,6 +88,10 @@ class Node:
         """Take the node's link down: nothing reaches it or leaves it."""
         self.run(["ip", "link", "set", self.interface, "down"])
 
+    def mend(self) -> None:
+        """Bring the node's link back up after cut()."""
+        self.run(["ip", "link", "set", self.interface, "up"])
+
     def stop(self) -> None:
         for process in self.processes:
             _kill(process)
@@ -170,6 +174,22 @@ class Fleet:
         if self._anchor is not None:
             _kill(self._anchor)
             self._anchor = None
+
+    def limit_path(self, index: int, to: int, rate: str | None) -> None:
+        """Limit what node index sends to node `to` to rate (tc's syntax) from now on, all else it sends
+        as before; None: back to one limit on all it sends."""
+        node, dev = self.nodes[index], ["dev", self.nodes[index].interface]
+        own = ["tbf", "rate", self.rate, "burst", self.burst, "latency", self.latency]
+        if rate is None:
+            node.run(["tc", "qdisc", "replace", *dev, "root", *own])
+            return
+        # Two classes: everything in the first (the node's own limit) but what the filter puts in the second.
+        node.run(["tc", "qdisc", "replace", *dev, "root", "handle", "1:", "htb", "default", "10"])
+        node.run(["tc", "class", "add", *dev, "parent", "1:", "classid", "1:10", "htb", "rate", self.rate])
+        node.run(["tc", "class", "add", *dev, "parent", "1:", "classid", "1:20", "htb", "rate", rate])
+        target = f"{self.nodes[to].address}/32"
+        node.run(["tc", "filter", "add", *dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+                  "dst", target, "flowid", "1:20"])  # fmt: skip
 
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
