@@ -23,8 +23,7 @@ pytestmark = [
     pytest.mark.skipif(netns.available() is not None, reason=f"fleet tests: {netns.available()}"),
 ]
 
-# The default stall time: a peer's first block, too, must come within it, which a loaded host can make tight.
-PEERS = ["--peers", "--peer-stall-seconds", "2"]
+PEERS = ["--peers", "--peer-stall-seconds", "1"]
 
 
 def _exact(records: dict[int, dict[str, object]]) -> None:

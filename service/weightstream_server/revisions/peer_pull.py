@@ -5,11 +5,10 @@ of the upstream's manifest) are the only thing a block is checked against: each 
 must have the expected index and length and the expected BLAKE3 hash, or it is refused, counted,
 logged with the peer's address, and the rest of the revision is taken from the upstream (whose
 next request names the peer as refused, so that the upstream plans no one else below it). A peer that
-errs, ends early, sends no block for stall_s (killed, cut off, stalled; from the start of its stream,
-its first block included), or forwards slower than min_rate (a slow peer would slow its whole chain)
-is left the same way, without the refusal. Each checked block is written into its place and made
-available to this server's own peers at once (peer_blocks.Pull), so a chain forwards each block while
-it still receives.
+errs, ends early, sends no block for stall_s (killed, cut off, stalled), or forwards slower than
+min_rate (a slow peer would slow its whole chain) is left the same way, without the refusal. Each
+checked block is written into its place and made available to this server's own peers at once
+(peer_blocks.Pull), so a chain forwards each block while it still receives.
 
 Concurrency: one pull runs on its caller's thread, with one watchdog thread for the stall rule.
 """
@@ -39,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # What an upstream whose hashes or blocks do not add up is answered with.
 LIED = grpc.StatusCode.DATA_LOSS
+# A peer's first block may take this many stall times.
+FIRST_BLOCK_STALLS = 10
 # Seconds without a block from the upstream itself before its pull fails.
 UPSTREAM_STALL_S = 60.0
 # A peer's rate is judged over at least this many stall times from its first block.
@@ -77,15 +78,15 @@ def checked_hashes(upstream: Manifest, hashes: dict[str, tuple[bytes, ...]]) -> 
 
 
 class _Watchdog:
-    """Cancels a stream that brings no block for stall_s (counted from its start until the first block),
-    or (min_rate > 0) whose bytes since its first block came slower than min_rate bytes/s over at least
-    RATE_WINDOW_STALLS stall times."""
+    """Cancels a stream that brings no block for stall_s, or (min_rate > 0) whose bytes since its first
+    block came slower than min_rate bytes/s over at least RATE_WINDOW_STALLS stall times."""
 
-    def __init__(self, stream: BlockStream, stall_s: float, min_rate: float = 0.0) -> None:
+    def __init__(self, stream: BlockStream, stall_s: float, first_stalls: int = 1, min_rate: float = 0.0) -> None:
         self._stream = stream
         self._stall_s = stall_s
         self._min_rate = min_rate
-        self.last = time.monotonic()
+        # Until the first block: as if the last came (first_stalls - 1) stall times from now.
+        self.last = time.monotonic() + (first_stalls - 1) * stall_s
         self.first: float | None = None
         self.received = 0  # bytes after the first block
         self.fired = False
@@ -170,13 +171,14 @@ def pull_blocks(
                 if peer is not None:
                     peer.close()
                 raise
-            # The upstream is held to the server-wide stall rule, not to a peer's. A peer is held to
-            # stall_s from the start, its first block included: a link cut before the first block looks
-            # like a peer still setting up its own pull, and waiting longer for one would wait as long
-            # for the other. Every peer of a chain sets up at once, so a live peer's first block comes
-            # about one hop after its puller asks.
+            # The upstream is held to the server-wide stall rule, not to a peer's.
+            # The first block of a peer may wait for the peer's own pull to start (its manifest,
+            # hashes and memory): FIRST_BLOCK_STALLS stall times; a dead peer is refused at once.
             watchdog = _Watchdog(
-                stream, stall_s if source else max(stall_s, UPSTREAM_STALL_S), min_rate if source else 0.0
+                stream,
+                stall_s if source else max(stall_s, UPSTREAM_STALL_S),
+                FIRST_BLOCK_STALLS,
+                min_rate if source else 0.0,
             )
             try:
                 next_block = _receive(stream, watchdog, order, hashes, flats, pull, next_block, report, source)
