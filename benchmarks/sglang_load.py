@@ -8,8 +8,9 @@ publishing allowed. B changes 10% of its tensors (every tenth by name). In one S
 - SGLang's own loader on A's files (page cache warm after the first read): its start-up weight load,
   then `update_weights_from_disk` to B's files (the baseline update: it reads every tensor again);
 - load_format="weightstream" from a folder holding only config.json (the tcp transport's data
-  port; A published beforehand, so in the server's memory as in an RL loop), then B published by a
-  trainer and `sync_weights(engine, B)` (only the changed tensors).
+  port, or shared memory with --transport shm; A published beforehand, so in the server's memory
+  as in an RL loop), then B published by a trainer and `sync_weights(engine, B)` (only the changed
+  tensors).
 
 Load: SGLang's own "Load weight end. elapsed" line for both loaders. Update: the wall time of the
 update call (both pause generation, load, flush the cache). Greedy tokens of the two engines must
@@ -17,7 +18,7 @@ agree before and after the update. Prints medians, spreads and the ratios (goals
 SGLang's own loader's speed, update >= 2x faster than update_weights_from_disk).
 
 Usage (from the repository root, after `make sglang-venv` or `make test`):
-    .venv/bin/python benchmarks/sglang_load.py [--hidden 1024] [--layers 8] [--runs 2]
+    .venv/bin/python benchmarks/sglang_load.py [--hidden 1024] [--layers 8] [--runs 2] [--transport tcp|shm]
 """
 
 from __future__ import annotations
@@ -61,10 +62,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size, a multiple of 64 (default 1024)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     parser.add_argument("--runs", type=int, default=2, help="runs of each engine (default 2)")
+    parser.add_argument(
+        "--transport",
+        choices=["tcp", "shm"],
+        default="tcp",
+        help="weightstream's transport: tcp (the data port, the default) or shm (shared memory, same host)",
+    )
     args = parser.parse_args()
     ensure_sglang_venv()
     config = sglang_llama_config(hidden=args.hidden, layers=args.layers, intermediate=args.hidden * 2)
-    with tempfile.TemporaryDirectory(prefix="weightstream-sglang-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="weightstream-sglang-") as tmp,
+        tempfile.TemporaryDirectory(prefix="weightstream-sglang-shm-", dir="/dev/shm") as shm_dir,
+    ):
         root = Path(tmp) / "models"
         nbytes = write_sglang_llama(root / MODEL, config)
         state = _state(root / MODEL)
@@ -87,7 +97,9 @@ def main() -> None:
         )
         loads: dict[str, list[float]] = {"sglang": [], "weightstream": []}
         updates: dict[str, list[float]] = {"sglang": [], "weightstream": []}
-        with serve_weightstream(root, 4 * 1024 * 1024, ["--allow-publish"]) as (_process, port):
+        shm = ["--shm-dir", shm_dir] if args.transport == "shm" else []
+        loader = {"transport": args.transport} | ({"shm_dir": shm_dir} if args.transport == "shm" else {})
+        with serve_weightstream(root, 4 * 1024 * 1024, ["--allow-publish", *shm]) as (_process, port):
             target = f"127.0.0.1:{port}"
             # Every run's engine loads A as an RL loop's engine would, published (in the server's memory),
             # as SGLang's own loader reads A from the page cache, warm after the first read.
@@ -103,7 +115,7 @@ def main() -> None:
                         "engine": {
                             "model_path": str(config_dir),
                             "load_format": "weightstream",
-                            "model_loader_extra_config": {"target": target, "model": MODEL, "transport": "tcp"},
+                            "model_loader_extra_config": {"target": target, "model": MODEL} | loader,
                         },
                         "steps": [
                             {"do": "generate"},
@@ -144,11 +156,11 @@ def main() -> None:
     update_speed = own_update / ws_update if ws_update else float("inf")
     print(
         f"| start-up load | {cell(loads['sglang'])} (safetensors, local files) | {cell(loads['weightstream'])} "
-        f"(data port) | {load_speed:.2f}x the speed | >= 0.5x |"
+        f"({args.transport}) | {load_speed:.2f}x the speed | >= 0.5x |"
     )
     print(
         f"| update, 10% of tensors changed | {cell(updates['sglang'])} (update_weights_from_disk) | "
-        f"{cell(updates['weightstream'])} (sync_weights) | {update_speed:.2f}x faster | >= 2x |"
+        f"{cell(updates['weightstream'])} (sync_weights, {args.transport}) | {update_speed:.2f}x faster | >= 2x |"
     )
 
 

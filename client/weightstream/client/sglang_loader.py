@@ -30,10 +30,10 @@ request's model_path and hands that to load_weights_and_postprocess, then flushe
 failure there it asks the same loader again, to restore what it held. With load_format
 "weightstream" the model_path names the revision (update_path(), "weightstream:REVISION"; any other
 path: the server's current revision), and this loader pulls only the tensors that changed since
-the revision the model holds (plus those fused with them into a parameter that is processed after
-loading, such as a quantized one: sglang_packed), only this rank's slices of them, into
-host memory first, and checks their names, shapes and dtypes against what the model holds before
-the first byte is written; a failure up to there leaves every weight as it was. The restore call
+the revision the model holds (plus those fused with them into one parameter, but for the parts
+SGLang writes into their own rows of an unquantized one: sglang_packed), only this rank's slices of
+them, into host memory first, and checks their names, shapes and dtypes against what the model
+holds before the first byte is written; a failure up to there leaves every weight as it was. The restore call
 re-sends, at the held revision, the tensors that a failed write may have touched.
 
 One update at a time per model (SGLang's scheduler runs them one by one).
@@ -267,35 +267,46 @@ class WeightStreamModelLoader(DefaultModelLoader):
 
 
 def sglang_packed(model: nn.Module) -> dict[str, list[str]]:
-    """The model's fused parameters whose post-load processing rebuilds them from all of their
-    checkpoint parts, and those parts ({"qkv_proj": ["q_proj", "k_proj", "v_proj"]}): an update that
-    changes one part sends them all.
+    """The model's fused parameters that an update rebuilds from all of their checkpoint parts, and
+    those parts ({"qkv_proj": ["q_proj", "k_proj", "v_proj"]}): a change to one part sends them all.
 
     The fused parameters come from packed_modules_mapping where the model has one, else its
-    bitsandbytes_stacked_params_mapping ({".q_proj": (".qkv_proj", 0), ...}). SGLang's weight loaders
-    write each part into its own rows of the fused parameter, so where the parameter's processing
-    after loading leaves the loaded bytes as they are (an unquantized linear layer not repacked for
-    AMX), the parts that did not change stay in place and are not sent.
+    bitsandbytes_stacked_params_mapping ({".q_proj": (".qkv_proj", 0), ...}). A part is sent alone
+    only where that is known to be right (_written_part_by_part); anywhere else, all parts are.
     """
     packed = packed_modules(model)
     stacked = getattr(model, "bitsandbytes_stacked_params_mapping", None)
     if not packed and isinstance(stacked, dict):
         for part, (fused, _) in sorted(stacked.items(), key=lambda item: (item[1][0], item[1][1])):
             packed.setdefault(fused.strip("."), []).append(part.strip("."))
-    return {fused: parts for fused, parts in packed.items() if _rebuilt_after_loading(model, fused)}
+    if _has_experts(model):
+        return packed
+    return {fused: parts for fused, parts in packed.items() if not _written_part_by_part(model, fused)}
 
 
-def _rebuilt_after_loading(model: nn.Module, fused: str) -> bool:
-    """Whether some module of model named fused processes its weights after loading (True when none is found)."""
+def _written_part_by_part(model: nn.Module, fused: str) -> bool:
+    """Whether every module of model named fused is a QKVParallelLinear or MergedColumnParallelLinear
+    with SGLang's UnquantizedLinearMethod, not repacked for AMX: its weight loader writes each part into
+    its own rows of the fused parameter and its processing after loading leaves them as written, so
+    the parts that did not change stay in place. Not so elsewhere: a quantized layer's processing
+    rebuilds the parameter from all parts, and other fused layers (DeepSeek's ReplicatedLinear
+    fused_qkv_a_proj_with_mqa, whose load_weights waits for both parts in one call) need every part."""
+    from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-    keeps_bytes = UnquantizedLinearMethod.process_weights_after_loading
     modules = [m for name, m in model.named_modules() if name == fused or name.endswith("." + fused)]
-    return not modules or any(
-        getattr(type(getattr(m, "quant_method", None)), "process_weights_after_loading", None) is not keeps_bytes
-        or getattr(m, "use_intel_amx_backend", False)
+    return bool(modules) and all(
+        isinstance(m, (QKVParallelLinear, MergedColumnParallelLinear))
+        and type(getattr(m, "quant_method", None)) is UnquantizedLinearMethod
+        and not getattr(m, "use_intel_amx_backend", False)
         for m in modules
     )
+
+
+def _has_experts(model: nn.Module) -> bool:
+    """Whether model has mixture-of-experts layers (whose experts' gate and up parts land in one w13
+    parameter per layer, processed after loading as a whole): then every fused part is sent."""
+    return any(hasattr(m, "w13_weight") for m in model.modules())
 
 
 def _check_slices(manifest: Manifest, plan: LoadPlan) -> None:
