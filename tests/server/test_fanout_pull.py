@@ -23,7 +23,7 @@ from weightstream.client import WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server.errors import ServerError, status_code
-from weightstream_server.revisions.peer_blocks import Holdings
+from weightstream_server.revisions.peer_blocks import CallerLeft, Holdings
 from weightstream_server.revisions.peer_pull import FIRST_BLOCK_STALLS, checked_hashes, pull_blocks
 from weightstream_server.revisions.store import RevisionStore
 
@@ -153,6 +153,29 @@ def test_a_block_whose_own_source_stalls_here_ends_the_peers_stream_unavailable(
             next(blocks)
         # Not DEADLINE_EXCEEDED: that would say the peer asking did not send in time.
         assert status_code(raised.value) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        holdings.end(pull)
+
+
+def test_a_request_waiting_here_for_a_block_or_a_revision_ends_once_its_caller_has_left() -> None:
+    """The serving side of a peer whose puller left (it fell back to the upstream) stops waiting within
+    a fraction of a second, not at the stall time or ARRIVAL_S, which here only the caller's leaving
+    could end (a 60 s stall time; a revision expected here, which waits 30 s for its pull)."""
+    holdings = Holdings(RevisionStore())
+    pull = holdings.begin(MODEL, "r1", {"w": torch.zeros(2 * 1024 * 1024 // 4)})
+    holdings.expect(MODEL, "r2")
+    try:
+        pull.advance("w", 1)  # block 0 arrived here, block 1 never does
+        for revision, served in (("r1", 1), ("r2", 0)):
+            there = threading.Event()
+            there.set()
+            blocks = holdings.blocks(MODEL, revision, ["w"], 0, 60.0, there.is_set)
+            assert [next(blocks)[0] for _ in range(served)] == list(range(served))
+            threading.Timer(0.3, there.clear).start()
+            started = time.monotonic()
+            with pytest.raises(CallerLeft):
+                next(blocks)
+            assert time.monotonic() - started < 2.0, revision
     finally:
         holdings.end(pull)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +35,16 @@ POLL_S = 0.05
 # (its manifest, hashes and memory come first), and how many such revisions are remembered.
 ARRIVAL_S = 30.0
 MAX_EXPECTED = 64
+# While a request waits for a block, how often it looks whether its caller is still there.
+CALLER_CHECK_S = 0.25
+
+
+class CallerLeft(Exception):
+    """The peer that asked for the blocks is gone (its call ended): stop waiting for them."""
+
+
+def _always() -> bool:
+    return True
 
 
 def blocks_of(nbytes: int) -> int:
@@ -102,9 +112,9 @@ class Pull:
             self._closed = True
             self._changed.notify_all()
 
-    def block(self, tensor: str, index: int, deadline: float) -> bytes | None:
+    def block(self, tensor: str, index: int, deadline: float, alive: Callable[[], bool] = _always) -> bytes | None:
         """A copy of block index of tensor once checked here; None if this pull does not have the tensor
-        or ended. SourceStalled at deadline."""
+        or ended. SourceStalled at deadline; CallerLeft once alive() is False."""
         with self._changed:
             view = self._views.get(tensor)
             if view is None:
@@ -114,7 +124,9 @@ class Pull:
                 left = until - time.monotonic()
                 if left <= 0:
                     raise SourceStalled(f"block {index} of tensor {tensor!r} did not arrive here in time")
-                self._changed.wait(left)
+                if not alive():
+                    raise CallerLeft
+                self._changed.wait(min(left, CALLER_CHECK_S))
             if self._closed:
                 return None
             start = index * DIGEST_BLOCK_BYTES
@@ -156,27 +168,34 @@ class Holdings:
                 del self._pulls[(pull.model, pull.revision)]
 
     def blocks(
-        self, model: str, revision: str, tensors: Sequence[str], first: int, stall_s: float
+        self,
+        model: str,
+        revision: str,
+        tensors: Sequence[str],
+        first: int,
+        stall_s: float,
+        alive: Callable[[], bool] = _always,
     ) -> Iterator[tuple[int, bytes]]:
         """(index, bytes) of each block of tensors of revision from block first, each as soon as it is
         here; a wait longer than stall_s for one block ends it (SourceStalled); a revision neither kept
-        nor being pulled here within stall_s is ModelNotFound."""
+        nor being pulled here within stall_s is ModelNotFound. A wait ends with CallerLeft once alive()
+        is False (the asking peer's call ended), not at its deadline."""
         if not tensors or len(tensors) > MAX_TENSORS or len(set(tensors)) != len(tensors):
             raise InvalidRequest("StreamRevisionBlocks needs distinct tensor names, at least one")
         index = 0
         for tensor in tensors:
-            sizes = self._size(model, revision, tensor, stall_s)
+            sizes = self._size(model, revision, tensor, stall_s, alive)
             count = blocks_of(sizes)
             if index + count <= first:
                 index += count
                 continue
             for block in range(max(0, first - index), count):
-                yield index + block, self._block(model, revision, tensor, block, stall_s)
+                yield index + block, self._block(model, revision, tensor, block, stall_s, alive)
             index += count
         if first > index:
             raise InvalidRequest(f"first_block {first} is past the {index} blocks of the tensors named")
 
-    def _size(self, model: str, revision: str, tensor: str, stall_s: float) -> int:
+    def _size(self, model: str, revision: str, tensor: str, stall_s: float, alive: Callable[[], bool]) -> int:
         deadline = time.monotonic() + stall_s
         while True:
             with self._lock:
@@ -196,15 +215,19 @@ class Holdings:
                 raise ModelNotFound(
                     f"model {model[:200]!r}: published revision {revision} is neither kept nor arriving here"
                 )
+            if not alive():
+                raise CallerLeft
             time.sleep(POLL_S)
 
-    def _block(self, model: str, revision: str, tensor: str, index: int, stall_s: float) -> bytes:
+    def _block(
+        self, model: str, revision: str, tensor: str, index: int, stall_s: float, alive: Callable[[], bool]
+    ) -> bytes:
         deadline = time.monotonic() + stall_s
         while True:
             with self._lock:
                 pull = self._pulls.get((model, revision))
             if pull is not None:
-                data = pull.block(tensor, index, deadline)
+                data = pull.block(tensor, index, deadline, alive)
                 if data is not None:
                     return data
             kept = self._kept(model, revision)
@@ -217,6 +240,8 @@ class Holdings:
                 return bytes(part[start:end].numpy().data)
             if time.monotonic() > deadline:
                 raise SourceStalled(f"block {index} of tensor {tensor!r} did not arrive here in time")
+            if not alive():
+                raise CallerLeft
             time.sleep(POLL_S)
 
     def _kept(self, model: str, revision: str) -> Manifest | None:

@@ -20,7 +20,7 @@ from weightstream.protocol.framing import varint
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import InvalidRequest, ModelNotFound
 from weightstream_server.revisions.fanout import Fanout, parse_peer, reporter_host
-from weightstream_server.revisions.peer_blocks import Holdings
+from weightstream_server.revisions.peer_blocks import CallerLeft, Holdings
 from weightstream_server.revisions.store import RevisionStore
 from weightstream_server.serving.stream_session import Streams
 from weightstream_server.storage.model_ids import check_revision_name
@@ -81,7 +81,12 @@ class PeersServicer:
                 if refused is None:
                     raise InvalidRequest("StreamRevisionBlocks: refused_peer is no IP:PORT")
             blocks = self._holdings.blocks(
-                request.model, request.revision, list(request.tensors), request.first_block, self._stall_s
+                request.model,
+                request.revision,
+                list(request.tensors),
+                request.first_block,
+                self._stall_s,
+                context.is_active,
             )
             # Only for a revision this server keeps (nothing is stored for names a reader made up), and
             # only from the puller planned below the peer (Fanout.refuse).
@@ -89,12 +94,15 @@ class PeersServicer:
             if refused and fanout is not None and self._revisions.find(request.model, request.revision):
                 fanout.refuse(request.model, request.revision, refused, reporter_host(session.peer))
             counts = self._holdings.counts
-            for index, data in blocks:
-                message = _block_message(index, data)
-                with session.waiting_on_client():
-                    yield message
-                session.count_sent(len(data))
-                counts.add(served_bytes=len(data))
+            try:
+                for index, data in blocks:
+                    message = _block_message(index, data)
+                    with session.waiting_on_client():
+                        yield message
+                    session.count_sent(len(data))
+                    counts.add(served_bytes=len(data))
+            except CallerLeft:
+                return  # the peer left while its next block was awaited here: its slot is free now
 
 
 def _block_message(index: int, data: bytes) -> bytes:
