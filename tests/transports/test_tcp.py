@@ -43,6 +43,8 @@ from weightstream_server.transports.tcp import servicer as tcp_servicer
 from weightstream_server.transports.tcp.listener import Tickets
 
 MODEL = "tcp-model"
+# MODEL's files under another name, read cold by one test.
+COLD_MODEL = "tcp-model-cold"
 TENSORS = 12
 NUMEL = 1 << 20  # 4 MiB of float32 each
 # Quick resumes for the fault tests; idle_timeout notices a frozen data connection.
@@ -112,9 +114,11 @@ def test_slices_the_cache_and_cold_files_over_the_data_port(
 ) -> None:
     """Gathered slices, a server cache and a cold page cache send from memory, not from the files."""
     reference = load_folder(tiny_llama_folder)
-    # A copy of tiny-llama that no process has mapped, so that its pages can be dropped.
+    # Copies of tiny-llama and of MODEL that no process has mapped or is still reading (the module's
+    # server read MODEL in the tests before), so that their pages can be dropped.
     shutil.copytree(tiny_llama_folder, root / "tiny-llama", dirs_exist_ok=True)
-    for folder in (root / "tiny-llama", root / MODEL):
+    shutil.copytree(root / MODEL, root / COLD_MODEL, dirs_exist_ok=True)
+    for folder in (root / "tiny-llama", root / COLD_MODEL):
         for path in folder.glob("*.safetensors"):
             make_uncached(path)
     with (
@@ -132,7 +136,7 @@ def test_slices_the_cache_and_cold_files_over_the_data_port(
                     assert torch.equal(parameter, pieces[name]), (rank, name)
         with WeightStreamClient(_target(cached), progress=False, transport="tcp") as client:
             for _ in range(2):  # from storage into the cache, then from the cache
-                got = dict(client.iter_tensors(MODEL))
+                got = dict(client.iter_tensors(COLD_MODEL))
                 assert all(torch.equal(got[n], t) for n, t in state.items())
         assert cached.cache is not None and cached.cache.snapshot().hits >= TENSORS
 
