@@ -116,7 +116,7 @@ def weightstream(
     baseline = ParameterTree(shapes)
     blocks: dict[str, list[dict[str, Any]]] = {}
     with WeightStreamClient(target, transport="tcp", progress=False) as puller:
-        for deltas in (False, True):
+        for deltas in (False, True, "auto"):
             sender = WeightTransferTrainerFactory.trainer_init(
                 WeightStreamTrainerInitInfo(target=target, model=model, transport="tcp", deltas=deltas, rank=0),
                 client=OfflineLLMClient(engine),
@@ -145,7 +145,7 @@ def weightstream(
                     }
                 )
             sender.shutdown()
-            blocks["deltas" if deltas else "whole"] = records
+            blocks[{False: "whole", True: "deltas", "auto": "auto"}[deltas]] = records
     for name, parameter in trainer.named_parameters():
         if not torch.equal(parameter.view(torch.int16), baseline.get_parameter(name).view(torch.int16)):
             raise SystemExit(f"{name}: the last published revision is not the trainer's weights")

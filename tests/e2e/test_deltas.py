@@ -511,6 +511,40 @@ def test_the_first_engine_after_a_delta_publish_gets_the_publishers_deltas_witho
     assert after.reused - before.reused == report.delta_chunks + (after.raw_chunks - before.raw_chunks)
 
 
+@pytest.mark.parametrize("transport", ("tcp", "grpc"))
+def test_auto_deltas_measure_both_ways_and_engines_take_either_without_a_computation(
+    server: WeightStreamServer, transport: str
+) -> None:
+    """deltas="auto": the first publish against a base sends the changed chunks as deltas, the next
+    sends them whole, then the faster goes on (tests/client/test_send_choice.py). Each revision is
+    bit-exact, and an engine updating after each gets what the publisher sent (deltas, or whole
+    chunks of the tensors that changed), with no delta computed by the server."""
+    a = state_of(0)
+    module = module_of(a)
+    assert server.deltas is not None
+    ways: list[bool] = []
+    sent: list[int] = []
+    with client_of(server, transport) as trainer, client_of(server, transport) as engine:
+        held = trainer.publish(MODEL, a, deltas="auto")
+        engine.load_into(module, MODEL)
+        for seed in (1, 2, 3):
+            state = stepped(a, 0.02, seed=seed)
+            before = received(server)
+            trainer.publish(MODEL, state, deltas="auto")
+            sent.append(received(server) - before)
+            assert trainer.last_publish is not None
+            ways.append(trainer.last_publish.encoded)
+            assert_published(trainer, state)
+            computed = server.deltas.snapshot().computed
+            held = engine.update_into(module, MODEL, since=held).revision
+            assert_holds(module, state)
+            assert server.deltas.snapshot().computed == computed
+    assert ways[:2] == [True, False], ways
+    assert 0 < sent[0] <= 0.1 * model_bytes(a)
+    assert sent[1] == model_bytes(a)  # every chunk holds a change: all of them, whole
+    assert (sent[2] < model_bytes(a)) == ways[2], (sent, ways)
+
+
 def test_a_delta_publish_whose_base_is_gone_goes_whole(server: WeightStreamServer) -> None:
     a = state_of(0)
     b = stepped(a, 0.02, seed=1)
@@ -712,6 +746,41 @@ def test_a_module_holding_a_later_revision_updated_since_an_earlier_one_ends_at_
         assert report.stale_bytes == 0
         got = dict(module.named_parameters())
         assert torch.equal(got["embed.weight"].view(torch.int16), q3["embed.weight"].view(torch.int16))
+
+
+def test_on_tensor_names_each_written_tensor_once_it_holds_the_new_revision(tmp_path: Path) -> None:
+    """update_into's on_tensor, which an engine uses to take each tensor in while the rest arrives: every
+    tensor it names holds the new revision's bytes when it is named, even those whose kept bytes failed
+    their check and were fetched again after the rest (the module held a later revision there). embed
+    changes in its first MiB from q1 to q2 and in its last from q2 to q3: it arrives in part, and is
+    named only once its last MiB, kept and found stale, came again."""
+    q1 = state_of(0)
+    q2 = partly_stepped(q1, ["layers.0.weight"], seed=2)
+    q2["embed.weight"] = q1["embed.weight"].clone()
+    q2["embed.weight"][:512] += 1
+    q3 = partly_stepped(q2, ["layers.5.weight"], seed=3)
+    q3["embed.weight"] = q2["embed.weight"].clone()
+    q3["embed.weight"][-512:] += 1
+    module = module_of(q1)
+    parameters = dict(module.named_parameters())
+    named: list[str] = []
+    held_then: dict[str, bool] = {}
+
+    def on_tensor(name: str) -> None:
+        named.append(name)
+        held_then[name] = torch.equal(parameters[name].view(torch.int16), q2[name].view(torch.int16))
+
+    settings = loopback_settings(model_root=tmp_path, allow_publish=True, keep_revisions=3)
+    with serving(settings) as server, client_of(server) as client:
+        revision_q1 = client.publish(MODEL, q1)
+        revision_q2 = client.publish(MODEL, q2)
+        client.publish(MODEL, q3)
+        client.load_into(module, MODEL)
+        report = client.update_into(module, MODEL, since=revision_q1, revision=revision_q2, on_tensor=on_tensor)
+    assert report.revision == revision_q2 and report.stale_bytes > 0
+    assert_holds(module, q2)
+    assert sorted(named) == ["embed.weight", "layers.0.weight", "layers.5.weight"], named
+    assert all(held_then.values()), held_then
 
 
 @pytest.mark.parametrize("transport", ("tcp", "grpc"))

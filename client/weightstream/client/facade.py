@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Literal
 
 import grpc
 import torch
@@ -102,6 +103,9 @@ class PublishReport:
     seconds: float
     transport: str
     delta_base: str = ""
+    # Against a delta base: whether the changed chunks went as XOR deltas (False: whole, as deltas="auto"
+    # chose).
+    encoded: bool = False
 
 
 class WeightStreamClient:
@@ -182,6 +186,8 @@ class WeightStreamClient:
         )
         # What publish(deltas=True) published last, per (model, part): the base of the next one.
         self._published: dict[tuple[str, int], revisions.HeldPublish] = {}
+        # deltas="auto": per (model, part), how its publishes send what changed.
+        self._send_choices: dict[tuple[str, int], revisions.SendChoice] = {}
         # What the last publish from this client did (None before the first).
         self.last_publish: PublishReport | None = None
 
@@ -403,7 +409,7 @@ class WeightStreamClient:
         part: int = 0,
         parts: int = 1,
         new_layout: bool = False,
-        deltas: bool = False,
+        deltas: bool | Literal["auto"] = False,
     ) -> str:
         """Publish named_tensors (full, unsharded, the checkpoint's names; CPU or CUDA) as model's next
         revision, held in the server's memory; the revision's name once it is current.
@@ -421,11 +427,18 @@ class WeightStreamClient:
         chunks equal to the copy are skipped, the others go as XOR deltas where that is smaller;
         the server starts the revision from the one it holds. Where the server no longer keeps that
         revision, the publish goes whole; after a publish that failed, the next one does too.
+        deltas="auto" sends the changed chunks as deltas or whole, whichever took less time when last
+        measured (revisions.SendChoice): on a fast link with few cores to spare, finding and encoding
+        what changed can cost more than sending it.
         """
+        if not (isinstance(deltas, bool) or deltas == "auto"):
+            raise ValueError(f'deltas must be True, False or "auto", not {deltas!r}')
         started = time.perf_counter()
         tensors = revisions.named_list(named_tensors)
         key = (model, part)
         held = self._published.get(key) if deltas else None
+        choice = self._send_choices.setdefault(key, revisions.SendChoice()) if deltas == "auto" else None
+        encode = choice.encode() if choice is not None else True
         chunk_bytes = self._session_config.chunk_bytes
         sent = [0]  # payload bytes of the chunks sent, by the try that succeeded
         delta_base = held.revision if held is not None else ""
@@ -433,7 +446,7 @@ class WeightStreamClient:
             with translated(self.target):
                 try:
                     response, how = self._publish_part(
-                        model, tensors, revision, part, parts, new_layout, held, chunk_bytes, sent
+                        model, tensors, revision, part, parts, new_layout, held, chunk_bytes, sent, encode
                     )
                 except grpc.RpcError as exc:
                     if held is None or exc.code() != grpc.StatusCode.NOT_FOUND:
@@ -457,8 +470,18 @@ class WeightStreamClient:
             self._published.pop(key, None)
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         seconds = time.perf_counter() - started
+        if choice is not None and delta_base:
+            choice.record(encode, seconds, nbytes)
         self.last_publish = PublishReport(
-            model, str(response.revision), len(tensors), nbytes, sent[0], seconds, how, delta_base
+            model,
+            str(response.revision),
+            len(tensors),
+            nbytes,
+            sent[0],
+            seconds,
+            how,
+            delta_base,
+            encode and bool(delta_base),
         )
         logger.info(
             "published %s revision %s: %d tensors, %d bytes in %.3f s (%.2f GB/s) over %s%s",
@@ -469,7 +492,9 @@ class WeightStreamClient:
             seconds,
             nbytes / seconds / 1e9 if seconds else 0.0,
             how,
-            f", what changed since {delta_base} ({sent[0]} bytes sent)" if delta_base else "",
+            f", what changed since {delta_base} ({sent[0]} bytes sent{'' if encode else ', whole'})"
+            if delta_base
+            else "",
         )
         return str(response.revision)
 
@@ -484,9 +509,10 @@ class WeightStreamClient:
         held: revisions.HeldPublish | None,
         chunk_bytes: int,
         sent: list[int],
+        encode: bool = True,
     ) -> tuple[pb.PublishResponse, str]:
-        """One publish of tensors (whole, or what changed since held); the answer and how it went. sent[0]:
-        the payload bytes of the chunks it sent."""
+        """One publish of tensors (whole, or what changed since held, as deltas where encode); the answer
+        and how it went. sent[0]: the payload bytes of the chunks it sent."""
         start = revisions.publish_start(
             model,
             tensors,
@@ -499,13 +525,13 @@ class WeightStreamClient:
         base = held.tensors if held is not None else None
         sent[0] = 0
         response = self._publish_over_data_port(
-            start, _counted(revisions.publish_chunks(tensors, chunk_bytes, base), sent)
+            start, _counted(revisions.publish_chunks(tensors, chunk_bytes, base, encode=encode), sent)
         )
         if response is not None:
             return response, "the data port"
         sent[0] = 0
         requests = revisions.publish_requests(
-            start, _counted(revisions.publish_chunks(tensors, chunk_bytes, base), sent)
+            start, _counted(revisions.publish_chunks(tensors, chunk_bytes, base, encode=encode), sent)
         )
         return next(iter(self.stub.PublishTensors(requests, metadata=self._channels.metadata))), "gRPC"
 
@@ -593,6 +619,7 @@ class WeightStreamClient:
         deltas: bool = True,
         verify_unchanged: bool | None = None,
         delta_sink: DeltaSink | None = None,
+        on_tensor: Callable[[str], None] | None = None,
     ) -> LoadReport:
         """Write only what changed in model since revision `since` (which module holds) into its
         parameters (or a mapping's tensors, by name), in place; the report names the new revision, the
@@ -617,6 +644,10 @@ class WeightStreamClient:
 
         delta_sink: called with (tensor, offset, length, encoding, payload) of each chunk that came as a
         delta and checked, from the receiving threads (a tier keeps them to serve its own clients).
+
+        on_tensor: called with each written tensor's name once it holds the new revision's bytes and
+        nothing writes into it again, from the calling thread, while the rest still arrives (an engine
+        takes each one in while the next arrives); one whose kept bytes are checked, after the check.
         """
         started = time.perf_counter()
         changes = self.changes(model, since=since, revision=revision)
@@ -679,6 +710,7 @@ class WeightStreamClient:
                 delta_base=changes.since if held else "",
                 delta_tensors=frozenset(held),
                 delta_sink=delta_sink,
+                on_complete=_unless(on_tensor, {kept.name for kept in checks}),
             )
             stale = checking.result()
         report = dataclasses.replace(
@@ -697,6 +729,10 @@ class WeightStreamClient:
                 resent_bytes=report.resent_bytes + again.resent_bytes,
                 stale_bytes=stale_bytes,
             )
+        if on_tensor is not None:
+            for kept in checks:
+                if kept.name in dests or kept.name in stale:
+                    on_tensor(kept.name)
         logger.info(
             "updated %s from %s to %s: %d tensors, %d bytes in %.3f s (%d chunks as deltas of %d bytes, %d fell back; "
             "%d bytes kept as unchanged were not since's)",
@@ -748,10 +784,12 @@ class WeightStreamClient:
         delta_tensors: frozenset[str] = frozenset(),
         written_before: bool = False,
         delta_sink: DeltaSink | None = None,
+        on_complete: Callable[[str], None] | None = None,
     ) -> LoadReport:
         """Receive dests' tensors of manifest into them (but the landed ranges; delta_tensors' may come as
         deltas against delta_base); the report, or the error with the write state (written_before: the
-        call this receive is part of wrote into the module already)."""
+        call this receive is part of wrote into the module already). on_complete: called with each
+        tensor's name as it completes."""
         infos = {name: manifest[name] for name in dests}
         session = LoadSession(
             self._session_config, manifest, infos, dests.__getitem__, landed, delta_base, delta_tensors, delta_sink
@@ -762,6 +800,8 @@ class WeightStreamClient:
             with Prefault(dests.values()):
                 for dest in session.receive(description=model, progress=self._shows_progress()):
                     received += dest.nbytes
+                    if on_complete is not None:
+                        on_complete(dest.name)
         except WeightStreamError as exc:
             written = sum(1 for d in dests.values() if d.written)
             complete = sum(1 for d in dests.values() if d.complete and d.nbytes)
@@ -793,6 +833,13 @@ class WeightStreamClient:
     def _shows_progress(self) -> bool:
         """Whether a call draws a progress bar: asked for, and on rank 0."""
         return self._progress and is_rank_zero(self._options)
+
+
+def _unless(call: Callable[[str], None] | None, names: set[str]) -> Callable[[str], None] | None:
+    """call, for every name but names (None when there is no call)."""
+    if call is None:
+        return None
+    return lambda name: None if name in names else call(name)
 
 
 def _select(manifest: Manifest, names: Iterable[str] | None) -> dict[str, TensorInfo]:

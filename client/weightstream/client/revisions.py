@@ -124,14 +124,18 @@ ENCODE_AHEAD = 2 * ENCODER_THREADS
 
 
 def publish_chunks(
-    tensors: list[tuple[str, torch.Tensor]], chunk_bytes: int, base: Mapping[str, torch.Tensor] | None = None
+    tensors: list[tuple[str, torch.Tensor]],
+    chunk_bytes: int,
+    base: Mapping[str, torch.Tensor] | None = None,
+    *,
+    encode: bool = True,
 ) -> Iterator[OutChunk]:
     """The chunks of tensors, in order, each payload valid until the next chunk is taken. With base (host
     copies of the delta base's tensors, by name), a tensor base holds with the same dtype and shape goes
     as what changed: chunks equal to the base's are skipped, the others sent as deltas where that is
-    smaller, found on ENCODER_THREADS threads up to ENCODE_AHEAD chunks ahead; and base's copies are
-    brought up to the chunks' bytes as they go (once the chunks are all taken, base's copies of those
-    tensors hold tensors; taken in part, they hold some of each: HeldPublish.after)."""
+    smaller (whole when not encode), found on ENCODER_THREADS threads up to ENCODE_AHEAD chunks ahead;
+    and base's copies are brought up to the chunks' bytes as they go (once the chunks are all taken,
+    base's copies of those tensors hold tensors; taken in part, they hold some of each: HeldPublish.after)."""
     pieces = _pieces(tensors, chunk_bytes, base)
     if base is None:
         for name, offset, piece, _ in pieces:
@@ -145,7 +149,7 @@ def publish_chunks(
         if codec is None:
             codec = local.codec = delta_forms.Codec()
             local.scratch = np.empty(chunk_bytes, dtype=np.uint8)
-        return _delta_chunk(job, codec, local.scratch)
+        return _delta_chunk(job, codec, local.scratch) if encode else _changed_chunk(job)
 
     pool = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix=ENCODER_PREFIX)
     ahead: deque[Future[OutChunk | None]] = deque()
@@ -197,14 +201,65 @@ def _delta_chunk(job: _Piece, codec: delta_forms.Codec, scratch: np.ndarray) -> 
     new, old = piece.numpy(), was.numpy()
     delta = None
     if not delta_forms.dense(piece, was):
-        xor = np.bitwise_xor(new, old, out=scratch[:length])
-        if not xor.any():
+        where = delta_forms.changed_words(new, old, offset)
+        if not where.size:
             return None  # unchanged: the server keeps the base's bytes
-        delta = codec.encode(torch.from_numpy(xor), offset)
+        delta = codec.encode_between(new, old, where, offset, scratch)
     np.copyto(old, new)  # while both are in this core's cache
     if delta is not None:
         return OutChunk(name, offset, length, crc, delta[0], memoryview(delta[1]))
     return OutChunk(name, offset, length, crc, 0, _bytes_view(piece))
+
+
+def _changed_chunk(job: _Piece) -> OutChunk | None:
+    """The chunk whole if it differs from the base (None: unchanged); the base's copy then holds its bytes."""
+    name, offset, piece, was = job
+    length = piece.numel()
+    crc = wire.crc32c_at(piece.data_ptr(), length)
+    if was is not None:
+        new, old = piece.numpy(), was.numpy()
+        if np.array_equal(new, old):
+            return None
+        np.copyto(old, new)
+    return OutChunk(name, offset, length, crc, 0, _bytes_view(piece))
+
+
+# deltas="auto": the slower way of sending a publish's changed chunks is measured again after this many
+# publishes the faster way, times how many times slower it was (at most SEND_RETRY_MOST times).
+SEND_RETRY = 8
+SEND_RETRY_MOST = 8
+
+
+@dataclass
+class SendChoice:
+    """deltas="auto": whether a publish against a delta base sends its changed chunks as XOR deltas or
+    whole, whichever took less time per byte when last measured. Which is faster depends on the link
+    and the cores: on a fast link with few cores, sending whole costs less than finding and encoding
+    what changed; on a slow link, deltas win by far. The first publish against a base encodes, the
+    next sends whole, then the faster goes on; the slower is measured again now and then (the more
+    it lost by, the less often)."""
+
+    seconds_per_byte: dict[bool, float] = field(default_factory=dict)
+    # Publishes the faster way since the slower one was last measured.
+    since_other: int = 0
+
+    def encode(self) -> bool:
+        """Whether the next publish encodes its changed chunks as deltas."""
+        known = self.seconds_per_byte
+        if True not in known or False not in known:
+            return True not in known
+        faster = known[True] <= known[False]
+        slower_by = known[not faster] / max(known[faster], 1e-12)
+        if self.since_other >= SEND_RETRY * min(slower_by, SEND_RETRY_MOST):
+            return not faster
+        return faster
+
+    def record(self, encoded: bool, seconds: float, nbytes: int) -> None:
+        """A publish against a base took seconds for nbytes, encoding its changed chunks or not."""
+        known = self.seconds_per_byte
+        usual = True not in known or False not in known or (known[True] <= known[False]) == encoded
+        self.since_other = self.since_other + 1 if usual and len(known) == 2 else 0
+        known[encoded] = seconds / max(nbytes, 1)
 
 
 def publish_requests(start: pb.PublishStart, chunks: Iterator[OutChunk]) -> Iterator[pb.PublishRequest]:

@@ -103,10 +103,11 @@ class WeightStreamTrainerInitInfo(TrainerInitInfo):
     target). token, tls, ca_file, shm_dir, transport: as the loader's keys, for both sides; token is
     handed to the engine (init_weight_transfer_engine, over the client's transport), so it should be a
     read token. publish_token: the token the trainer publishes with (default: token); give it apart
-    so that no engine ever holds a token that may publish. deltas: the trainer sends
-    only what changed (keeping a host copy of its part) and the engine pulls deltas into its own
-    host copy. world_size: the trainer ranks that call send_weights (parts of a revision when the
-    source splits its names). revision_prefix: revision names are prefix + send number.
+    so that no engine ever holds a token that may publish. deltas: the trainer sends only what
+    changed (keeping a host copy of its part) and the engine pulls deltas into its own host copy;
+    "auto" sends the changed chunks as deltas or whole, whichever was faster when last measured
+    (WeightStreamClient.publish). world_size: the trainer ranks that call send_weights (parts of a
+    revision when the source splits its names). revision_prefix: revision names are prefix + send number.
     """
 
     backend: ClassVar[str] = TRANSFER_BACKEND
@@ -120,7 +121,7 @@ class WeightStreamTrainerInitInfo(TrainerInitInfo):
     ca_file: str | None = None
     shm_dir: str | None = None
     transport: str = "auto"
-    deltas: bool = False
+    deltas: bool | Literal["auto"] = False
     world_size: int = field(default=1, kw_only=True)
     revision_prefix: str = field(default="step-", kw_only=True)
 
@@ -133,9 +134,10 @@ class WeightStreamTrainerInitInfo(TrainerInitInfo):
             raise ValueError(
                 f"WeightStreamTrainerInitInfo.transport must be one of {names.TRANSPORTS}, not {self.transport!r}"
             )
-        for key in ("tls", "deltas"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"WeightStreamTrainerInitInfo.{key} must be true or false, not {getattr(self, key)!r}")
+        if not isinstance(self.tls, bool):
+            raise ValueError(f"WeightStreamTrainerInitInfo.tls must be true or false, not {self.tls!r}")
+        if not (isinstance(self.deltas, bool) or self.deltas == "auto"):
+            raise ValueError(f'WeightStreamTrainerInitInfo.deltas must be true, false or "auto", not {self.deltas!r}')
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"WeightStreamTrainerInitInfo.world_size must be 1 or more, not {self.world_size!r}")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
@@ -159,7 +161,7 @@ class WeightStreamTrainerInitInfo(TrainerInitInfo):
             "ca_file": self.ca_file,
             "shm_dir": self.shm_dir,
             "transport": self.transport,
-            "deltas": self.deltas,
+            "deltas": bool(self.deltas),
         }
         return {key: value for key, value in info.items() if value is not None}
 

@@ -198,8 +198,7 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
             logger=logger,
         )
         if self._host_copy is not None:
-            self._host_copy.pull(plan.manifest.revision, logger=logger)
-            received = self._host_copy.tensors(plan.names, self.device)
+            received = self._host_copy.pulled(plan.manifest.revision, plan.names, self.device, logger=logger)
         else:
             received = client.iter_tensors(
                 self._model_id,

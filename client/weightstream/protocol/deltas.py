@@ -19,6 +19,7 @@ Concurrency: a Codec (a zstd compressor, decompressor and scratch buffer) belong
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -48,6 +49,19 @@ class DeltaUnusable(ValueError):
 def word_bytes(offset: int, length: int) -> int:
     """The sparse form's word size for a chunk at offset of length bytes: 2 when both are even, else 1."""
     return 2 if offset % 2 == 0 and length % 2 == 0 else 1
+
+
+def word_type(offset: int, length: int) -> type[np.integer]:
+    """The numpy type of the sparse form's words for a chunk at offset of length bytes."""
+    return np.int16 if word_bytes(offset, length) == 2 else np.uint8
+
+
+def changed_words(new: np.ndarray, old: np.ndarray, offset: int) -> np.ndarray:
+    """Where the words of a chunk at offset whose bytes are new differ from its base's old (flat uint8
+    arrays of one length), ascending: one comparison of the two, then numpy's search of the booleans
+    (4 MiB of bfloat16 words, 2% changed: 1.9 ms here, against 2.9 ms to XOR them and search the XOR)."""
+    kind = word_type(offset, new.size)
+    return np.flatnonzero(new.view(kind) != old.view(kind))
 
 
 def sparse_bytes(count: int, word: int) -> int:
@@ -126,17 +140,44 @@ class Codec:
         length = xor.numel()
         if not length or _sampled_share(xor) > DENSE:
             return None
-        word = word_bytes(offset, length)
-        words = xor.numpy().view(np.int16 if word == 2 else np.uint8)
+        words = xor.numpy().view(word_type(offset, length))
         where = _nonzero(words)
+        return self._cheapest(where, lambda: words[where], lambda: xor.numpy(), length, words.itemsize)
+
+    def encode_between(
+        self, new: np.ndarray, old: np.ndarray, where: np.ndarray, offset: int, scratch: np.ndarray
+    ) -> tuple[int, bytes] | None:
+        """As encode, for a chunk at offset whose bytes are new and its base's old (flat uint8 arrays of one
+        length), which differ at the words where (changed_words): the XOR is made only where the form
+        needs it (the dense form's, in scratch), not found by a pass over a whole one first."""
+        length = new.size
+        kind = word_type(offset, length)
+        return self._cheapest(
+            where,
+            lambda: np.bitwise_xor(new.view(kind)[where], old.view(kind)[where]),
+            lambda: np.bitwise_xor(new, old, out=scratch[:length]),
+            length,
+            np.dtype(kind).itemsize,
+        )
+
+    def _cheapest(
+        self,
+        where: np.ndarray,
+        values: Callable[[], np.ndarray],
+        xor: Callable[[], np.ndarray],
+        length: int,
+        word: int,
+    ) -> tuple[int, bytes] | None:
+        """The cheapest form of a delta whose nonzero words lie at where: sparse (values: the words), dense
+        (xor: the whole XOR), or None."""
         if where.size * word > DENSE * length:
             return None
         if sparse_bytes(where.size, word) <= SPARSE * length:
             gaps = np.diff(where, prepend=0).astype(np.uint32)
-            raw = b"".join((COUNT.pack(where.size), gaps.tobytes(), words[where].tobytes()))
+            raw = b"".join((COUNT.pack(where.size), gaps.tobytes(), values().tobytes()))
             encoding, payload = SPARSE_XOR_ZSTD, self._compress(raw)
         else:
-            encoding, payload = XOR_ZSTD, self._compress(_view_of(xor))
+            encoding, payload = XOR_ZSTD, self._compress(xor().data)
         return (encoding, payload) if len(payload) <= WORTH * length else None
 
     def xor_into(self, view: torch.Tensor, offset: int, address: int, payload_bytes: int, encoding: int) -> int:
@@ -250,14 +291,11 @@ def _sampled_share(xor: torch.Tensor) -> float:
 
 
 def _nonzero(words: np.ndarray) -> np.ndarray:
-    """The indices of words' nonzero elements, ascending (int64). Eight bytes are looked at together
-    first, then the words of the groups that hold any: a nonzero scan costs per element it looks at."""
-    per = 8 // words.itemsize
-    if words.size % per or words.ctypes.data % 8:
-        return np.flatnonzero(words)
-    groups = np.flatnonzero(words.view(np.int64))
-    rows, columns = np.nonzero(words.reshape(-1, per)[groups])
-    return groups[rows] * per + columns
+    """The indices of words' nonzero elements, ascending (int64). Through a mask of booleans: numpy
+    finds the true ones of a boolean array about twice as fast as the nonzero ones of an integer array,
+    and faster than looking at eight bytes together first (4 MiB of bfloat16 words, 2% changed: 1.6 ms
+    against 2.9 ms and 3.9 ms here), whatever share of them is nonzero."""
+    return np.flatnonzero(words != 0)
 
 
 def _view_of(tensor: torch.Tensor) -> memoryview:

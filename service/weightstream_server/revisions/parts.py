@@ -12,6 +12,7 @@ over (finish) or is dropped (fail) through the Assembly the publisher gives it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import queue
 import threading
@@ -56,8 +57,11 @@ class Part:
     block_hashes: dict[str, BlockHashes] = field(default_factory=dict)
     hashes: dict[str, bytes] = field(default_factory=dict)
     # Tensors that start as the delta base's bytes (PublishStart.delta_base), and where each one's
-    # chunks have reached: they come in order but may skip what did not change.
+    # chunks have reached: they come in order but may skip what did not change. The buffer holds
+    # each one's final bytes up to there; the base's bytes beyond (base_bytes, a view of the base's
+    # buffer) are copied in as the chunks reach them (take_base), each delta's while it is applied.
     based: dict[str, int] = field(default_factory=dict)
+    base_bytes: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     # The delta base's revision ("" for a whole publish), and what the publisher sent for the chunks
     # of the based tensors, checked (a delta's payload, None for a chunk sent whole): the server's
     # base -> revision deltas once the revision is taken (serving.deltas.Deltas.keep_published).
@@ -137,15 +141,19 @@ class Part:
             self.hashes[tensor.name] = digests.hash_of_blocks(list(hashes))
 
     def start_from(self, base: Revision, base_buffer: Callable[[int], torch.Tensor]) -> None:
-        """Fill the tensors that base holds with the same dtype and shape with base's bytes (and their
-        blocks' checks with base's, where it knows them)."""
+        """Start the tensors that base holds with the same dtype and shape as base's bytes (and their
+        blocks' checks as base's, where it knows them). The bytes are copied in as the part's chunks
+        reach them (take_base): a serial copy of the whole base before the first chunk cost a publish
+        of a few changed words most of its time."""
         manifest = base.manifest
         for tensor in self.tensors.values():
             entry = manifest.by_name.get(tensor.name)
             if entry is None or entry.dtype != tensor.dtype or entry.shape != tensor.shape:
                 continue
             held = base_buffer(entry.file_index)[entry.file_offset : entry.file_offset + entry.nbytes]
-            self.view(tensor).view(-1).view(torch.uint8).copy_(held)
+            if held.numel() != tensor.nbytes:
+                raise ServerError(f"tensor {tensor.name!r}: the delta base holds {held.numel()} bytes of it")
+            self.base_bytes[tensor.name] = held
             self.received[tensor.name] = tensor.nbytes
             self.based[tensor.name] = 0
             crcs = base.blocks.get(tensor.name) if base.blocks is not None else None
@@ -154,6 +162,23 @@ class Part:
             if crcs is not None and hashes is not None and len(crcs) == len(hashes) == len(known):
                 known[:] = list(zip(crcs, hashes, strict=True))
         self.base = manifest.revision
+
+    def take_base(self, tensor: Placed, end: int) -> None:
+        """Copy the delta base's bytes of a based tensor from where its chunks have reached up to byte end."""
+        start = self.based[tensor.name]
+        held = self.base_bytes.get(tensor.name)
+        if held is None or end <= start:
+            return
+        address = self.region(f"tensor {tensor.name!r}").at(tensor.offset + start, end - start)
+        ctypes.memmove(address, int(held.data_ptr()) + start, end - start)
+
+    def take_all_base(self) -> None:
+        """Copy the rest of every based tensor's base bytes (the chunks are all in); the base is let go."""
+        for name, reached in self.based.items():
+            tensor = self.tensors[name]
+            self.take_base(tensor, tensor.nbytes)
+            self.based[name] = max(reached, tensor.nbytes)
+        self.base_bytes.clear()
 
 
 class Assembly(Protocol):
@@ -238,6 +263,8 @@ class PartInFlight:
     def land(self, name: str, offset: int, length: int, crc32c: int, write: Callable[[int], int]) -> None:
         """One chunk: checked, then written by write(address), which returns the CRC32C of what it wrote."""
         tensor = self._placed(name, offset, length)
+        if tensor.name in self.part.based:
+            self.part.take_base(tensor, offset)  # what was skipped before this chunk
         self._check(tensor, offset, length, crc32c, write)
         self.part.landed(tensor, offset, offset + length)
         if tensor.name in self.part.based:
@@ -275,6 +302,9 @@ class PartInFlight:
                     f"publish of model {self.model!r}: tensor {tensor.name!r}: the delta at byte {offset}: {exc}"
                 ) from None
 
+        # The base's bytes up to this chunk's end: those skipped before it, then its own, XORed next
+        # while the core's cache holds them.
+        self.part.take_base(tensor, offset + length)
         self._check(tensor, offset, length, crc32c, apply)
         self.part.landed(tensor, offset, offset + length)
         self.part.based[tensor.name] = offset + length
@@ -339,6 +369,7 @@ class PartInFlight:
                     f"publish of model {self.model!r}: tensor {tensor.name!r}: {got} of {tensor.nbytes} bytes arrived "
                     "before commit"
                 )
+        part.take_all_base()
         part.compute_blocks()
 
     def finish(self, alive: Callable[[], bool] = lambda: True) -> pb.PublishResponse:
