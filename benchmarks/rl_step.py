@@ -15,7 +15,8 @@ then times:
   chunks as XOR deltas against its host copy, and the engine pulls deltas into its own host copy
   and feeds the model from there, each tensor as soon as the copy holds it;
 - send_weights, deltas="auto": the same, but each publish sends the changed chunks as deltas or
-  whole, whichever took less time when last measured (the first two steps measure both);
+  whole, whichever took less time when last measured; the two steps after the warm-up, in which it
+  measures both ways, are shown apart and not counted;
 - disk: what users do without weightstream: the trainer saves its weights with safetensors'
   save_file to a folder, and an engine loaded from A's files (load_format="safetensors") reloads
   them in place with vLLM's reload_weights(weights_path=...), on every worker;
@@ -89,6 +90,8 @@ GOALS = (
 )
 MODES = (("whole", "no deltas"), ("deltas", "deltas"), ("auto", 'deltas="auto"'))
 BYTES_GOAL = 0.10
+# deltas="auto" measures both ways in its first two publishes against a base (rl_step_script.AUTO_MEASURING).
+AUTO_MEASURING = 2
 # The engine's own lines (vllm_transfer): its whole update to a revision, and its host copy's pull.
 _ENGINE_UPDATE = re.compile(r"weightstream: updated \S+ from \S+ to (\S+): .* in ([0-9.]+) s \(")
 _HOST_COPY = re.compile(r"weightstream: host copy of \S+ at (\S+): .* in ([0-9.]+) s")
@@ -230,7 +233,9 @@ def run_script(tmp: Path, settings: dict[str, Any]) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, total: int, streamed: dict[str, Any], on_disk: dict[str, Any]) -> None:
     blocks = {**streamed["blocks"], **on_disk["blocks"]}
-    counted = {name: steps[args.warmup :] for name, steps in blocks.items()}
+    # deltas="auto" measures both ways in the two steps after the warm-up: shown apart, not counted.
+    measuring = blocks["auto"][args.warmup : args.warmup + AUTO_MEASURING]
+    counted = {name: steps[args.warmup + (AUTO_MEASURING if name == "auto" else 0) :] for name, steps in blocks.items()}
     loads = [s["full_load_seconds"] for name, _ in MODES for s in counted[name]]
     medians = {name: statistics.median(s["seconds"] for s in steps) for name, steps in counted.items()}
     pulls = [streamed["host_copies"].get(s["revision"]) for s in counted["deltas"]]
@@ -284,6 +289,14 @@ def report(args: argparse.Namespace, total: int, streamed: dict[str, Any], on_di
                     for s in warm
                 )
             )
+    print(
+        'deltas="auto" measuring both ways (not counted): '
+        + ", ".join(
+            f"{s['seconds']:.3f} s ({s['publish_seconds']:.3f} publish, {s['update_seconds']:.3f} update), "
+            f"{s['received_bytes'] + s['served_bytes']:,d} B on the wire"
+            for s in measuring
+        )
+    )
     for name, label in MODES:
         inside = [streamed["engine_updates"].get(s["revision"]) for s in counted[name]]
         copies = [streamed["host_copies"].get(s["revision"]) for s in counted[name]]

@@ -14,7 +14,8 @@ timed), then:
 
 - weightstream: the engine is loaded with load_format="weightstream" from the server; the trainer's
   `send_weights()` (WeightTransferTrainerFactory, the weightstream backend, OfflineLLMClient), first
-  with init_info deltas off for warmup + steps steps, then on for as many. After each step (not
+  with init_info deltas off for warmup + steps steps, then on for as many, then "auto" for as many
+  plus the two in which it measures both ways (AUTO_MEASURING). After each step (not
   timed) a full `load_into` of the just-published revision over the data port into a bfloat16 module
   of the same shapes: the baseline a first engine's update is compared with.
 - disk: the engine is loaded with load_format="safetensors" from model_dir; the trainer saves its
@@ -36,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# The publishes against a base in which deltas="auto" measures both ways (revisions.SendChoice).
+AUTO_MEASURING = 2
 
 
 def main() -> None:
@@ -123,7 +127,8 @@ def weightstream(
                 source=ModuleSource(trainer),
             )
             records = []
-            for _ in range(steps):
+            # deltas="auto" measures both ways in its first two publishes against a base: two steps more.
+            for _ in range(steps + (AUTO_MEASURING if deltas == "auto" else 0)):
                 step(trainer, float(settings["fraction"]), generator)
                 before = counters(settings["http_port"])
                 sender.send_weights()
