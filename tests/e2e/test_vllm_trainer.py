@@ -10,6 +10,8 @@ those of a fresh engine loaded from the trained weights with load_format="safete
 same tensor-parallel size). The same with a two-rank trainer (gloo), each rank publishing half the
 names as its part of the revision, and with a send cut midway by a proxy that resets the trainer's
 connection: the engine must go on serving the previous revision, and the next send must complete.
+The trainer also drives engines of its own process: an offline LLM through our OfflineLLMClient, and
+an LLM Ray actor through vLLM's RayVLLMWeightSyncClient. Nothing the trainer starts may outlive it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from tests.support.vllm_runs import (
     ENGINE_TIMEOUT_S,
     SCRIPTS,
     VLLM_PYTHON,
+    end_session,
     ensure_vllm_venv,
     run_engine,
     served_completions,
@@ -83,20 +87,27 @@ def train(tmp_path: Path, server: Running, base: str, config: Path, **settings: 
         **settings,
     }
     env = clean_env(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    result = subprocess.run(
+    # In a session of its own, so that whatever it starts (engine processes, a Ray) can be found after it.
+    with subprocess.Popen(
         [str(VLLM_PYTHON), str(SCRIPTS / "trainer.py"), json.dumps(full)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=ENGINE_TIMEOUT_S,
         env=env,
         cwd=tmp_path,
-        check=False,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    if result.returncode != 0 or not lines:
+        start_new_session=True,
+    ) as trainer:
+        try:
+            stdout, stderr = trainer.communicate(timeout=ENGINE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            end_session(trainer.pid, grace=0)
+            stdout, stderr = trainer.communicate()
+        left = end_session(trainer.pid)
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if trainer.returncode != 0 or not lines or left:
         raise AssertionError(
-            f"the trainer failed (exit {result.returncode})\n--- stdout\n{result.stdout[-6000:]}\n"
-            f"--- stderr\n{result.stderr[-8000:]}"
+            f"the trainer failed (exit {trainer.returncode}; still running after it, killed now: {left})\n"
+            f"--- stdout\n{stdout[-6000:]}\n--- stderr\n{stderr[-8000:]}"
         )
     printed = json.loads(lines[-1].removeprefix("RESULT "))
     steps: list[dict[str, Any]] = printed["steps"]
@@ -225,6 +236,33 @@ def test_an_offline_llm_is_synced_with_deltas_through_the_four_method_client_of_
     fresh = run_engine(trained_folder(tmp_path, config), "safetensors")
     assert steps[-1]["tokens"] == fresh.token_ids
     assert steps[-1]["tokens"] != first["before"]
+
+
+def test_an_llm_ray_actor_synced_through_vllms_ray_client_serves_what_a_fresh_engine_on_the_trained_weights_does(
+    server: tuple[Running, int], tmp_path: Path
+) -> None:
+    """The trainer starts a local Ray (one CPU, its servers on loopback) and vLLM's LLM in it as an actor,
+    as vLLM's RL examples do, and drives it through vLLM's own RayVLLMWeightSyncClient. Ray and the
+    engine end with the trainer (train() fails on any process of its session left after it)."""
+    running_server, nbytes = server
+    config = config_folder(running_server, tmp_path)
+    # Ray's sockets live in its session folder: a path under tmp_path (named after this test) is too
+    # long for a Unix socket's.
+    ray_dir = Path(tempfile.mkdtemp(prefix="ray-"))
+    try:
+        first, *steps = train(tmp_path, running_server, "ray", config, ray_temp_dir=str(ray_dir))
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    assert [s.get("error") for s in steps] == [None] * STEPS, steps
+    assert [s["revision"] for s in steps] == [f"step-{i}" for i in range(1, STEPS + 1)]
+    # The client's finish_weight_update sets each revision as the actor's weight version.
+    assert [s["weight_version"] for s in steps] == [s["revision"] for s in steps]
+    assert all(s["publish_bytes"] == nbytes and s["update_seconds"] > 0 for s in steps), (steps, nbytes)
+    published = running_server.get("/status").json()["revisions"]["models"][MODEL]["publishes"]
+    assert {r["revision"]: r["updates"] for r in published} == {f"step-{i}": 1 for i in range(1, STEPS + 1)}
+    fresh = run_engine(trained_folder(tmp_path, config), "safetensors")
+    assert steps[-1]["tokens"] == fresh.token_ids, "the actor synced by send_weights must serve the trained weights"
+    assert steps[-1]["tokens"] != first["before"], "the steps change the tokens: the sync did something"
 
 
 def test_the_trainer_side_backend_is_registered_by_importing_the_module_and_by_the_plugin() -> None:

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -33,6 +34,8 @@ ENGINE_SCRIPT = SCRIPTS / "engine.py"
 LOADER_CHECKS_SCRIPT = SCRIPTS / "loader_checks.py"
 VOCAB = 512
 ENGINE_TIMEOUT_S = 300
+# How long the processes a run started may take to end after it (an engine core notices its parent's end).
+LEFTOVER_GRACE_S = 30.0
 
 # Each loader's own line for its load_weights: vLLM's DefaultModelLoader prints 2 decimals.
 _DEFAULT_LOADER_LINE = re.compile(r"Loading weights took ([0-9.]+) seconds")
@@ -181,6 +184,30 @@ def run_engine(model_dir: Path, load_format: str, extra: dict[str, object] | Non
         wall_seconds=wall,
         weightstream_lines=[m.group(0) for m in _WEIGHTSTREAM_LINE.finditer(logs)],
     )
+
+
+def session_processes(session: int) -> dict[int, str]:
+    """The live processes (pid: name) of a session: a process started with start_new_session=True (its id is
+    its pid) and all that it and they started, unless one left with setsid."""
+    found: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            name, fields = stat.read_text().rsplit(")", 1)
+            state, _ppid, _pgrp, sid = fields.split()[:4]
+            if int(sid) == session and state != "Z":
+                found[int(stat.parent.name)] = name.split("(", 1)[1]
+    return found
+
+
+def end_session(session: int, grace: float = LEFTOVER_GRACE_S) -> dict[int, str]:
+    """Wait up to grace seconds for a session's processes to end, kill those left with SIGKILL; return them."""
+    deadline = time.monotonic() + grace
+    while (left := session_processes(session)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
 
 
 # The prompts the served engines are asked for, as engine.py asks its LLM.

@@ -2,25 +2,31 @@
 
 Usage: python tests/support/vllm_scripts/trainer.py SETTINGS_JSON
 
-SETTINGS_JSON: {"target", "model", "vllm" (the engine's base URL, or "offline": an offline LLM built
-in this process with load_format weightstream, driven through OfflineLLMClient), "weights" (a folder of the
-model's safetensors: revision A, what the engine serves), "config" (its config folder), "out" (where
-the trained weights are saved, as safetensors), "steps", "world_size" (1, or 2: two processes in a
-gloo group, each publishing half the names), and optionally "engine_target", "transport", "deltas"}.
+SETTINGS_JSON: {"target", "model", "vllm" (the engine's base URL; "offline": an offline LLM built
+in this process with load_format weightstream, driven through OfflineLLMClient; or "ray": the same LLM
+as an actor of a local Ray started here, driven through vLLM's RayVLLMWeightSyncClient), "weights" (a
+folder of the model's safetensors: revision A, what the engine serves), "config" (its config folder),
+"out" (where the trained weights are saved, as safetensors), "steps", "world_size" (1, or 2: two
+processes in a gloo group, each publishing half the names), and optionally "engine_target",
+"transport", "deltas", "ray_temp_dir" (Ray's session folder; a short path: Ray's sockets live there)}.
 
 Each rank builds a transformers Llama from the config, loads A, and takes "steps" AdamW steps on
 random tokens (with two ranks, each on its own batch, gradients averaged over the group); after each
 step it calls send_weights() of the weightstream trainer engine made by vLLM's
-WeightTransferTrainerFactory with vLLM's own HTTPVLLMWeightSyncClient and ModuleSource. A failed
-send is recorded (its phase) and the loop goes on. After each step rank 0 asks the engine for greedy
-completions of PROMPTS. Rank 0 prints one line `RESULT {"steps": [{"revision", "error", "phase",
-"tokens", "publish_seconds", ...}, ...]}` and saves the weights as they are after the last step.
+WeightTransferTrainerFactory with vLLM's own HTTPVLLMWeightSyncClient (or RayVLLMWeightSyncClient)
+and ModuleSource. A failed send is recorded (its phase) and the loop goes on. After each step rank 0
+asks the engine for greedy completions of PROMPTS. Rank 0 prints one line `RESULT {"steps":
+[{"revision", "error", "phase", "tokens", "publish_seconds", ...}, ...], "before"}` ("before": the
+tokens before the first step, and each step's "weight_version": from an engine of this process only)
+and saves the weights as they are after the last step. A Ray started here is shut down before the
+process ends, its actor first.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,42 +51,97 @@ def completions(base: str, model: str) -> list[list[int]]:
     return [list(c["token_ids"]) for c in choices]
 
 
+def engine_args(settings: dict[str, Any]) -> dict[str, Any]:
+    """LLM(...)'s arguments: the config folder, loaded through weightstream, with the weightstream backend."""
+    from vllm.config import WeightTransferConfig
+
+    return {
+        "model": settings["config"],
+        "load_format": "weightstream",
+        "model_loader_extra_config": {"target": settings.get("engine_target") or settings["target"]},
+        "weight_transfer_config": WeightTransferConfig(backend="weightstream"),
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "seed": 0,
+    }
+
+
+def greedy() -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
 class OfflineEngine:
-    """An offline vLLM LLM on the config folder, loaded through weightstream, with the weightstream backend."""
+    """An offline vLLM LLM in this process, driven through our OfflineLLMClient."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
         from vllm import LLM
-        from vllm.config import WeightTransferConfig
+
+        from weightstream.client.vllm_transfer import OfflineLLMClient
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self.llm = LLM(
-            model=settings["config"],
-            load_format="weightstream",
-            model_loader_extra_config={"target": settings.get("engine_target") or settings["target"]},
-            weight_transfer_config=WeightTransferConfig(backend="weightstream"),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=256,
-            seed=0,
-        )
+        self.llm = LLM(**engine_args(settings))
+        self.client = OfflineLLMClient(self.llm)
 
     def completions(self) -> list[list[int]]:
-        from vllm import SamplingParams
+        return [list(o.outputs[0].token_ids) for o in self.llm.generate(PROMPTS, greedy(), use_tqdm=False)]
 
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        return [list(o.outputs[0].token_ids) for o in self.llm.generate(PROMPTS, params, use_tqdm=False)]
+    def weight_version(self) -> str:
+        return str(self.llm.get_weight_version())
+
+    def close(self) -> None:
+        pass
+
+
+class RayEngine:
+    """vLLM's LLM as an actor of a local Ray (one CPU, made as vLLM's RL examples make it: ray.remote(LLM)),
+    driven through vLLM's RayVLLMWeightSyncClient."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        # Read when ray is imported, and inherited by every Ray process: without a cluster every Ray
+        # server listens on loopback only (Ray's setting for one machine), and the token is this run's
+        # own (Ray otherwise writes one to ~/.ray/auth_token).
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        import ray
+        from vllm import LLM
+        from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+        ray.init(num_cpus=1, include_dashboard=False, _temp_dir=settings.get("ray_temp_dir"))
+        self.handle = ray.remote(num_cpus=1)(LLM).remote(**engine_args(settings))
+        self.client = RayVLLMWeightSyncClient(self.handle)
+
+    def completions(self) -> list[list[int]]:
+        import ray
+
+        outputs = ray.get(self.handle.generate.remote(PROMPTS, greedy(), use_tqdm=False))
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def weight_version(self) -> str:
+        import ray
+
+        return str(ray.get(self.handle.get_weight_version.remote()))
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self.handle)
+        ray.shutdown()
+
+
+ENGINES = {"offline": OfflineEngine, "ray": RayEngine}
 
 
 def train(rank: int, settings: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
     from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from weightstream.client.vllm_transfer import WeightStreamTrainerInitInfo, WeightSyncError
 
     world = int(settings["world_size"])
     if world > 1:
@@ -101,14 +162,29 @@ def train(rank: int, settings: dict[str, Any]) -> None:
             return names[rank::world]
 
     source = HalfSource(model) if world > 1 else ModuleSource(model)
-    offline = OfflineEngine(settings) if settings["vllm"] == "offline" else None
-    if offline is not None:
-        from weightstream.client.vllm_transfer import OfflineLLMClient
+    local = ENGINES[settings["vllm"]](settings) if settings["vllm"] in ENGINES else None
+    try:
+        run_steps(rank, settings, model, config, source, local)
+    finally:
+        if local is not None:
+            local.close()
+    if world > 1:
+        dist.destroy_process_group()
 
-        client: Any = OfflineLLMClient(offline.llm)
-    else:
-        client = HTTPVLLMWeightSyncClient(settings["vllm"])
-    before = offline.completions() if offline is not None else None
+
+def run_steps(rank: int, settings: dict[str, Any], model: Any, config: Any, source: Any, local: Any) -> None:
+    """The training loop, a send after each step; rank 0 prints RESULT and saves the trained weights."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightstream.client.vllm_transfer import WeightStreamTrainerInitInfo, WeightSyncError
+
+    world = int(settings["world_size"])
+    client = local.client if local is not None else HTTPVLLMWeightSyncClient(settings["vllm"])
+    before = local.completions() if local is not None else None
     engine = WeightTransferTrainerFactory.trainer_init(
         WeightStreamTrainerInitInfo(
             target=settings["target"],
@@ -154,11 +230,10 @@ def train(rank: int, settings: dict[str, Any]) -> None:
         if world > 1:
             dist.barrier()
         if rank == 0:
-            record["tokens"] = (
-                offline.completions()
-                if offline is not None
-                else completions(settings["vllm"], settings["served_model"])
-            )
+            if local is not None:
+                record.update(tokens=local.completions(), weight_version=local.weight_version())
+            else:
+                record["tokens"] = completions(settings["vllm"], settings["served_model"])
         steps.append(record)
     engine.shutdown()
     if rank == 0:
@@ -166,8 +241,6 @@ def train(rank: int, settings: dict[str, Any]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(out / "model.safetensors"))
         print("RESULT " + json.dumps({"steps": steps, "before": before}), flush=True)
-    if world > 1:
-        dist.destroy_process_group()
 
 
 def main() -> None:
