@@ -13,7 +13,7 @@ then times:
   engine (loaded with load_format="weightstream") pulls what changed (every tensor);
 - send_weights, deltas: the same with init_info deltas=True: the trainer publishes only the changed
   chunks as XOR deltas against its host copy, and the engine pulls deltas into its own host copy
-  and feeds the model from there, each tensor as soon as the copy holds it;
+  and feeds the model from there;
 - send_weights, deltas="auto": the same, but each publish sends the changed chunks as deltas or
   whole, whichever took less time when last measured; the two steps after the warm-up, in which it
   measures both ways, are shown apart and not counted;

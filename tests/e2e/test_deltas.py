@@ -748,41 +748,6 @@ def test_a_module_holding_a_later_revision_updated_since_an_earlier_one_ends_at_
         assert torch.equal(got["embed.weight"].view(torch.int16), q3["embed.weight"].view(torch.int16))
 
 
-def test_on_tensor_names_each_written_tensor_once_it_holds_the_new_revision(tmp_path: Path) -> None:
-    """update_into's on_tensor, which an engine uses to take each tensor in while the rest arrives: every
-    tensor it names holds the new revision's bytes when it is named, even those whose kept bytes failed
-    their check and were fetched again after the rest (the module held a later revision there). embed
-    changes in its first MiB from q1 to q2 and in its last from q2 to q3: it arrives in part, and is
-    named only once its last MiB, kept and found stale, came again."""
-    q1 = state_of(0)
-    q2 = partly_stepped(q1, ["layers.0.weight"], seed=2)
-    q2["embed.weight"] = q1["embed.weight"].clone()
-    q2["embed.weight"][:512] += 1
-    q3 = partly_stepped(q2, ["layers.5.weight"], seed=3)
-    q3["embed.weight"] = q2["embed.weight"].clone()
-    q3["embed.weight"][-512:] += 1
-    module = module_of(q1)
-    parameters = dict(module.named_parameters())
-    named: list[str] = []
-    held_then: dict[str, bool] = {}
-
-    def on_tensor(name: str) -> None:
-        named.append(name)
-        held_then[name] = torch.equal(parameters[name].view(torch.int16), q2[name].view(torch.int16))
-
-    settings = loopback_settings(model_root=tmp_path, allow_publish=True, keep_revisions=3)
-    with serving(settings) as server, client_of(server) as client:
-        revision_q1 = client.publish(MODEL, q1)
-        revision_q2 = client.publish(MODEL, q2)
-        client.publish(MODEL, q3)
-        client.load_into(module, MODEL)
-        report = client.update_into(module, MODEL, since=revision_q1, revision=revision_q2, on_tensor=on_tensor)
-    assert report.revision == revision_q2 and report.stale_bytes > 0
-    assert_holds(module, q2)
-    assert sorted(named) == ["embed.weight", "layers.0.weight", "layers.5.weight"], named
-    assert all(held_then.values()), held_then
-
-
 @pytest.mark.parametrize("transport", ("tcp", "grpc"))
 def test_after_a_delta_publish_that_failed_the_next_goes_whole_and_bit_exact(
     server: WeightStreamServer, transport: str

@@ -226,13 +226,18 @@ def test_an_offline_llm_is_synced_with_deltas_through_the_four_method_client_of_
     with WeightStreamClient(running_server.target, progress=False) as other:
         other.publish(MODEL, weights, revision="step-1")
         other.publish(MODEL, weights, revision="warm")
-    first, *steps = train(tmp_path, running_server, "offline", config, deltas=True)
-    assert [s.get("error") for s in steps] == [None] * STEPS, steps
-    assert [s["revision"] for s in steps] == [f"step-{i}" for i in range(2, STEPS + 2)]
-    # The first publish has no base and goes whole; AdamW moves every element, so the later ones go
-    # as XOR deltas of about the same size (never more than whole).
+    # Two sends with nothing changed after the first step: the engine's host copy must still follow
+    # them, or the next update would ask for deltas since a revision the server no longer keeps (it
+    # keeps two).
+    sends = STEPS + 2
+    first, *steps = train(tmp_path, running_server, "offline", config, deltas=True, steps=sends, unchanged=[1, 2])
+    assert [s.get("error") for s in steps] == [None] * sends, steps
+    assert [s["revision"] for s in steps] == [f"step-{i}" for i in range(2, sends + 2)]
+    # The first publish has no base and goes whole; nothing travels for the unchanged ones; AdamW moves
+    # every element, so the later ones go as XOR deltas of about the same size (never more than whole).
     assert steps[0]["publish_sent_bytes"] == nbytes
-    assert all(0 < s["publish_sent_bytes"] <= nbytes for s in steps[1:]), steps
+    assert [s["publish_sent_bytes"] for s in steps[1:3]] == [0, 0], steps
+    assert all(0 < s["publish_sent_bytes"] <= nbytes for s in steps[3:]), steps
     fresh = run_engine(trained_folder(tmp_path, config), "safetensors")
     assert steps[-1]["tokens"] == fresh.token_ids
     assert steps[-1]["tokens"] != first["before"]

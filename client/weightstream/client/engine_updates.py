@@ -15,10 +15,8 @@ One thread per model; the model must not be used meanwhile.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -130,27 +128,37 @@ class HostCopy:
         self._tensors: dict[str, torch.Tensor] | None = None
         self.revision = ""
 
-    def pull(
-        self, revision: str, *, logger: logging.Logger, on_tensor: Callable[[str], None] | None = None
-    ) -> LoadReport | None:
-        """Make the copy hold revision: whole the first time, then only what changed; None if it did already.
-        on_tensor: called with each tensor's name once an update (not the first pull) brought it to revision."""
+    def pull(self, revision: str, *, logger: logging.Logger) -> LoadReport | None:
+        """Make the copy hold revision: whole the first time, then only what changed (all of it again where the
+        server no longer keeps the copy's revision); None if it did already."""
         if self._tensors is not None and self.revision == revision:
             return None
         if self._tensors is None:
             manifest = sliced_manifest(self._client.manifest(self._model_id, revision=revision), self._slices)
             self._tensors = {t.name: torch.empty(t.shape, dtype=t.dtype) for t in manifest.tensors}
             self.revision = ""
+        report = None
         if self.revision:
-            report = self._client.update_into(
-                self._tensors,
-                self._model_id,
-                since=self.revision,
-                revision=revision,
-                shard=self._slices,
-                on_tensor=on_tensor,
-            )
-        else:
+            try:
+                report = self._client.update_into(
+                    self._tensors,
+                    self._model_id,
+                    since=self.revision,
+                    revision=revision,
+                    shard=self._slices,
+                )
+            except NotFoundError as exc:
+                if exc.partially_written:
+                    raise
+                # The server no longer keeps the copy's revision (nothing was written): all of it again.
+                logger.warning(
+                    "weightstream: host copy of %s: %s is gone (%s); pulling %s whole",
+                    self._model_id,
+                    self.revision,
+                    exc,
+                    revision,
+                )
+        if report is None:
             report = self._client.load_into(self._tensors, self._model_id, revision=revision, shard=self._slices)
         self.revision = revision
         logger.info(
@@ -166,39 +174,6 @@ class HostCopy:
             report.seconds,
         )
         return report
-
-    def pulled(
-        self, revision: str, names: Iterable[str], device: torch.device, *, logger: logging.Logger
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pull revision (as pull) and yield names' tensors from the copy (as tensors), each as soon as the
-        copy holds it: the engine takes one in while the pull still receives the next, instead of after
-        the whole pull. The pull runs on a thread of its own; its error is raised here. Once this ends,
-        early or not, the pull has ended: nothing writes into the copy after."""
-        assert self._tensors is not None or self.revision == "", "a copy is made by its first pull"
-        wanted = list(names)
-        ready: queue.SimpleQueue[str | BaseException | None] = queue.SimpleQueue()
-
-        def run() -> None:
-            try:
-                self.pull(revision, logger=logger, on_tensor=ready.put)
-            except BaseException as exc:  # raised on the caller's thread
-                ready.put(exc)
-            else:
-                ready.put(None)
-
-        puller = threading.Thread(target=run, name="weightstream-host-copy", daemon=True)
-        puller.start()
-        given: set[str] = set()
-        try:
-            while (item := ready.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                if item in wanted and item not in given:
-                    given.add(item)
-                    yield from self.tensors([item], device)
-            yield from self.tensors([name for name in wanted if name not in given], device)
-        finally:
-            puller.join()
 
     def tensors(self, names: Iterable[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         """names' tensors from the copy, on device: copies, never the copy's own memory."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -431,7 +431,7 @@ class WeightStreamClient:
         measured (revisions.SendChoice): on a fast link with few cores to spare, finding and encoding
         what changed can cost more than sending it.
         """
-        if not (isinstance(deltas, bool) or deltas == "auto"):
+        if isinstance(deltas, str) and deltas != "auto":
             raise ValueError(f'deltas must be True, False or "auto", not {deltas!r}')
         started = time.perf_counter()
         tensors = revisions.named_list(named_tensors)
@@ -619,7 +619,6 @@ class WeightStreamClient:
         deltas: bool = True,
         verify_unchanged: bool | None = None,
         delta_sink: DeltaSink | None = None,
-        on_tensor: Callable[[str], None] | None = None,
     ) -> LoadReport:
         """Write only what changed in model since revision `since` (which module holds) into its
         parameters (or a mapping's tensors, by name), in place; the report names the new revision, the
@@ -644,10 +643,6 @@ class WeightStreamClient:
 
         delta_sink: called with (tensor, offset, length, encoding, payload) of each chunk that came as a
         delta and checked, from the receiving threads (a tier keeps them to serve its own clients).
-
-        on_tensor: called with each written tensor's name once it holds the new revision's bytes and
-        nothing writes into it again, from the calling thread, while the rest still arrives (an engine
-        takes each one in while the next arrives); one whose kept bytes are checked, after the check.
         """
         started = time.perf_counter()
         changes = self.changes(model, since=since, revision=revision)
@@ -710,7 +705,6 @@ class WeightStreamClient:
                 delta_base=changes.since if held else "",
                 delta_tensors=frozenset(held),
                 delta_sink=delta_sink,
-                on_complete=_unless(on_tensor, {kept.name for kept in checks}),
             )
             stale = checking.result()
         report = dataclasses.replace(
@@ -729,10 +723,6 @@ class WeightStreamClient:
                 resent_bytes=report.resent_bytes + again.resent_bytes,
                 stale_bytes=stale_bytes,
             )
-        if on_tensor is not None:
-            for kept in checks:
-                if kept.name in dests or kept.name in stale:
-                    on_tensor(kept.name)
         logger.info(
             "updated %s from %s to %s: %d tensors, %d bytes in %.3f s (%d chunks as deltas of %d bytes, %d fell back; "
             "%d bytes kept as unchanged were not since's)",
@@ -784,12 +774,10 @@ class WeightStreamClient:
         delta_tensors: frozenset[str] = frozenset(),
         written_before: bool = False,
         delta_sink: DeltaSink | None = None,
-        on_complete: Callable[[str], None] | None = None,
     ) -> LoadReport:
         """Receive dests' tensors of manifest into them (but the landed ranges; delta_tensors' may come as
         deltas against delta_base); the report, or the error with the write state (written_before: the
-        call this receive is part of wrote into the module already). on_complete: called with each
-        tensor's name as it completes."""
+        call this receive is part of wrote into the module already)."""
         infos = {name: manifest[name] for name in dests}
         session = LoadSession(
             self._session_config, manifest, infos, dests.__getitem__, landed, delta_base, delta_tensors, delta_sink
@@ -800,8 +788,6 @@ class WeightStreamClient:
             with Prefault(dests.values()):
                 for dest in session.receive(description=model, progress=self._shows_progress()):
                     received += dest.nbytes
-                    if on_complete is not None:
-                        on_complete(dest.name)
         except WeightStreamError as exc:
             written = sum(1 for d in dests.values() if d.written)
             complete = sum(1 for d in dests.values() if d.complete and d.nbytes)
@@ -833,13 +819,6 @@ class WeightStreamClient:
     def _shows_progress(self) -> bool:
         """Whether a call draws a progress bar: asked for, and on rank 0."""
         return self._progress and is_rank_zero(self._options)
-
-
-def _unless(call: Callable[[str], None] | None, names: set[str]) -> Callable[[str], None] | None:
-    """call, for every name but names (None when there is no call)."""
-    if call is None:
-        return None
-    return lambda name: None if name in names else call(name)
 
 
 def _select(manifest: Manifest, names: Iterable[str] | None) -> dict[str, TensorInfo]:

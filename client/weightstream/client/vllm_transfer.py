@@ -198,7 +198,8 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
             logger=logger,
         )
         if self._host_copy is not None:
-            received = self._host_copy.pulled(plan.manifest.revision, plan.names, self.device, logger=logger)
+            self._host_copy.pull(plan.manifest.revision, logger=logger)
+            received = self._host_copy.tensors(plan.names, self.device)
         else:
             received = client.iter_tensors(
                 self._model_id,

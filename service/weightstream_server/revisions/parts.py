@@ -229,6 +229,7 @@ class PartInFlight:
 
     def fail(self, exc: BaseException) -> None:
         self._ahead.close()
+        self.part.base_bytes.clear()  # the base's memory is not held by a part that failed
         for _, _, future in self.part.checking:
             future.cancel()  # a dropped part's blocks are not checked (its buffer goes once they are done)
         reason = f"part {self.part.index} failed: {exc}" if isinstance(exc, ServerError) else ""

@@ -201,18 +201,22 @@ def run_steps(rank: int, settings: dict[str, Any], model: Any, config: Any, sour
     optimizer = torch.optim.AdamW(model.parameters(), lr=float(settings.get("lr", 0.05)))
     data = torch.Generator().manual_seed(100 + rank)
     steps: list[dict[str, Any]] = []
-    for _ in range(int(settings["steps"])):
-        batch = torch.randint(3, config.vocab_size, (4, 16), generator=data)
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        if world > 1:
-            for param in model.parameters():
-                if param.grad is not None:
-                    dist.all_reduce(param.grad)
-                    param.grad /= world
-        optimizer.step()
-        record: dict[str, Any] = {"loss": float(loss)}
+    # Sends at these steps (counted from 0) come without an optimizer step before them: nothing changed.
+    unchanged = set(settings.get("unchanged", []))
+    for index in range(int(settings["steps"])):
+        record: dict[str, Any] = {}
+        if index not in unchanged:
+            batch = torch.randint(3, config.vocab_size, (4, 16), generator=data)
+            loss = model(input_ids=batch, labels=batch).loss
+            optimizer.zero_grad()
+            loss.backward()
+            if world > 1:
+                for param in model.parameters():
+                    if param.grad is not None:
+                        dist.all_reduce(param.grad)
+                        param.grad /= world
+            optimizer.step()
+            record["loss"] = float(loss)
         try:
             engine.send_weights()
         except WeightSyncError as exc:
