@@ -5,6 +5,7 @@ damaged deltas, a base the server does not hold, and the server's delta cache (c
 from __future__ import annotations
 
 import functools
+import logging
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -19,7 +20,15 @@ from tests.support.faults import CuttingProxy
 from tests.support.ports import LOOPBACK, free_ports
 from tests.support.proxies import TamperingProxy
 from tests.support.servers import loopback_settings, serving
-from weightstream.client import AbortedError, IntegrityError, RetryPolicy, WeightStreamClient, WeightStreamError
+from weightstream.client import (
+    AbortedError,
+    IntegrityError,
+    NotFoundError,
+    RetryPolicy,
+    WeightStreamClient,
+    WeightStreamError,
+)
+from weightstream.client.engine_updates import HostCopy
 from weightstream.protocol import deltas as delta_forms
 from weightstream.protocol import wire
 from weightstream.samples import ParameterTree
@@ -746,6 +755,28 @@ def test_a_module_holding_a_later_revision_updated_since_an_earlier_one_ends_at_
         assert report.stale_bytes == 0
         got = dict(module.named_parameters())
         assert torch.equal(got["embed.weight"].view(torch.int16), q3["embed.weight"].view(torch.int16))
+
+
+def test_an_engine_host_copy_whose_revision_the_server_dropped_is_pulled_whole(server: WeightStreamServer) -> None:
+    """An engine's host copy (engine_updates.HostCopy, what vLLM and SGLang engines with deltas keep) holds
+    a revision the server no longer keeps (it keeps two): the next pull cannot ask for deltas since it,
+    so it takes the new revision whole, and the copy holds it."""
+    a = state_of(0)
+    b, c = stepped(a, 0.02, seed=1), stepped(a, 0.02, seed=2)
+    with client_of(server, "tcp") as trainer, client_of(server, "tcp") as engine:
+        revision_a = trainer.publish(MODEL, a)
+        copy = HostCopy(engine, MODEL, {})
+        copy.pull(revision_a, logger=logging.getLogger("test"))
+        trainer.publish(MODEL, b)
+        revision_c = trainer.publish(MODEL, c)
+        with pytest.raises(NotFoundError):
+            engine.manifest(MODEL, revision=revision_a)  # two kept: b and c
+        report = copy.pull(revision_c, logger=logging.getLogger("test"))
+        assert report is not None and report.delta_chunks == 0 and report.bytes == model_bytes(c)
+        assert copy.revision == revision_c
+        held = dict(copy.tensors(list(c), torch.device("cpu")))
+    for name, tensor in c.items():
+        assert torch.equal(held[name].view(torch.int16), tensor.view(torch.int16)), name
 
 
 @pytest.mark.parametrize("transport", ("tcp", "grpc"))
