@@ -3,6 +3,10 @@ the times its publishes took (revisions.SendChoice; the times are given here, th
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from weightstream.client import WeightStreamClient
 from weightstream.client.revisions import SEND_RETRY, SEND_RETRY_MOST, SendChoice
 
 GB = 10**9
@@ -45,3 +49,10 @@ def test_a_way_that_became_faster_takes_over() -> None:
         encode = choice.encode()
         choice.record(encode, 0.7 if encode else 3.0, GB)
     assert choice.encode() is True
+
+
+def test_publish_takes_true_false_or_auto_and_names_any_other_string() -> None:
+    """Checked before anything is sent (no server at this address is ever reached)."""
+    with WeightStreamClient("127.0.0.1:9", progress=False) as client:
+        with pytest.raises(ValueError, match="deltas must be True, False or \"auto\", not 'yes'"):
+            client.publish("m", {"w": torch.zeros(2)}, deltas="yes")  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ an LLM Ray actor through vLLM's RayVLLMWeightSyncClient. Nothing the trainer sta
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import tempfile
@@ -70,8 +71,11 @@ def config_folder(server: Running, tmp_path: Path) -> Path:
     return folder
 
 
-def train(tmp_path: Path, server: Running, base: str, config: Path, **settings: Any) -> list[dict[str, Any]]:
-    """Run the trainer script; the steps it reports (and "before": an offline engine's tokens before the first)."""
+def train(
+    tmp_path: Path, server: Running, base: str, config: Path, logs: list[str] | None = None, **settings: Any
+) -> list[dict[str, Any]]:
+    """Run the trainer script; the steps it reports (and "before": an offline engine's tokens before the first).
+    logs: where the script's output and standard error (its engines' log lines among them) are appended."""
     (master_port,) = free_ports(1)
     full = {
         "target": server.target,
@@ -109,6 +113,8 @@ def train(tmp_path: Path, server: Running, base: str, config: Path, **settings: 
             f"the trainer failed (exit {trainer.returncode}; still running after it, killed now: {left})\n"
             f"--- stdout\n{stdout[-6000:]}\n--- stderr\n{stderr[-8000:]}"
         )
+    if logs is not None:
+        logs.append(stdout + stderr)
     printed = json.loads(lines[-1].removeprefix("RESULT "))
     steps: list[dict[str, Any]] = printed["steps"]
     if printed.get("before") is not None:
@@ -230,7 +236,8 @@ def test_an_offline_llm_is_synced_with_deltas_through_the_four_method_client_of_
     # them, or the next update would ask for deltas since a revision the server no longer keeps (it
     # keeps two).
     sends = STEPS + 2
-    first, *steps = train(tmp_path, running_server, "offline", config, deltas=True, steps=sends, unchanged=[1, 2])
+    logs: list[str] = []
+    first, *steps = train(tmp_path, running_server, "offline", config, logs, deltas=True, steps=sends, unchanged=[1, 2])
     assert [s.get("error") for s in steps] == [None] * sends, steps
     assert [s["revision"] for s in steps] == [f"step-{i}" for i in range(2, sends + 2)]
     # The first publish has no base and goes whole; nothing travels for the unchanged ones; AdamW moves
@@ -238,6 +245,10 @@ def test_an_offline_llm_is_synced_with_deltas_through_the_four_method_client_of_
     assert steps[0]["publish_sent_bytes"] == nbytes
     assert [s["publish_sent_bytes"] for s in steps[1:3]] == [0, 0], steps
     assert all(0 < s["publish_sent_bytes"] <= nbytes for s in steps[3:]), steps
+    # The engine's host copy followed every revision, so it never had to be pulled whole again.
+    copies = re.findall(r"weightstream: host copy of \S+ at (\S+):", logs[0])
+    assert copies[-sends:] == [s["revision"] for s in steps], copies
+    assert "no deltas since" not in logs[0]
     fresh = run_engine(trained_folder(tmp_path, config), "safetensors")
     assert steps[-1]["tokens"] == fresh.token_ids
     assert steps[-1]["tokens"] != first["before"]

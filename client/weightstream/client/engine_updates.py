@@ -150,9 +150,9 @@ class HostCopy:
             except NotFoundError as exc:
                 if exc.partially_written:
                     raise
-                # The server no longer keeps the copy's revision (nothing was written): all of it again.
+                # No deltas since the copy's revision (the server no longer keeps it; nothing was written).
                 logger.warning(
-                    "weightstream: host copy of %s: %s is gone (%s); pulling %s whole",
+                    "weightstream: host copy of %s: no deltas since %s (%s); pulling %s whole",
                     self._model_id,
                     self.revision,
                     exc,

@@ -40,10 +40,11 @@ Failures (WeightSyncError names the phase): a publish that fails leaves the serv
 revision, and so the engine, as they were; the engine is not asked to update. An engine call that
 fails after start_weight_update is followed by finish_weight_update without a weight version, so
 that the engine puts back the layers it had taken apart; with init_info deltas the engine pulls
-into its host copy before it touches the model, so it still serves its previous revision, and
-without, the layers that had received weights hold the new revision's (the next send pulls every
-tensor changed since the previous revision again, so it repairs them). In both cases the next
-send_weights() starts afresh with a new revision name.
+into its host copy before it touches the model, so when the pull fails it still serves its
+previous revision (not when vLLM's own load_weights fails after it), and without, the layers that
+had received weights hold the new revision's (the next send pulls every tensor changed since the
+previous revision again, so it repairs them). In both cases the next send_weights() starts afresh
+with a new revision name.
 
 With deltas=True the trainer keeps a host copy of what it published (memory of its part's size) and
 each publish sends only the chunks that changed, as XOR deltas where smaller; the engine keeps its
@@ -336,7 +337,10 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
                     restored = f"; finishing the update after it failed failed too: {again}"
             held = (
                 "the engine still serves its previous revision"
-                if phase == "start" or (phase == "update" and self.init_info.deltas and not restored)
+                if phase == "start"
+                else "the engine still serves its previous revision unless vLLM's load_weights failed after "
+                "the pull; the next send_weights() pulls it whole again"
+                if phase == "update" and self.init_info.deltas and not restored
                 else "the engine may hold part of it; the next send_weights() pulls it whole again"
             )
             raise WeightSyncError(
