@@ -14,9 +14,10 @@ then times:
 - send_weights, deltas: the same with init_info deltas=True: the trainer publishes only the changed
   chunks as XOR deltas against its host copy, and the engine pulls deltas into its own host copy
   and feeds the model from there;
-- send_weights, deltas="auto": the same, but each publish sends the changed chunks as deltas or
-  whole, whichever took less time when last measured; the two steps after the warm-up, in which it
-  measures both ways, are shown apart and not counted;
+- send_weights, deltas="auto": the same, but each publish sends what changed as deltas, or every
+  chunk whole (nothing compared, and then the engine streams it straight in), whichever took less
+  time when last measured; the two steps after the warm-up, in which it measures both ways, are
+  shown apart and not counted (its goal on bytes applies on the 1 Gbit/s link only);
 - disk: what users do without weightstream: the trainer saves its weights with safetensors'
   save_file to a folder, and an engine loaded from A's files (load_format="safetensors") reloads
   them in place with vLLM's reload_weights(weights_path=...), on every worker;
@@ -319,6 +320,10 @@ def report(args: argparse.Namespace, total: int, streamed: dict[str, Any], on_di
         print(f"  {text}: {ratio:.2f}x: {'met' if ratio <= limit else 'MISSED'}")
     for name, label in MODES[1:]:
         on_wire = wire_bytes(name) / total
+        if name == "auto" and args.link == "loopback":
+            # Where sending everything is faster, "auto" does: its goal on loopback is time, not bytes.
+            print(f"  {label} <= {BYTES_GOAL:.2f}x the model's bytes on the wire: {on_wire:.3f}x: not a goal here")
+            continue
         print(
             f"  {label} <= {BYTES_GOAL:.2f}x the model's bytes on the wire: {on_wire:.3f}x: "
             f"{'met' if on_wire <= BYTES_GOAL else 'MISSED'}"

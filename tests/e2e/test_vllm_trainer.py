@@ -254,6 +254,36 @@ def test_an_offline_llm_is_synced_with_deltas_through_the_four_method_client_of_
     assert steps[-1]["tokens"] != first["before"]
 
 
+def test_an_offline_llm_synced_with_auto_deltas_takes_what_went_whole_straight_in(
+    server: tuple[Running, int], tmp_path: Path
+) -> None:
+    """deltas="auto": the first send has no base, the second measures deltas, the third whole (every
+    chunk against the base, nothing compared); later ones go the way that was faster. A send that went
+    whole against its base says so (update_info "whole"): the engine streams it straight into the
+    model, not through its host copy, which follows every other send (refilled whole at the first
+    after one that skipped it). The engine ends on the trained weights either way."""
+    running_server, nbytes = server
+    config = config_folder(running_server, tmp_path)
+    logs: list[str] = []
+    sends = STEPS + 1
+    first, *steps = train(tmp_path, running_server, "offline", config, logs, deltas="auto", steps=sends)
+    assert [s.get("error") for s in steps] == [None] * sends, steps
+    encoded = [s["encoded"] for s in steps]
+    assert encoded[:3] == [False, True, False], steps
+    assert all(s["publish_sent_bytes"] == nbytes for s in steps if not s["encoded"]), steps
+    assert all(0 < s["publish_sent_bytes"] <= nbytes for s in steps if s["encoded"]), steps
+    whole = [s["revision"] for s in steps if s["delta_base"] and not s["encoded"]]
+    assert whole and whole[0] == steps[2]["revision"], steps
+    straight = re.findall(r"weightstream: (\S+) was published whole: streamed straight", logs[0])
+    assert straight == whole, straight
+    sent = {s["revision"] for s in steps}  # not the host copy's first fill, of the revision the engine loaded
+    copies = [r for r in re.findall(r"weightstream: host copy of \S+ at (\S+):", logs[0]) if r in sent]
+    assert copies == [s["revision"] for s in steps if s["revision"] not in whole], copies
+    fresh = run_engine(trained_folder(tmp_path, config), "safetensors")
+    assert steps[-1]["tokens"] == fresh.token_ids
+    assert steps[-1]["tokens"] != first["before"]
+
+
 def test_an_llm_ray_actor_synced_through_vllms_ray_client_serves_what_a_fresh_engine_on_the_trained_weights_does(
     server: tuple[Running, int], tmp_path: Path
 ) -> None:

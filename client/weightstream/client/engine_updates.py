@@ -175,6 +175,11 @@ class HostCopy:
         )
         return report
 
+    def forget(self) -> None:
+        """The copy no longer follows the model (it was updated without it): the next pull fills it whole,
+        into the same memory."""
+        self.revision = ""
+
     def tensors(self, names: Iterable[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         """names' tensors from the copy, on device: copies, never the copy's own memory."""
         assert self._tensors is not None, "pull() first"

@@ -103,8 +103,8 @@ class PublishReport:
     seconds: float
     transport: str
     delta_base: str = ""
-    # Against a delta base: whether the changed chunks went as XOR deltas (False: whole, as deltas="auto"
-    # chose).
+    # Against a delta base: whether what changed went as XOR deltas (False: every chunk whole, as
+    # deltas="auto" chose).
     encoded: bool = False
 
 
@@ -427,9 +427,11 @@ class WeightStreamClient:
         chunks equal to the copy are skipped, the others go as XOR deltas where that is smaller;
         the server starts the revision from the one it holds. Where the server no longer keeps that
         revision, the publish goes whole; after a publish that failed, the next one does too.
-        deltas="auto" sends the changed chunks as deltas or whole, whichever took less time when last
-        measured (revisions.SendChoice): on a fast link with few cores to spare, finding and encoding
-        what changed can cost more than sending it.
+        deltas="auto" sends what changed as deltas, or every chunk whole (no host copy compared, none
+        kept), whichever took less time when last measured (revisions.SendChoice): on a fast link
+        with few cores to spare, finding and encoding what changed can cost more than sending it all.
+        Either way the server starts the revision from the one before and keeps what was sent for
+        engines updating from there, so that none of them waits for a delta to be computed.
         """
         if isinstance(deltas, str) and deltas != "auto":
             raise ValueError(f'deltas must be True, False or "auto", not {deltas!r}')
@@ -438,7 +440,8 @@ class WeightStreamClient:
         key = (model, part)
         held = self._published.get(key) if deltas else None
         choice = self._send_choices.setdefault(key, revisions.SendChoice()) if deltas == "auto" else None
-        encode = choice.encode() if choice is not None else True
+        # Whether what changed goes as deltas: only against host copies that hold the base's bytes.
+        encode = (choice.encode() if choice is not None else True) and (held is None or held.current)
         chunk_bytes = self._session_config.chunk_bytes
         sent = [0]  # payload bytes of the chunks sent, by the try that succeeded
         delta_base = held.revision if held is not None else ""
@@ -462,16 +465,20 @@ class WeightStreamClient:
             # The host copy may hold some of these tensors' bytes by now: the next publish goes whole.
             self._published.pop(key, None)
             raise
-        if deltas:
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        if choice is not None and delta_base:
+            choice.record(encode, time.perf_counter() - started, nbytes)
+        if deltas and (choice is None or choice.encode()):
             self._published[key] = revisions.HeldPublish.after(
-                held, str(response.revision), tensors, synced=bool(delta_base)
+                held, str(response.revision), tensors, synced=bool(delta_base) and encode
             )
+        elif deltas:
+            # deltas="auto" sends the next publish whole: against this revision, with no host copy to update.
+            copies = held.tensors if held is not None else {}
+            self._published[key] = revisions.HeldPublish(str(response.revision), copies, current=False)
         else:
             self._published.pop(key, None)
-        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         seconds = time.perf_counter() - started
-        if choice is not None and delta_base:
-            choice.record(encode, seconds, nbytes)
         self.last_publish = PublishReport(
             model,
             str(response.revision),
@@ -492,7 +499,11 @@ class WeightStreamClient:
             seconds,
             nbytes / seconds / 1e9 if seconds else 0.0,
             how,
-            f", what changed since {delta_base} ({sent[0]} bytes sent{'' if encode else ', whole'})"
+            (
+                f", what changed since {delta_base} ({sent[0]} bytes sent)"
+                if encode
+                else f", every chunk whole against {delta_base}"
+            )
             if delta_base
             else "",
         )
@@ -522,16 +533,17 @@ class WeightStreamClient:
             new_layout=new_layout,
             delta_base=held.revision if held is not None else "",
         )
-        base = held.tensors if held is not None else None
+        # Not encoding (deltas="auto"): every chunk whole, against held's revision, nothing compared.
+        base = held.tensors if held is not None and encode else None
         sent[0] = 0
         response = self._publish_over_data_port(
-            start, _counted(revisions.publish_chunks(tensors, chunk_bytes, base, encode=encode), sent)
+            start, _counted(revisions.publish_chunks(tensors, chunk_bytes, base), sent)
         )
         if response is not None:
             return response, "the data port"
         sent[0] = 0
         requests = revisions.publish_requests(
-            start, _counted(revisions.publish_chunks(tensors, chunk_bytes, base, encode=encode), sent)
+            start, _counted(revisions.publish_chunks(tensors, chunk_bytes, base), sent)
         )
         return next(iter(self.stub.PublishTensors(requests, metadata=self._channels.metadata))), "gRPC"
 

@@ -127,13 +127,11 @@ def publish_chunks(
     tensors: list[tuple[str, torch.Tensor]],
     chunk_bytes: int,
     base: Mapping[str, torch.Tensor] | None = None,
-    *,
-    encode: bool = True,
 ) -> Iterator[OutChunk]:
     """The chunks of tensors, in order, each payload valid until the next chunk is taken. With base (host
     copies of the delta base's tensors, by name), a tensor base holds with the same dtype and shape goes
     as what changed: chunks equal to the base's are skipped, the others sent as deltas where that is
-    smaller (whole when not encode), found on ENCODER_THREADS threads up to ENCODE_AHEAD chunks ahead;
+    smaller, found on ENCODER_THREADS threads up to ENCODE_AHEAD chunks ahead;
     and base's copies are brought up to the chunks' bytes as they go (once the chunks are all taken,
     base's copies of those tensors hold tensors; taken in part, they hold some of each: HeldPublish.after)."""
     pieces = _pieces(tensors, chunk_bytes, base)
@@ -149,7 +147,7 @@ def publish_chunks(
         if codec is None:
             codec = local.codec = delta_forms.Codec()
             local.scratch = np.empty(chunk_bytes, dtype=np.uint8)
-        return _delta_chunk(job, codec, local.scratch) if encode else _changed_chunk(job)
+        return _delta_chunk(job, codec, local.scratch)
 
     pool = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix=ENCODER_PREFIX)
     ahead: deque[Future[OutChunk | None]] = deque()
@@ -195,9 +193,8 @@ def _delta_chunk(job: _Piece, codec: delta_forms.Codec, scratch: np.ndarray) -> 
     costs more than the work here. scratch: this thread's buffer of a chunk's size."""
     name, offset, piece, was = job
     length = piece.numel()
-    crc = wire.crc32c_at(piece.data_ptr(), length)
     if was is None:
-        return OutChunk(name, offset, length, crc, 0, _bytes_view(piece))
+        return OutChunk(name, offset, length, wire.crc32c_at(piece.data_ptr(), length), 0, _bytes_view(piece))
     new, old = piece.numpy(), was.numpy()
     delta = None
     if not delta_forms.dense(piece, was):
@@ -205,22 +202,10 @@ def _delta_chunk(job: _Piece, codec: delta_forms.Codec, scratch: np.ndarray) -> 
         if not where.size:
             return None  # unchanged: the server keeps the base's bytes
         delta = codec.encode_between(new, old, where, offset, scratch)
-    np.copyto(old, new)  # while both are in this core's cache
+    # The base's copy takes the chunk's bytes, checksummed as they land: one pass for both.
+    crc = wire.copy_crc32c(was.data_ptr(), piece.data_ptr(), length)
     if delta is not None:
         return OutChunk(name, offset, length, crc, delta[0], memoryview(delta[1]))
-    return OutChunk(name, offset, length, crc, 0, _bytes_view(piece))
-
-
-def _changed_chunk(job: _Piece) -> OutChunk | None:
-    """The chunk whole if it differs from the base (None: unchanged); the base's copy then holds its bytes."""
-    name, offset, piece, was = job
-    length = piece.numel()
-    crc = wire.crc32c_at(piece.data_ptr(), length)
-    if was is not None:
-        new, old = piece.numpy(), was.numpy()
-        if np.array_equal(new, old):
-            return None
-        np.copyto(old, new)
     return OutChunk(name, offset, length, crc, 0, _bytes_view(piece))
 
 
@@ -232,12 +217,13 @@ SEND_RETRY_MOST = 8
 
 @dataclass
 class SendChoice:
-    """deltas="auto": whether a publish against a delta base sends its changed chunks as XOR deltas or
-    whole, whichever took less time per byte when last measured. Which is faster depends on the link
-    and the cores: on a fast link with few cores, sending whole costs less than finding and encoding
-    what changed; on a slow link, deltas win by far. The first publish against a base encodes, the
-    next sends whole, then the faster goes on; the slower is measured again now and then (the more
-    it lost by, the less often)."""
+    """deltas="auto": whether a publish against a delta base sends what changed as XOR deltas or
+    every chunk whole, whichever took less time per byte when last measured. Which is faster
+    depends on the link and the cores: on a fast link with few cores, sending everything costs less
+    than finding and encoding what changed; on a slow link, deltas win by far. The first publish
+    against a base encodes, the next sends whole, then the faster goes on; the slower is measured
+    again now and then (the more it lost by, the less often). A publish sent whole needs no host
+    copy: the publisher keeps one only for a publish that encodes next (HeldPublish.current)."""
 
     seconds_per_byte: dict[bool, float] = field(default_factory=dict)
     # Publishes the faster way since the slower one was last measured.
@@ -285,10 +271,15 @@ def chunk_message(c: OutChunk) -> pb.TensorChunk:
 
 @dataclass(frozen=True)
 class HeldPublish:
-    """What a client published last of a model (one part): the revision, and host copies of its tensors."""
+    """What a client published last of a model (one part): the revision, and host copies of its tensors.
+
+    current: the copies hold revision's bytes. Not current after a publish deltas="auto" sent whole
+    with no encoding publish next: the next publish goes whole against revision (the server starts
+    it from there, and keeps its chunks as sent whole); the copies' memory is reused by after()."""
 
     revision: str
     tensors: dict[str, torch.Tensor]
+    current: bool = True
 
     @classmethod
     def after(
@@ -298,6 +289,7 @@ class HeldPublish:
         same. synced: the publish sent what changed against held, whose copies publish_chunks brought up
         to date already (those of the same layout are not copied again)."""
         copies = held.tensors if held is not None else {}
+        synced = synced and held is not None and held.current
         kept: dict[str, torch.Tensor] = {}
         for name, tensor in tensors:
             copy = copies.get(name)

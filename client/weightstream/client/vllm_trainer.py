@@ -48,7 +48,10 @@ with a new revision name.
 
 With deltas=True the trainer keeps a host copy of what it published (memory of its part's size) and
 each publish sends only the chunks that changed, as XOR deltas where smaller; the engine keeps its
-own host copy and pulls the deltas too.
+own host copy and pulls the deltas too. With deltas="auto" a publish that went whole against its
+base (every chunk, no host copy compared) is marked so in update_info ({"revision": R, "whole":
+true}): the engine streams it straight into the model, as without deltas, and refills its host
+copy at the next update that came as deltas.
 
 Concurrency: one send_weights() at a time per engine; every rank must call it the same number of times.
 """
@@ -291,7 +294,10 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
         report = self.publisher.last_publish if tensors else None
         published = time.perf_counter()
         if self.is_sender:
-            self._update_engine(revision)
+            # Every chunk sent whole against the base (deltas="auto" chose it): the engine streams it
+            # straight into the model, not through its host copy (rank 0's part tells).
+            whole = report is not None and bool(report.delta_base) and not report.encoded
+            self._update_engine(revision, whole=whole)
         finished = time.perf_counter()
         self.last_step = StepReport(
             revision=revision,
@@ -319,12 +325,12 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
             tensors.append((name, tensor.detach()))
         return tensors
 
-    def _update_engine(self, revision: str) -> None:
+    def _update_engine(self, revision: str, *, whole: bool) -> None:
         phase: Phase = "start"
         try:
             self.client.start_weight_update()
             phase = "update"
-            self.client.update_weights({"revision": revision})
+            self.client.update_weights({"revision": revision, "whole": True} if whole else {"revision": revision})
             phase = "finish"
             self.client.finish_weight_update(weight_version=revision)
         except Exception as exc:

@@ -20,12 +20,14 @@ or the same through vLLM's HTTP routes (/init_weight_transfer_engine, /start_wei
 init_info takes the loader's keys (target, model, token, tls, ca_file, shm_dir, transport; the
 same environment fallbacks). update_info is {"revision": R} or {"revision": "latest"} (resolved by
 each rank on its own: with TP > 1, name the revision, so that a publish in between cannot split the
-ranks). Each rank asks the server what changed since the revision it holds (the one
-load_format="weightstream" loaded, or the last update's; none known: everything), and streams only
-those tensors, plus the tensors vLLM fuses with them into one parameter (q/k/v, gate/up: the model's
-packed_modules_mapping), because a fused parameter is rebuilt from all of its parts; and of each
-only the slice this rank's loaders read, as the loader planned them at the first load (placed in a
-tensor of the full shape at the place those loaders narrow to).
+ranks), plus "whole": true where R was published whole (the trainer side says so, under init_info
+deltas: the engine then streams it straight in, not through its host copy). Each rank asks the
+server what changed since the revision it holds (the one load_format="weightstream" loaded, or the
+last update's; none known: everything), and streams only those tensors, plus the tensors vLLM
+fuses with them into one parameter (q/k/v, gate/up: the model's packed_modules_mapping), because a
+fused parameter is rebuilt from all of its parts; and of each only the slice this rank's loaders
+read, as the loader planned them at the first load (placed in a tensor of the full shape at the
+place those loaders narrow to).
 
 The weights go in through vLLM's layerwise reload (model_loader/reload), as vLLM's own engines do:
 start_weight_update restores the checkpoint-format parameters of every layer, update_weights hands
@@ -105,13 +107,18 @@ class WeightStreamInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class WeightStreamUpdateInfo(WeightTransferUpdateInfo):
-    """The revision to pull: a name, or "latest" for the server's current one."""
+    """The revision to pull: a name, or "latest" for the server's current one. whole: the revision was
+    published whole (not as deltas), so an engine with init_info deltas streams it straight into the
+    model, as one without does, not through its host copy (refilled whole at the next update)."""
 
     revision: str = LATEST
+    whole: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.revision, str) or not self.revision.strip():
             raise ValueError(f'update_info["revision"] must be a revision name or "latest", not {self.revision!r}')
+        if not isinstance(self.whole, bool):
+            raise ValueError(f'update_info["whole"] must be true or false, not {self.whole!r}')
 
 
 class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo, WeightStreamUpdateInfo]):
@@ -197,7 +204,14 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
             since=self._pending or "",
             logger=logger,
         )
-        if self._host_copy is not None:
+        if self._host_copy is not None and update_info.whole:
+            self._host_copy.forget()
+            logger.info(
+                "weightstream: %s was published whole: streamed straight into the model; the host copy is "
+                "refilled at the next update that comes as deltas",
+                plan.manifest.revision,
+            )
+        if self._host_copy is not None and not update_info.whole:
             self._host_copy.pull(plan.manifest.revision, logger=logger)
             received = self._host_copy.tensors(plan.names, self.device)
         else:

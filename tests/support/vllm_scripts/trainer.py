@@ -8,7 +8,8 @@ as an actor of a local Ray started here, driven through vLLM's RayVLLMWeightSync
 folder of the model's safetensors: revision A, what the engine serves), "config" (its config folder),
 "out" (where the trained weights are saved, as safetensors), "steps", "world_size" (1, or 2: two
 processes in a gloo group, each publishing half the names), and optionally "engine_target",
-"transport", "deltas", "ray_temp_dir" (Ray's session folder; a short path: Ray's sockets live there)}.
+"transport", "deltas" (true, false or "auto"), "ray_temp_dir" (Ray's session folder; a short path:
+Ray's sockets live there)}.
 
 Each rank builds a transformers Llama from the config, loads A, and takes "steps" AdamW steps on
 random tokens (with two ranks, each on its own batch, gradients averaged over the group); after each
@@ -191,7 +192,7 @@ def run_steps(rank: int, settings: dict[str, Any], model: Any, config: Any, sour
             model=settings["model"],
             engine_target=settings.get("engine_target"),
             transport=settings.get("transport", "auto"),
-            deltas=bool(settings.get("deltas", False)),
+            deltas=settings.get("deltas", False),
             rank=rank,
             world_size=world,
         ),
@@ -230,6 +231,8 @@ def run_steps(rank: int, settings: dict[str, Any], model: Any, config: Any, sour
                 publish_bytes=step.publish_bytes,
                 publish_sent_bytes=step.publish_sent_bytes,
                 update_seconds=step.update_seconds,
+                encoded=bool(engine.publisher.last_publish and engine.publisher.last_publish.encoded),
+                delta_base=engine.publisher.last_publish.delta_base if engine.publisher.last_publish else "",
             )
         if world > 1:
             dist.barrier()
