@@ -16,7 +16,7 @@ then times:
   and feeds the model from there;
 - send_weights, deltas="auto": the same, but each publish sends what changed as deltas, or every
   chunk whole (nothing compared, and then the engine streams it straight in), whichever took less
-  time when last measured; the two steps after the warm-up, in which it measures both ways, are
+  time in its recent publishes; the two steps after the warm-up, in which it measures both ways, are
   shown apart and not counted (its goal on bytes applies on the 1 Gbit/s link only);
 - disk: what users do without weightstream: the trainer saves its weights with safetensors'
   save_file to a folder, and an engine loaded from A's files (load_format="safetensors") reloads

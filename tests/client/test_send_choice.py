@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weightstream.client import WeightStreamClient
-from weightstream.client.revisions import SEND_RETRY, SEND_RETRY_MOST, SendChoice
+from weightstream.client.revisions import SEND_RETRY, SEND_RETRY_MOST, SEND_SAMPLES, SendChoice
 
 GB = 10**9
 
@@ -48,6 +48,20 @@ def test_a_way_that_became_faster_takes_over() -> None:
     for _ in range(40):  # the link slowed down: whole now takes 3 s, deltas still 0.7 s
         encode = choice.encode()
         choice.record(encode, 0.7 if encode else 3.0, GB)
+    assert choice.encode() is True
+
+
+def test_one_slow_publish_does_not_turn_the_choice_but_a_lasting_change_does() -> None:
+    """Each way is judged by the median of its last SEND_SAMPLES times: a publish slowed by a busy host
+    (whole 0.5 s, once 3 s) leaves whole the choice; three slow ones in a row turn it."""
+    assert SEND_SAMPLES == 5
+    choice = SendChoice()
+    picks(choice, {True: 0.7, False: 0.5}, 5)
+    choice.record(False, 3.0, GB)
+    assert choice.encode() is False
+    choice.record(False, 3.0, GB)
+    assert choice.encode() is False
+    choice.record(False, 3.0, GB)
     assert choice.encode() is True
 
 

@@ -428,7 +428,7 @@ class WeightStreamClient:
         the server starts the revision from the one it holds. Where the server no longer keeps that
         revision, the publish goes whole; after a publish that failed, the next one does too.
         deltas="auto" sends what changed as deltas, or every chunk whole (no host copy compared, none
-        kept), whichever took less time when last measured (revisions.SendChoice): on a fast link
+        kept), whichever took less time in its recent publishes (revisions.SendChoice): on a fast link
         with few cores to spare, finding and encoding what changed can cost more than sending it all.
         Either way the server starts the revision from the one before and keeps what was sent for
         engines updating from there, so that none of them waits for a delta to be computed.

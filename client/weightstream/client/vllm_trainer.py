@@ -109,7 +109,7 @@ class WeightStreamTrainerInitInfo(TrainerInitInfo):
     read token. publish_token: the token the trainer publishes with (default: token); give it apart
     so that no engine ever holds a token that may publish. deltas: the trainer sends only what
     changed (keeping a host copy of its part) and the engine pulls deltas into its own host copy;
-    "auto" sends the changed chunks as deltas or whole, whichever was faster when last measured
+    "auto" sends the changed chunks as deltas or whole, whichever was faster in its recent publishes
     (WeightStreamClient.publish). world_size: the trainer ranks that call send_weights (parts of a
     revision when the source splits its names). revision_prefix: revision names are prefix + send number.
     """
