@@ -160,7 +160,7 @@ def test_a_peer_still_setting_up_past_the_first_block_allowance_is_kept_while_it
     """Its first block comes after more than FIRST_BLOCK_STALLS stall times; its keep-alives keep it,
     and the whole revision comes from it."""
     stall = 0.2
-    late = (FIRST_BLOCK_STALLS + 3) * stall
+    late = (FIRST_BLOCK_STALLS + 5) * stall
     state = _state(11)
     with (
         _origin_and_sidecar(tmp_path, state) as (upstream, manifest, sidecar),
