@@ -194,7 +194,7 @@ def test_a_peer_whose_link_is_cut_after_keepalives_is_left_after_about_one_stall
     assert stall <= seconds < 4 * stall < FIRST_BLOCK_STALLS * stall, seconds
     assert holdings.counts.fallbacks == 1
     assert report.peer_bytes == 0 and report.upstream_bytes == NBYTES, report
-    assert any("left" in r.getMessage() and "after keep-alives" in r.getMessage() for r in caplog.records), [
+    assert any("left" in r.getMessage() and "after its keep-alives" in r.getMessage() for r in caplog.records), [
         r.getMessage() for r in caplog.records
     ]
 

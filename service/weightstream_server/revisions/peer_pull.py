@@ -172,7 +172,7 @@ class _Watchdog:
         waited = now - self._started
         if self.kept_alive:
             if now - self.last > stall:
-                return f"sent no block and no keep-alive for {stall:.1f} s after keep-alives (a cut link)"
+                return f"sent no block and no keep-alive for {stall:.1f} s after its keep-alives (cut off or stalled)"
             if waited > self._keepalive_stalls * stall:
                 return f"sent keep-alives but no first block for {waited:.1f} s"
             return ""
