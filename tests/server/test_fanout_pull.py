@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from tests.support.hostile_peer import serve_blocks
 from tests.support.servers import loopback_settings, serving
 from weightstream.client import WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
@@ -28,7 +28,6 @@ from weightstream_server.revisions.peer_pull import FIRST_BLOCK_STALLS, checked_
 from weightstream_server.revisions.store import RevisionStore
 
 MODEL = "fanout-pull"
-SERVICE = "weightstream.v1.WeightStreamService"
 BLOCKS = 12
 BLOCK_DELAY_S = 0.5
 STALL_S = 1.0
@@ -44,20 +43,7 @@ def _slow_peer(upstream: str) -> tuple[grpc.Server, int]:
             time.sleep(BLOCK_DELAY_S)
             yield response.SerializeToString()
 
-    return _peer(blocks)
-
-
-def _peer(
-    blocks: Callable[[pb.StreamRevisionBlocksRequest, grpc.ServicerContext], Iterator[bytes]],
-) -> tuple[grpc.Server, int]:
-    handler = grpc.unary_stream_rpc_method_handler(
-        blocks, request_deserializer=pb.StreamRevisionBlocksRequest.FromString, response_serializer=None
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"StreamRevisionBlocks": handler}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port
+    return serve_blocks(blocks)
 
 
 def test_a_peer_forwarding_slower_than_the_floor_is_left_for_the_upstream(tmp_path: Path) -> None:
@@ -113,7 +99,7 @@ def test_a_peer_that_never_sends_its_first_block_is_left_within_its_first_block_
         released.wait(60.0)
         yield from ()
 
-    peer, port = _peer(silent)
+    peer, port = serve_blocks(silent)
     try:
         with (
             serving(loopback_settings(model_root=tmp_path, allow_publish=True, fanout=True)) as server,

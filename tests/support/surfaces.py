@@ -1405,6 +1405,7 @@ class PeerCase:
     tensors: tuple[str, ...]  # names of the model's tensors (as the layout names them) or text
     first_block: int
     refused_peer: str
+    keepalive_ms: int = 0
 
 
 def peer_cases() -> st.SearchStrategy[PeerCase]:
@@ -1420,6 +1421,10 @@ def peer_cases() -> st.SearchStrategy[PeerCase]:
             (6, st.just("")),
             (1, st.sampled_from(["198.18.0.9:50051", "[::1]:1", "evil.example:80", "1.2.3.4"])),
             (1, _TEXT),
+        ),
+        # Held to 50 ms .. 5 s by the server: 1 must not make it flood, 2**32 - 1 not make it hang.
+        keepalive_ms=weighted(
+            (4, st.just(0)), (2, st.sampled_from([1, 2, 50, 2**32 - 1])), (1, st.integers(0, 2**32 - 1))
         ),
     )
 
@@ -1454,6 +1459,7 @@ def run_peer(target: Target, case: PeerCase) -> str:
         tensors=list(case.tensors),
         first_block=case.first_block,
         refused_peer=case.refused_peer,
+        keepalive_ms=case.keepalive_ms,
     )
     code, details, got = outcome(lambda: list(target.stub.StreamRevisionBlocks(request, timeout=CALL_TIMEOUT_S)))
     check_refusal(code, details, PEER_CODES)
@@ -1467,7 +1473,8 @@ def run_peer(target: Target, case: PeerCase) -> str:
             for i in range(0, state[name].numel() * state[name].element_size(), step)
         ]
         want = list(enumerate(blocks))[case.first_block :]
-        if [(m.index, m.data) for m in got] != want:
+        # A kept revision is served at once: no keep-alive (waiting) among its blocks, asked for or not.
+        if [(m.index, m.data) for m in got] != want or any(m.waiting for m in got):
             raise Violation(f"StreamRevisionBlocks served other blocks than {model!r} revision {revision!r} holds")
     return code.name
 

@@ -608,16 +608,31 @@ class WeightStreamClient:
             return {response.tensor: tuple(response.hashes) for response in call}
 
     def revision_blocks(
-        self, model: str, revision: str, tensors: Sequence[str], *, first_block: int = 0, refused_peer: str = ""
+        self,
+        model: str,
+        revision: str,
+        tensors: Sequence[str],
+        *,
+        first_block: int = 0,
+        refused_peer: str = "",
+        keepalive_ms: int = 0,
     ) -> peers.BlockStream:
         """The blocks of tensors of a published revision as this server holds them, from first_block.
 
         What arrives is the server's word, unchecked: check each block against the block_hashes of a
-        server you trust (peers.BlockStream says how to cancel the stream)."""
+        server you trust (peers.BlockStream says how to cancel the stream). keepalive_ms > 0: the stream
+        also yields None for each keep-alive, which a server sends about that often while it waits for
+        the next block itself (one that predates them sends none)."""
         request = pb.StreamRevisionBlocksRequest(
-            model=model, revision=revision, tensors=list(tensors), first_block=first_block, refused_peer=refused_peer
+            model=model,
+            revision=revision,
+            tensors=list(tensors),
+            first_block=first_block,
+            refused_peer=refused_peer,
+            keepalive_ms=keepalive_ms,
         )
-        return peers.BlockStream(self.target, self.stub.StreamRevisionBlocks(request, metadata=self._channels.metadata))
+        call = self.stub.StreamRevisionBlocks(request, metadata=self._channels.metadata)
+        return peers.BlockStream(self.target, call, keepalives=keepalive_ms > 0)
 
     def update_into(
         self,

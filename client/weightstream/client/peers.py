@@ -13,16 +13,24 @@ from weightstream.client.errors import translated
 
 
 class BlockStream:
-    """(index, bytes) of each block as it arrives; cancel() ends it (the iteration then raises)."""
+    """(index, bytes) of each block as it arrives; cancel() ends it (the iteration then raises).
 
-    def __init__(self, target: str, call: Any) -> None:
+    keepalives (the request asked for them): None for each keep-alive the sender sends while it
+    waits for the next block itself; otherwise keep-alives are dropped. A keep-alive carries nothing."""
+
+    def __init__(self, target: str, call: Any, *, keepalives: bool = False) -> None:
         self.target = target
         self._call = call
+        self._keepalives = keepalives
 
-    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+    def __iter__(self) -> Iterator[tuple[int, bytes] | None]:
         with translated(self.target):
             try:
                 for response in self._call:
+                    if response.waiting:
+                        if self._keepalives:
+                            yield None
+                        continue
                     yield response.index, response.data
             finally:
                 self._call.cancel()

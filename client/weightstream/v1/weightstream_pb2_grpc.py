@@ -198,7 +198,8 @@ class WeightStreamServiceServicer:
     def StreamRevisionBlocks(self, request, context):
         """Fleet fan-out: the blocks of the named tensors of a published revision, in order, from
         first_block, as this server holds them: a kept revision's, or one it is still pulling (each
-        block as soon as it arrived and was checked here). Never files, never another revision.
+        block as soon as it arrived and was checked here). Never files, never another revision. With
+        keepalive_ms, keep-alives (waiting) while a block is awaited here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -6,6 +6,11 @@ server keeps (published, in memory), or from one it is still pulling (Pull) once
 and was checked against the upstream's hashes. Nothing else is ever served: no files, no storage
 revision, no revision not named exactly, and never a byte outside the tensor's own memory.
 
+Keep-alives: a request may ask for a word while it waits here for a block (Holdings.blocks with
+keepalive_s): at once, then every keepalive_s, so that its puller can tell a peer still setting up
+from a cut link. They change no rule for how long a request waits; a kept revision serves at once
+and never needs them.
+
 Memory: a Pull's views belong to the publisher's part being filled. Blocks are copied out of them
 under the Pull's lock, and a failed pull is closed (under the same lock) before the publisher frees
 its part, so a peer never reads memory that was given back.
@@ -15,6 +20,7 @@ Concurrency: every method may be called from any thread.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,10 +43,19 @@ ARRIVAL_S = 30.0
 MAX_EXPECTED = 64
 # While a request waits for a block, how often it looks whether its caller is still there.
 CALLER_CHECK_S = 0.25
+# The keep-alive periods honoured, whatever a request asks: a puller cannot make a server flood it.
+KEEPALIVE_MIN_S = 0.05
+KEEPALIVE_MAX_S = 5.0
 
 
 class CallerLeft(Exception):
     """The peer that asked for the blocks is gone (its call ended): stop waiting for them."""
+
+
+class Wake(enum.Enum):
+    """What a wait for a block returns when its wake-up time came first (a keep-alive is due)."""
+
+    NOT_YET = "not yet"
 
 
 def _always() -> bool:
@@ -112,20 +127,33 @@ class Pull:
             self._closed = True
             self._changed.notify_all()
 
-    def block(self, tensor: str, index: int, deadline: float, alive: Callable[[], bool] = _always) -> bytes | None:
+    def block(
+        self,
+        tensor: str,
+        index: int,
+        deadline: float,
+        alive: Callable[[], bool] = _always,
+        wake: float | None = None,
+    ) -> bytes | Wake | None:
         """A copy of block index of tensor once checked here; None if this pull does not have the tensor
-        or ended. SourceStalled at deadline; CallerLeft once alive() is False."""
+        or ended. SourceStalled at deadline; CallerLeft once alive() is False; Wake.NOT_YET at wake
+        (if given) while the block is still awaited (ask again with the same deadline to go on)."""
         with self._changed:
             view = self._views.get(tensor)
             if view is None:
                 return None
             while not self._closed and self._done[tensor] <= index:
+                now = time.monotonic()
                 until = deadline if self._flowing else max(deadline, self._begun + ARRIVAL_S)
-                left = until - time.monotonic()
+                left = until - now
                 if left <= 0:
                     raise SourceStalled(f"block {index} of tensor {tensor!r} did not arrive here in time")
                 if not alive():
                     raise CallerLeft
+                if wake is not None:
+                    if now >= wake:
+                        return Wake.NOT_YET
+                    left = min(left, wake - now)
                 self._changed.wait(min(left, CALLER_CHECK_S))
             if self._closed:
                 return None
@@ -175,28 +203,45 @@ class Holdings:
         first: int,
         stall_s: float,
         alive: Callable[[], bool] = _always,
-    ) -> Iterator[tuple[int, bytes]]:
+        keepalive_s: float = 0.0,
+    ) -> Iterator[tuple[int, bytes] | None]:
         """(index, bytes) of each block of tensors of revision from block first, each as soon as it is
         here; a wait longer than stall_s for one block ends it (SourceStalled); a revision neither kept
         nor being pulled here within stall_s is ModelNotFound. A wait ends with CallerLeft once alive()
-        is False (the asking peer's call ended), not at its deadline."""
+        is False (the asking peer's call ended), not at its deadline.
+
+        keepalive_s > 0 (held to KEEPALIVE_MIN_S..KEEPALIVE_MAX_S): None (a keep-alive to send) while
+        the next block is awaited, as soon as the stream's first wait begins and every keepalive_s
+        after; the deadlines stay those of the block awaited."""
         if not tensors or len(tensors) > MAX_TENSORS or len(set(tensors)) != len(tensors):
             raise InvalidRequest("StreamRevisionBlocks needs distinct tensor names, at least one")
+        period = min(max(keepalive_s, KEEPALIVE_MIN_S), KEEPALIVE_MAX_S) if keepalive_s > 0 else None
+        # The first keep-alive at once: a cut link is told from a live peer from the start.
+        wake = time.monotonic() if period is not None else None
         index = 0
         for tensor in tensors:
-            sizes = self._size(model, revision, tensor, stall_s, alive)
-            count = blocks_of(sizes)
+            deadline = time.monotonic() + stall_s
+            while (size := self._size(model, revision, tensor, deadline, alive, wake)) is Wake.NOT_YET:
+                yield None
+                wake = _next_wake(period)
+            count = blocks_of(size)
             if index + count <= first:
                 index += count
                 continue
             for block in range(max(0, first - index), count):
-                yield index + block, self._block(model, revision, tensor, block, stall_s, alive)
+                deadline = time.monotonic() + stall_s
+                while (data := self._block(model, revision, tensor, block, deadline, alive, wake)) is Wake.NOT_YET:
+                    yield None
+                    wake = _next_wake(period)
+                yield index + block, data
+                wake = _next_wake(period)
             index += count
         if first > index:
             raise InvalidRequest(f"first_block {first} is past the {index} blocks of the tensors named")
 
-    def _size(self, model: str, revision: str, tensor: str, stall_s: float, alive: Callable[[], bool]) -> int:
-        deadline = time.monotonic() + stall_s
+    def _size(
+        self, model: str, revision: str, tensor: str, deadline: float, alive: Callable[[], bool], wake: float | None
+    ) -> int | Wake:
         while True:
             with self._lock:
                 pull = self._pulls.get((model, revision))
@@ -217,17 +262,25 @@ class Holdings:
                 )
             if not alive():
                 raise CallerLeft
+            if _woken(wake):
+                return Wake.NOT_YET
             time.sleep(POLL_S)
 
     def _block(
-        self, model: str, revision: str, tensor: str, index: int, stall_s: float, alive: Callable[[], bool]
-    ) -> bytes:
-        deadline = time.monotonic() + stall_s
+        self,
+        model: str,
+        revision: str,
+        tensor: str,
+        index: int,
+        deadline: float,
+        alive: Callable[[], bool],
+        wake: float | None,
+    ) -> bytes | Wake:
         while True:
             with self._lock:
                 pull = self._pulls.get((model, revision))
             if pull is not None:
-                data = pull.block(tensor, index, deadline, alive)
+                data = pull.block(tensor, index, deadline, alive, wake)
                 if data is not None:
                     return data
             kept = self._kept(model, revision)
@@ -242,6 +295,8 @@ class Holdings:
                 raise SourceStalled(f"block {index} of tensor {tensor!r} did not arrive here in time")
             if not alive():
                 raise CallerLeft
+            if _woken(wake):
+                return Wake.NOT_YET
             time.sleep(POLL_S)
 
     def _kept(self, model: str, revision: str) -> Manifest | None:
@@ -249,3 +304,12 @@ class Holdings:
         if kept is None or kept.origin != PUBLISHED or not isinstance(kept.manifest.source, PublishedSource):
             return None
         return kept.manifest
+
+
+def _next_wake(period: float | None) -> float | None:
+    """When the next keep-alive is due (None: none asked for)."""
+    return None if period is None else time.monotonic() + period
+
+
+def _woken(wake: float | None) -> bool:
+    return wake is not None and time.monotonic() >= wake

@@ -10,6 +10,13 @@ min_rate (a slow peer would slow its whole chain) is left the same way, without 
 checked block is written into its place and made available to this server's own peers at once
 (peer_blocks.Pull), so a chain forwards each block while it still receives.
 
+A peer's first block may wait on the peer's own pull (its manifest, hashes and memory, its own
+source): a peer is asked for keep-alives (a word every quarter stall time while it waits itself).
+Before its first block, one that sent a keep-alive is left after one stall time without a word (a
+cut link), and may take up to KEEPALIVE_FIRST_BLOCK_STALLS stall times while the words come; one that
+sends none (a server that predates them) is given FIRST_BLOCK_STALLS stall times. After the first
+block keep-alives change nothing: the stall rule and the rate floor count blocks only.
+
 Concurrency: one pull runs on its caller's thread, with one watchdog thread for the stall rule.
 """
 
@@ -32,14 +39,17 @@ from weightstream.client.peers import BlockStream
 from weightstream.protocol import digests, dtypes, wire
 from weightstream.protocol.digests import DIGEST_BLOCK_BYTES
 from weightstream_server.errors import UpstreamError
-from weightstream_server.revisions.peer_blocks import Holdings, Pull, blocks_of
+from weightstream_server.revisions.peer_blocks import KEEPALIVE_MAX_S, KEEPALIVE_MIN_S, Holdings, Pull, blocks_of
 
 logger = logging.getLogger(__name__)
 
 # What an upstream whose hashes or blocks do not add up is answered with.
 LIED = grpc.StatusCode.DATA_LOSS
-# A peer's first block may take this many stall times.
+# A peer that sends no keep-alive may take this many stall times for its first block.
 FIRST_BLOCK_STALLS = 10
+# A peer that keeps sending keep-alives may take this many stall times for its first block, no more: a
+# live peer whose own pull starts late is not left, and a hostile one cannot hold its puller for ever.
+KEEPALIVE_FIRST_BLOCK_STALLS = 60
 # Seconds without a block from the upstream itself before its pull fails.
 UPSTREAM_STALL_S = 60.0
 # A peer's rate is judged over at least this many stall times from its first block.
@@ -77,23 +87,48 @@ def checked_hashes(upstream: Manifest, hashes: dict[str, tuple[bytes, ...]]) -> 
         raise UpstreamError(f"the upstream's block hashes do not give its digest of revision {upstream.revision}", LIED)
 
 
+def keepalive_ms(stall_s: float) -> int:
+    """The keep-alive period to ask a peer for: a quarter of the stall time, within what servers honour."""
+    return round(1000 * min(max(stall_s / 4, KEEPALIVE_MIN_S), KEEPALIVE_MAX_S))
+
+
 class _Watchdog:
     """Cancels a stream that brings no block for stall_s, or (min_rate > 0) whose bytes since its first
-    block came slower than min_rate bytes/s over at least RATE_WINDOW_STALLS stall times."""
+    block came slower than min_rate bytes/s over at least RATE_WINDOW_STALLS stall times.
 
-    def __init__(self, stream: BlockStream, stall_s: float, first_stalls: int = 1, min_rate: float = 0.0) -> None:
+    Before the first block: first_stalls stall times; once a keep-alive came, a stall time without a
+    keep-alive or a block, and keepalive_stalls stall times in all. `why` says why it fired."""
+
+    def __init__(
+        self,
+        stream: BlockStream,
+        stall_s: float,
+        first_stalls: int = 1,
+        min_rate: float = 0.0,
+        keepalive_stalls: int = KEEPALIVE_FIRST_BLOCK_STALLS,
+    ) -> None:
         self._stream = stream
         self._stall_s = stall_s
         self._min_rate = min_rate
-        # Until the first block: as if the last came (first_stalls - 1) stall times from now.
-        self.last = time.monotonic() + (first_stalls - 1) * stall_s
+        self._first_stalls = first_stalls
+        self._keepalive_stalls = max(keepalive_stalls, first_stalls)
+        self._started = time.monotonic()
+        self.last = self._started  # the last block, or before the first one the last keep-alive
         self.first: float | None = None
+        self.kept_alive = False  # a keep-alive came before the first block
         self.received = 0  # bytes after the first block
         self.fired = False
         self.slow = False
+        self.why = ""
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weightstream-peer-stall", daemon=True)
         self._thread.start()
+
+    def keepalive(self) -> None:
+        """A keep-alive came now: before the first block, the peer is still there (after it, nothing)."""
+        if self.first is None:
+            self.last = time.monotonic()
+            self.kept_alive = True
 
     def block(self, nbytes: int) -> None:
         """A block of nbytes came now."""
@@ -112,7 +147,9 @@ class _Watchdog:
     def _run(self) -> None:
         while not self._done.wait(min(0.1, self._stall_s / 4)):
             now = time.monotonic()
-            if now - self.last > self._stall_s:
+            why = self._stalled(now)
+            if why:
+                self.why = why
                 self.fired = True
                 self._stream.cancel()
                 return
@@ -126,6 +163,22 @@ class _Watchdog:
                 self.slow = True
                 self._stream.cancel()
                 return
+
+    def _stalled(self, now: float) -> str:
+        """Why the stream is stalled at now, or ""."""
+        stall = self._stall_s
+        if self.first is not None:
+            return f"sent no block for {stall:.1f} s" if now - self.last > stall else ""
+        waited = now - self._started
+        if self.kept_alive:
+            if now - self.last > stall:
+                return f"sent no block and no keep-alive for {stall:.1f} s after its keep-alives (cut off or stalled)"
+            if waited > self._keepalive_stalls * stall:
+                return f"sent keep-alives but no first block for {waited:.1f} s"
+            return ""
+        if waited > self._first_stalls * stall:
+            return f"sent no first block and no keep-alive for {waited:.1f} s"
+        return ""
 
     def close(self) -> None:
         self._done.set()
@@ -165,7 +218,12 @@ def pull_blocks(
             client = peer if peer is not None else upstream
             try:
                 stream = client.revision_blocks(
-                    model, revision, names, first_block=next_block, refused_peer="" if source else report.refused
+                    model,
+                    revision,
+                    names,
+                    first_block=next_block,
+                    refused_peer="" if source else report.refused,
+                    keepalive_ms=keepalive_ms(stall_s) if source else 0,
                 )
             except BaseException:
                 if peer is not None:
@@ -173,7 +231,7 @@ def pull_blocks(
                 raise
             # The upstream is held to the server-wide stall rule, not to a peer's.
             # The first block of a peer may wait for the peer's own pull to start (its manifest,
-            # hashes and memory): FIRST_BLOCK_STALLS stall times; a dead peer is refused at once.
+            # hashes and memory): see the module's docstring; a dead peer is refused at once.
             watchdog = _Watchdog(
                 stream,
                 stall_s if source else max(stall_s, UPSTREAM_STALL_S),
@@ -191,7 +249,7 @@ def pull_blocks(
                 if watchdog.slow:
                     why = f"sent {watchdog.rate():.0f} bytes/s, under --peer-min-rate {min_rate:.0f}"
                 elif watchdog.fired:
-                    why = f"sent no block for {stall_s:.1f} s"
+                    why = watchdog.why
                 else:
                     why = str(exc)[:300]
                 if isinstance(exc, BadBlock) and not (watchdog.fired or watchdog.slow):
@@ -224,7 +282,11 @@ def _receive(
     report: PullReport,
     source: str,
 ) -> int:
-    for index, data in stream:
+    for block in stream:
+        if block is None:
+            watchdog.keepalive()  # never counted as bytes
+            continue
+        index, data = block
         watchdog.block(len(data))
         if index != next_block or next_block >= len(order):
             raise BadBlock(f"block {index} came where block {next_block} was due")

@@ -7,7 +7,8 @@ planned below it). StreamRevisionBlocks serves only blocks of a published revisi
 pulled here (revisions.peer_blocks), never files. A request that names a refused_peer is a puller's
 report that that peer's blocks failed their hashes: with --fanout, and when the caller is the puller
 this server planned directly below that peer, the peer is left out of that revision's plans here;
-otherwise the report is ignored.
+otherwise the report is ignored. A request with keepalive_ms gets a waiting message while its next
+block is awaited here (revisions.peer_blocks says when, and the periods honoured).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from weightstream_server.transports import rpc
 MAX_NAME_CHARS = 4096
 # A refused_peer longer than this is no "HOST:PORT".
 MAX_ADDRESS_CHARS = 300
+# StreamRevisionBlocksResponse(waiting=True) serialized: a keep-alive.
+WAITING_MESSAGE = pb.StreamRevisionBlocksResponse(waiting=True).SerializeToString()
 
 
 class PeersServicer:
@@ -87,6 +90,7 @@ class PeersServicer:
                 request.first_block,
                 self._stall_s,
                 context.is_active,
+                request.keepalive_ms / 1000,
             )
             # Only for a revision this server keeps (nothing is stored for names a reader made up), and
             # only from the puller planned below the peer (Fanout.refuse).
@@ -95,7 +99,12 @@ class PeersServicer:
                 fanout.refuse(request.model, request.revision, refused, reporter_host(session.peer))
             counts = self._holdings.counts
             try:
-                for index, data in blocks:
+                for block in blocks:
+                    if block is None:
+                        with session.waiting_on_client():
+                            yield WAITING_MESSAGE
+                        continue
+                    index, data = block
                     message = _block_message(index, data)
                     with session.waiting_on_client():
                         yield message
