@@ -65,6 +65,19 @@ def test_one_slow_publish_does_not_turn_the_choice_but_a_lasting_change_does() -
     assert choice.encode() is True
 
 
+def test_the_slower_way_measured_again_is_judged_by_that_measurement_alone() -> None:
+    """Deltas took 1.0 s five times against whole's 0.5 s; then the host got faster at encoding (0.3 s):
+    the first time deltas is measured again, it takes over."""
+    choice = SendChoice()
+    for _ in range(5):
+        choice.record(True, 1.0, GB)
+    picked = picks(choice, {True: 0.3, False: 0.5}, 30)
+    assert picked[:2] == [False, False]
+    first = picked.index(True)
+    assert first <= SEND_RETRY * 2 + 1, picked
+    assert all(picked[first:]), picked
+
+
 def test_publish_takes_true_false_or_auto_and_names_any_other_string() -> None:
     """Checked before anything is sent (no server at this address is ever reached)."""
     with WeightStreamClient("127.0.0.1:9", progress=False) as client:

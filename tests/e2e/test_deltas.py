@@ -533,8 +533,12 @@ def test_auto_deltas_measure_both_ways_and_engines_take_either_without_a_computa
     assert server.deltas is not None
     ways: list[bool] = []
     sent: list[int] = []
+    # Whether the trainer kept a host copy after each publish: exactly when the next one encodes.
+    copies: list[bool] = []
     with client_of(server, transport) as trainer, client_of(server, transport) as engine:
         held = trainer.publish(MODEL, a, deltas="auto")
+        assert trainer.last_publish is not None
+        copies.append(trainer.last_publish.host_copy)
         engine.load_into(module, MODEL)
         for seed in (1, 2, 3):
             state = stepped(a, 0.02, seed=seed)
@@ -543,12 +547,14 @@ def test_auto_deltas_measure_both_ways_and_engines_take_either_without_a_computa
             sent.append(received(server) - before)
             assert trainer.last_publish is not None
             ways.append(trainer.last_publish.encoded)
+            copies.append(trainer.last_publish.host_copy)
             assert_published(trainer, state)
             computed = server.deltas.snapshot().computed
             held = engine.update_into(module, MODEL, since=held).revision
             assert_holds(module, state)
             assert server.deltas.snapshot().computed == computed
     assert ways[:2] == [True, False], ways
+    assert copies[:3] == ways, (copies, ways)
     assert 0 < sent[0] <= 0.1 * model_bytes(a)
     assert sent[1] == model_bytes(a)  # every chunk holds a change: all of them, whole
     assert (sent[2] < model_bytes(a)) == ways[2], (sent, ways)

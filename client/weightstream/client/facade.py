@@ -106,6 +106,9 @@ class PublishReport:
     # Against a delta base: whether what changed went as XOR deltas (False: every chunk whole, as
     # deltas="auto" chose).
     encoded: bool = False
+    # Whether this client now holds host copies of what it published, so that the next publish with
+    # deltas sends what changed against them (deltas="auto": only when it will encode).
+    host_copy: bool = False
 
 
 class WeightStreamClient:
@@ -428,10 +431,11 @@ class WeightStreamClient:
         the server starts the revision from the one it holds. Where the server no longer keeps that
         revision, the publish goes whole; after a publish that failed, the next one does too.
         deltas="auto" sends what changed as deltas, or every chunk whole (no host copy compared, none
-        kept), whichever took less time in its recent publishes (revisions.SendChoice): on a fast link
-        with few cores to spare, finding and encoding what changed can cost more than sending it all.
-        Either way the server starts the revision from the one before and keeps what was sent for
-        engines updating from there, so that none of them waits for a delta to be computed.
+        brought up to date: its memory stays allocated), whichever took less time in its recent
+        publishes (revisions.SendChoice): on a fast link with few cores to spare, finding and
+        encoding what changed can cost more than sending it all. Either way the server starts the
+        revision from the one before and keeps what was sent for engines updating from there, so
+        that none of them waits for a delta to be computed.
         """
         if isinstance(deltas, str) and deltas != "auto":
             raise ValueError(f'deltas must be True, False or "auto", not {deltas!r}')
@@ -469,6 +473,9 @@ class WeightStreamClient:
         if choice is not None and delta_base:
             choice.record(encode, time.perf_counter() - started, nbytes)
         if deltas and (choice is None or choice.encode()):
+            # Out of the map while its copies change: should after() fail midway, no later publish
+            # takes copies that hold some of this revision's bytes for the old one's.
+            self._published.pop(key, None)
             self._published[key] = revisions.HeldPublish.after(
                 held, str(response.revision), tensors, synced=bool(delta_base) and encode
             )
@@ -489,6 +496,7 @@ class WeightStreamClient:
             how,
             delta_base,
             encode and bool(delta_base),
+            bool(deltas) and self._published[key].current,
         )
         logger.info(
             "published %s revision %s: %d tensors, %d bytes in %.3f s (%.2f GB/s) over %s%s",

@@ -211,9 +211,9 @@ def _delta_chunk(job: _Piece, codec: delta_forms.Codec, scratch: np.ndarray) -> 
 
 
 # deltas="auto": the slower way of sending a publish's changed chunks is measured again after this many
-# publishes the faster way, times how many times slower it was (at most SEND_RETRY_MOST times). Each way
-# is judged by the median of its last SEND_SAMPLES times per byte: one publish slowed by a busy host
-# does not turn the choice.
+# publishes the faster way, times how many times slower it was (at most SEND_RETRY_MOST times). The
+# faster way is judged by the median of its last SEND_SAMPLES times per byte (one publish slowed by a
+# busy host does not turn the choice), the slower by its last measurement.
 SEND_RETRY = 8
 SEND_RETRY_MOST = 8
 SEND_SAMPLES = 5
@@ -222,13 +222,13 @@ SEND_SAMPLES = 5
 @dataclass
 class SendChoice:
     """deltas="auto": whether a publish against a delta base sends what changed as XOR deltas or
-    every chunk whole, whichever took less time per byte in its last few publishes (the median of
-    up to SEND_SAMPLES). Which is faster depends on the link and the cores: on a fast link with few
-    cores, sending everything costs less than finding and encoding what changed; on a slow link,
-    deltas win by far. The first publish against a base encodes, the next sends whole, then the
-    faster goes on; the slower is measured again now and then (the more it lost by, the less
-    often). A publish sent whole needs no host copy: the publisher keeps one only for a publish
-    that encodes next (HeldPublish.current)."""
+    every chunk whole, whichever took less time per byte: the way in use by the median of its last
+    SEND_SAMPLES publishes, the other by its last measurement. Which is faster depends on the link
+    and the cores: on a fast link with few cores, sending everything costs less than finding and
+    encoding what changed; on a slow link, deltas win by far. The first publish against a base
+    encodes, the next sends whole, then the faster goes on; the slower is measured again now and
+    then (the more it lost by, the less often). A publish sent whole needs no host copy: the
+    publisher keeps one only for a publish that encodes next (HeldPublish.current)."""
 
     # Each way's last SEND_SAMPLES times per byte, oldest first.
     samples: dict[bool, deque[float]] = field(default_factory=dict)
@@ -256,7 +256,10 @@ class SendChoice:
         known = self.seconds_per_byte
         usual = True not in known or False not in known or (known[True] <= known[False]) == encoded
         self.since_other = self.since_other + 1 if usual and len(known) == 2 else 0
-        self.samples.setdefault(encoded, deque(maxlen=SEND_SAMPLES)).append(seconds / max(nbytes, 1))
+        samples = self.samples.setdefault(encoded, deque(maxlen=SEND_SAMPLES))
+        if not usual:
+            samples.clear()  # the slower way measured again: its older times say nothing of it now
+        samples.append(seconds / max(nbytes, 1))
 
 
 def publish_requests(start: pb.PublishStart, chunks: Iterator[OutChunk]) -> Iterator[pb.PublishRequest]:

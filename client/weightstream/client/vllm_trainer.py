@@ -41,17 +41,18 @@ revision, and so the engine, as they were; the engine is not asked to update. An
 fails after start_weight_update is followed by finish_weight_update without a weight version, so
 that the engine puts back the layers it had taken apart; with init_info deltas the engine pulls
 into its host copy before it touches the model, so when the pull fails it still serves its
-previous revision (not when vLLM's own load_weights fails after it), and without, the layers that
-had received weights hold the new revision's (the next send pulls every tensor changed since the
-previous revision again, so it repairs them). In both cases the next send_weights() starts afresh
-with a new revision name.
+previous revision (not when vLLM's own load_weights fails after it), and without (or for an update
+deltas="auto" sent whole, streamed straight in), the layers that had received weights hold the new
+revision's (the next send pulls every tensor changed since the previous revision again, so it
+repairs them). In both cases the next send_weights() starts afresh with a new revision name.
 
 With deltas=True the trainer keeps a host copy of what it published (memory of its part's size) and
 each publish sends only the chunks that changed, as XOR deltas where smaller; the engine keeps its
 own host copy and pulls the deltas too. With deltas="auto" a publish that went whole against its
 base (every chunk, no host copy compared) is marked so in update_info ({"revision": R, "whole":
-true}): the engine streams it straight into the model, as without deltas, and refills its host
-copy at the next update that came as deltas.
+true}) when the next publish sends whole too: the engine streams it straight into the model, as
+without deltas (and with their failure semantics), and its host copy takes the update before the
+first publish that encodes again.
 
 Concurrency: one send_weights() at a time per engine; every rank must call it the same number of times.
 """
@@ -284,6 +285,14 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
                     logger.info("weightstream: revision %s of %s is taken; trying the next name", revision, info.model)
                     self.sends += 1
                     revision = f"{info.revision_prefix}{self.sends}"
+            else:
+                raise WeightSyncError(
+                    f"weightstream: publish of {info.model!r} (rank {info.rank}) failed: the last {NAME_TRIES} "
+                    f"revision names up to {revision!r} are taken; the server's current revision and the engine "
+                    "are as they were",
+                    phase="publish",
+                    revision=revision,
+                )
         except WeightStreamError as exc:
             raise WeightSyncError(
                 f"weightstream: publish of {info.model!r} revision {revision!r} (rank {info.rank}) failed: {exc}; "
@@ -294,9 +303,11 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
         report = self.publisher.last_publish if tensors else None
         published = time.perf_counter()
         if self.is_sender:
-            # Every chunk sent whole against the base (deltas="auto" chose it): the engine streams it
-            # straight into the model, not through its host copy (rank 0's part tells).
-            whole = report is not None and bool(report.delta_base) and not report.encoded
+            # Every chunk sent whole against the base (deltas="auto" chose it), and the next publish
+            # sends whole too: the engine streams it straight into the model, not through its host
+            # copy (rank 0's part tells). Before a publish that encodes, the engine's host copy takes
+            # it, so that it holds the base of the deltas that follow.
+            whole = report is not None and bool(report.delta_base) and not report.encoded and not report.host_copy
             self._update_engine(revision, whole=whole)
         finished = time.perf_counter()
         self.last_step = StepReport(
@@ -326,6 +337,7 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
         return tensors
 
     def _update_engine(self, revision: str, *, whole: bool) -> None:
+        """Have the engine pull revision (whole: straight into the model, not through a host copy)."""
         phase: Phase = "start"
         try:
             self.client.start_weight_update()
@@ -346,7 +358,7 @@ class WeightStreamTrainerEngine(TrainerWeightTransferEngine[WeightStreamTrainerI
                 if phase == "start"
                 else "the engine still serves its previous revision unless vLLM's load_weights failed after "
                 "the pull; the next send_weights() pulls it whole again"
-                if phase == "update" and self.init_info.deltas and not restored
+                if phase == "update" and self.init_info.deltas and not whole and not restored
                 else "the engine may hold part of it; the next send_weights() pulls it whole again"
             )
             raise WeightSyncError(

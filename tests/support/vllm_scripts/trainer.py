@@ -233,6 +233,7 @@ def run_steps(rank: int, settings: dict[str, Any], model: Any, config: Any, sour
                 update_seconds=step.update_seconds,
                 encoded=bool(engine.publisher.last_publish and engine.publisher.last_publish.encoded),
                 delta_base=engine.publisher.last_publish.delta_base if engine.publisher.last_publish else "",
+                host_copy=bool(engine.publisher.last_publish and engine.publisher.last_publish.host_copy),
             )
         if world > 1:
             dist.barrier()
