@@ -109,7 +109,8 @@ class WeightStreamInitInfo(WeightTransferInitInfo):
 class WeightStreamUpdateInfo(WeightTransferUpdateInfo):
     """The revision to pull: a name, or "latest" for the server's current one. whole: the revision was
     published whole (not as deltas), so an engine with init_info deltas streams it straight into the
-    model, as one without does, not through its host copy (refilled whole at the next update)."""
+    model, as one without does, not through its host copy (refilled whole at the next update not
+    marked whole)."""
 
     revision: str = LATEST
     whole: bool = False
@@ -204,16 +205,18 @@ class WeightStreamWeightTransferEngine(WeightTransferEngine[WeightStreamInitInfo
             since=self._pending or "",
             logger=logger,
         )
-        if self._host_copy is not None and update_info.whole:
-            self._host_copy.forget()
+        copy = self._host_copy
+        if copy is not None and update_info.whole:
+            copy.forget()
+            copy = None
             logger.info(
                 "weightstream: %s was published whole: streamed straight into the model; the host copy is "
-                "refilled at the next update that comes as deltas",
+                "refilled at the next update not marked whole",
                 plan.manifest.revision,
             )
-        if self._host_copy is not None and not update_info.whole:
-            self._host_copy.pull(plan.manifest.revision, logger=logger)
-            received = self._host_copy.tensors(plan.names, self.device)
+        if copy is not None:
+            copy.pull(plan.manifest.revision, logger=logger)
+            received = copy.tensors(plan.names, self.device)
         else:
             received = client.iter_tensors(
                 self._model_id,
