@@ -334,6 +334,16 @@ for bad in ({'target': ''}, {'transport': 'carrier-pigeon'}, {'world_size': 2, '
         print('refused:', exc)
     else:
         raise AssertionError(bad)
+# What an HTTP caller of /update_weights may send: "whole" only as a bool, never "yes" or 1.
+from weightstream.client.vllm_transfer import WeightStreamUpdateInfo as U
+assert U(revision='r', whole=True).whole is True and U(revision='r').whole is False
+for bad in ({'whole': 'yes'}, {'whole': 1}, {'revision': ''}):
+    try:
+        U(**{'revision': 'r', **bad})
+    except ValueError as exc:
+        print('refused update_info:', exc)
+    else:
+        raise AssertionError(bad)
 """
     result = subprocess.run(
         [str(VLLM_PYTHON), "-c", check], capture_output=True, text=True, timeout=300, env=clean_env(), check=False
@@ -342,3 +352,5 @@ for bad in ({'target': ''}, {'transport': 'carrier-pigeon'}, {'world_size': 2, '
     assert result.stdout.count("refused:") == 4, result.stdout
     assert "WeightStreamTrainerInitInfo.transport must be one of" in result.stdout
     assert "WeightStreamTrainerInitInfo.revision_prefix must be" in result.stdout
+    assert result.stdout.count("refused update_info:") == 3, result.stdout
+    assert "update_info[\"whole\"] must be true or false, not 'yes'" in result.stdout
