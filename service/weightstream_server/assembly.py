@@ -33,6 +33,7 @@ from weightstream_server.ops.stats import ServerStats
 from weightstream_server.revisions.changes import Changes
 from weightstream_server.revisions.fanout import Fanout
 from weightstream_server.revisions.peer_blocks import Holdings
+from weightstream_server.revisions.peer_pull import first_block_wait
 from weightstream_server.revisions.published import Publisher
 from weightstream_server.revisions.relay import Relay
 from weightstream_server.revisions.store import RevisionStore
@@ -314,7 +315,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         revisions.on_evicted.append(lambda revision: deltas.forget(revision.model, revision.id))
     publisher.restore()
     changes = Changes(revisions, streams.read_blocks)
-    holdings = Holdings(revisions)
+    holdings = Holdings(revisions, first_block_wait(settings.peer_stall_seconds))
     relay = Relay(settings, revisions, catalog, publisher, holdings) if settings.upstream is not None else None
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
     data_port = None

@@ -23,6 +23,7 @@ from weightstream.client import WeightStreamClient
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server.errors import ServerError, status_code
+from weightstream_server.revisions import peer_blocks
 from weightstream_server.revisions.peer_blocks import CallerLeft, Holdings
 from weightstream_server.revisions.peer_pull import FIRST_BLOCK_STALLS, checked_hashes, pull_blocks
 from weightstream_server.revisions.store import RevisionStore
@@ -194,3 +195,40 @@ def test_a_revision_with_an_empty_tensor_is_pulled_through_a_peer(tmp_path: Path
             holdings.end(report.pull)
     assert all(torch.equal(views[name], state[name]) for name in state)
     assert holdings.counts.fallbacks == 0 and report.peer_bytes == state["w"].numel() * 4, report
+
+
+def test_a_request_waits_for_a_pulls_first_block_as_long_as_the_pull_itself_may(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer's request for a pull here whose own first block comes late (its own peer still setting
+    up) is served once it comes, past ARRIVAL_S, and fails UNAVAILABLE only once the pull itself would
+    have given up (first_block_s); a chain whose upper nodes start late is not cut by the serving side.
+    ARRIVAL_S is made short here, as is first_block_s, so that the test takes seconds."""
+    monkeypatch.setattr(peer_blocks, "ARRIVAL_S", 0.3)
+    holdings = Holdings(RevisionStore(), first_block_s=1.5)
+    pull = holdings.begin(MODEL, "r1", {"w": torch.zeros(2 * 1024 * 1024 // 4)})
+    try:
+        threading.Timer(0.8, pull.advance, ("w", 1)).start()  # past ARRIVAL_S, within first_block_s
+        started = time.monotonic()
+        index, data = next(holdings.blocks(MODEL, "r1", ["w"], 0, 0.1))  # type: ignore[misc]
+        assert index == 0 and len(data) == 1024 * 1024
+        assert 0.7 < time.monotonic() - started < 1.4
+        # Block 1 never comes, and the pull has flowed: the request's own stall time holds.
+        blocks = holdings.blocks(MODEL, "r1", ["w"], 1, 0.2)
+        started = time.monotonic()
+        with pytest.raises(ServerError) as raised:
+            next(blocks)
+        assert status_code(raised.value) == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 1.0
+    finally:
+        holdings.end(pull)
+    # A pull whose first block never comes: the wait ends at first_block_s, not before.
+    pull = holdings.begin(MODEL, "r2", {"w": torch.zeros(1024 * 1024 // 4)})
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServerError) as raised:
+            next(holdings.blocks(MODEL, "r2", ["w"], 0, 0.1))
+        assert status_code(raised.value) == grpc.StatusCode.UNAVAILABLE
+        assert 1.4 < time.monotonic() - started < 3.0
+    finally:
+        holdings.end(pull)

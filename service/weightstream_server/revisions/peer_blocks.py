@@ -37,8 +37,9 @@ from weightstream_server.serving.catalog import Manifest
 # Tensors one request may name.
 MAX_TENSORS = 1 << 20
 POLL_S = 0.05
-# How long a peer's request waits for a revision this server has begun to take to start arriving
-# (its manifest, hashes and memory come first), and how many such revisions are remembered.
+# How long a peer's request waits for a revision this server has begun to take to start being pulled
+# (its manifest, hashes and memory come first), and how many such revisions are remembered; then, by
+# default, for the pull's first block (Holdings' first_block_s).
 ARRIVAL_S = 30.0
 MAX_EXPECTED = 64
 # While a request waits for a block, how often it looks whether its caller is still there.
@@ -98,14 +99,18 @@ class PeerCounts:
 class Pull:
     """A revision being pulled here: its tensors' views and how many leading blocks of each are checked."""
 
-    def __init__(self, model: str, revision: str, views: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, model: str, revision: str, views: dict[str, torch.Tensor], first_block_s: float = ARRIVAL_S
+    ) -> None:
         self.model = model
         self.revision = revision
         self._views = {name: view.view(-1).view(torch.uint8) for name, view in views.items()}
         self._done = dict.fromkeys(views, 0)
         self._closed = False
-        # Until its first block, a pull waits on its own source's set-up: waits then last up to ARRIVAL_S.
+        # Until its first block, a pull waits on its own source (a peer still setting up, then the
+        # upstream): a request's wait then lasts as long as this pull may itself wait, first_block_s.
         self._begun = time.monotonic()
+        self._first_block_s = first_block_s
         self._flowing = False
         self._changed = threading.Condition()
 
@@ -144,7 +149,7 @@ class Pull:
                 return None
             while not self._closed and self._done[tensor] <= index:
                 now = time.monotonic()
-                until = deadline if self._flowing else max(deadline, self._begun + ARRIVAL_S)
+                until = deadline if self._flowing else max(deadline, self._begun + self._first_block_s)
                 left = until - now
                 if left <= 0:
                     raise SourceStalled(f"block {index} of tensor {tensor!r} did not arrive here in time")
@@ -164,8 +169,11 @@ class Pull:
 class Holdings:
     """The pulls in progress here and the kept revisions: where a peer's block request is answered from."""
 
-    def __init__(self, store: RevisionStore) -> None:
+    def __init__(self, store: RevisionStore, first_block_s: float = ARRIVAL_S) -> None:
+        """first_block_s: how long a peer's request may wait for the first block of a pull here (the
+        longest this server's own pull may wait for it: peer_pull.first_block_wait)."""
         self._store = store
+        self._first_block_s = first_block_s
         self._lock = threading.Lock()
         self._pulls: dict[tuple[str, str], Pull] = {}
         # Revisions this server has begun to take (a watch reported them) but not yet pulling: a
@@ -184,7 +192,7 @@ class Holdings:
             self._expected.pop((model, revision), None)
 
     def begin(self, model: str, revision: str, views: dict[str, torch.Tensor]) -> Pull:
-        pull = Pull(model, revision, views)
+        pull = Pull(model, revision, views, self._first_block_s)
         with self._lock:
             self._pulls[(model, revision)] = pull
         return pull

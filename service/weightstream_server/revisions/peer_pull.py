@@ -87,6 +87,14 @@ def checked_hashes(upstream: Manifest, hashes: dict[str, tuple[bytes, ...]]) -> 
         raise UpstreamError(f"the upstream's block hashes do not give its digest of revision {upstream.revision}", LIED)
 
 
+def first_block_wait(stall_s: float) -> float:
+    """The longest a pull may wait for its first block (_Watchdog's rules): a peer's keep-alive allowance,
+    then the upstream's first-block allowance once that peer is left. A peer asking this server for a
+    pull's blocks may wait as long, so the serving side never cuts a chain whose upper nodes start late
+    before its pullers' own rules would."""
+    return KEEPALIVE_FIRST_BLOCK_STALLS * stall_s + FIRST_BLOCK_STALLS * max(stall_s, UPSTREAM_STALL_S)
+
+
 def keepalive_ms(stall_s: float) -> int:
     """The keep-alive period to ask a peer for: a quarter of the stall time, within what servers honour."""
     return round(1000 * min(max(stall_s / 4, KEEPALIVE_MIN_S), KEEPALIVE_MAX_S))
