@@ -9,6 +9,8 @@ peers do: serve, die midway, or send wrong bytes. Needs root (ip netns, tc): ski
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -102,6 +104,9 @@ SLOW_BOUND_S = 2 * FAULT_STALL_S + 4.0
 # From the cut: the stall time, then the rest from the origin (400 Mbit/s) and the engine's update (about
 # 0.4 s here). Without the stall rule, gRPC's pings find the cut after 5 to 15 s (weightstream.client.channels).
 CUT_BOUND_S = FAULT_STALL_S + 2.5
+# From a publish with node 3's peer frozen: the connect timeout (at most 1 s), then the revision from the
+# origin and the engine's update (a first-block allowance would be ten stall times, 20 s).
+STALLED_BOUND_S = FAULT_STALL_S + 5.0
 # From a join: the reconnect (at most 1 s), the watch, the revision from a peer, the engine's first load
 # (about 4 s here on a quiet host, 12 s with a load average of 16 on its 2 cores).
 JOIN_BOUND_S = 20.0
@@ -221,3 +226,42 @@ def test_a_peer_whose_link_is_cut_midway_leaves_the_nodes_below_it_bit_exact_wit
         # The cut came midway: node 3 took part of the revision from node 2 and the rest from the origin.
         assert 0 < end[PEER_BYTES] - start.get(PEER_BYTES, 0) < FAULT_MIB << 20, end
         assert end[UPSTREAM_BYTES] > start.get(UPSTREAM_BYTES, 0), end
+
+
+def test_a_peer_stalled_before_a_revision_starts_is_left_at_once_and_its_puller_ends_bit_exact(
+    chain: fleet.Cluster,
+) -> None:
+    """Node 2's sidecar is frozen (SIGSTOP: its kernel still takes connections, it answers nothing) while
+    the origin still plans node 3 below it (it finds a silent watch only by its pings, 20 s and 5 s
+    more). Node 3's connection to node 2 never gets the server's first HTTP/2 frame, so its call fails
+    within the client's connect timeout (weightstream.client.channels), long before any stall rule,
+    and node 3 takes the revision from the origin."""
+    running = chain
+    with _logged(running):
+        running.node(2).mend()  # cut by the test above: a link down is found by the kernel (no route)
+        _joined(running)
+        start = running.metrics(3)
+        sidecar = running.node(2).processes[0].pid
+        _signal_tree(sidecar, signal.SIGSTOP)
+        try:
+            revision, published = running.publish(len(running.revisions))
+            records = running.wait_engines(revision, [1, 3], timeout=60)
+        finally:
+            _signal_tree(sidecar, signal.SIGCONT)
+        _exact(records)
+        seconds = float(records[3]["done"]) - published  # type: ignore[arg-type]
+        end = running.metrics(3)
+        # It was planned below node 2, and left it: one fallback, every byte from the origin.
+        assert end.get(FALLBACKS, 0) == start.get(FALLBACKS, 0) + 1, end
+        assert end[UPSTREAM_BYTES] - start.get(UPSTREAM_BYTES, 0) == FAULT_MIB << 20, end
+        assert seconds < STALLED_BOUND_S, f"node 3 ended {seconds:.1f} s after the publish"
+
+
+def _signal_tree(pid: int, number: int) -> None:
+    """Send number to pid and its descendants (a node's command may run as a child of nsenter)."""
+    with contextlib.suppress(OSError):
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for child in children:
+            _signal_tree(int(child), number)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, number)
