@@ -335,7 +335,6 @@ class Relay:
         if not self._upstream_fans_out:
             return None
         started = time.perf_counter()
-        holdings.expect(model, revision)  # peers planned below this one may ask already
 
         def connect(target: str) -> WeightStreamClient:
             return peer_client(self._settings, target)
@@ -368,8 +367,6 @@ class Relay:
                 exc,
             )
             return None
-        finally:
-            holdings.forget(model, revision)
         report = pull.report
         if report is not None:
             holdings.counts.add(peer_bytes=report.peer_bytes, upstream_bytes=report.upstream_bytes)

@@ -85,6 +85,9 @@ class StoragePull:
         model, revision = self.model, self.revision
         cache = self._tier.cache
         assert cache is not None
+        # Peers planned below this one may ask already: their requests wait for this pull (peer_blocks),
+        # and for the revision to be current here (close()).
+        self._holdings.expect(model, revision)
         located = self._tier.inner.resolve(model)
         listed = revision_of(located.files)
         if listed != revision:
@@ -123,7 +126,9 @@ class StoragePull:
             self.files += 1
 
     def close(self) -> None:
-        """End the pull (its peers read no more of it here), drop the files not kept, unmap them all."""
+        """End the pull (its peers read no more of it here, but from the kept files once the revision is current),
+        drop the files not kept, unmap them all."""
+        self._holdings.forget(self.model, self.revision)
         report = self.report
         if report is not None and report.pull is not None:
             self._holdings.end(report.pull)
