@@ -38,7 +38,10 @@ from weightstream_server.storage.upstream import UpstreamSource
 
 MODEL = "storage-fanout"
 FILE = "model.safetensors"
-STALL_S = 0.5
+# The servers' stall time: how long a request for blocks not there waits before NOT_FOUND.
+STALL_S = 0.25
+# A node's pull leaves a peer only after this long without a block: a busy machine does not make it fall back.
+PULL_STALL_S = 5.0
 MIB = 1024 * 1024
 # The hostile peer's address as its puller names it (198.18.0.0/15: benchmarking, never routed here).
 HOSTILE = "198.18.0.7:50051"
@@ -137,7 +140,7 @@ def _pull(
     def connect(target: str) -> WeightStreamClient:
         return WeightStreamClient((dial or {}).get(target, target), progress=False, retry=None)
 
-    pull = StoragePull(node.tier, node.holdings, upstream, connect, MODEL, revision, parent, STALL_S)
+    pull = StoragePull(node.tier, node.holdings, upstream, connect, MODEL, revision, parent, PULL_STALL_S)
     try:
         pull.run()
     finally:
