@@ -37,6 +37,7 @@ from weightstream_server.revisions.peer_pull import first_block_wait
 from weightstream_server.revisions.published import Publisher
 from weightstream_server.revisions.relay import Relay
 from weightstream_server.revisions.store import RevisionStore
+from weightstream_server.revisions.stored_blocks import StoredBlocks
 from weightstream_server.serving.cache import UnitCache
 from weightstream_server.serving.catalog import Catalog
 from weightstream_server.serving.checksums import ReadBlocks
@@ -317,6 +318,12 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     changes = Changes(revisions, streams.read_blocks)
     holdings = Holdings(revisions, first_block_wait(settings.peer_stall_seconds))
     relay = Relay(settings, revisions, catalog, publisher, holdings) if settings.upstream is not None else None
+    # Storage revisions' blocks for peers: an upstream (--fanout) reads them from its own source; a sidecar
+    # (--peers) only from its disk cache's copies of the models it follows.
+    if settings.fanout:
+        holdings.stored = StoredBlocks(revisions)
+    elif settings.peers and relay is not None:
+        holdings.stored = StoredBlocks(revisions, relay.follows)
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
     data_port = None
     if settings.data_port:
@@ -343,7 +350,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         server,
     )  # fmt: skip
     peers_servicer.add_to_server(
-        peers_servicer.PeersServicer(streams, revisions, holdings, fanout, settings.peer_stall_seconds),
+        peers_servicer.PeersServicer(streams, revisions, holdings, fanout, settings.peer_stall_seconds, changes),
         server,
         hashes=settings.fanout,
         blocks=settings.fanout or settings.peers,

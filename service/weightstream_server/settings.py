@@ -255,8 +255,9 @@ class ServerSettings(BaseSettings):
     upstream_client_key: Path | None = Field(default=None, description="PEM private key of --upstream-client-cert")
     peers: bool = Field(
         default=False,
-        description="fleet fan-out: take published revisions' blocks from the peers --upstream names (each block "
-        "checked against the upstream's BLAKE3 hashes) and serve them to peers on the gRPC port",
+        description="fleet fan-out: take published revisions' blocks, and with --disk-cache storage revisions' "
+        "files, from the peers --upstream names (each block checked against the upstream's BLAKE3 hashes) and serve "
+        "them to peers on the gRPC port",
     )
     peer_stall_seconds: float = Field(
         default=2.0,
@@ -272,13 +273,13 @@ class ServerSettings(BaseSettings):
     fanout: bool = Field(
         default=False,
         description="fleet fan-out, the upstream's side: plan which peer each watcher with a peer port (a sidecar "
-        "with --peers) takes a published revision from, and serve GetBlockHashes and StreamRevisionBlocks; "
-        "off: watchers are never named a peer and take revisions from this server",
+        "with --peers) takes a revision (published or storage) from, and serve GetBlockHashes and "
+        "StreamRevisionBlocks; off: watchers are never named a peer and take revisions from this server",
     )
     fanout_roots: int = Field(
         default=1,
         description="fleet fan-out (an upstream of sidecars with --peers): how many peers of a model take each "
-        "published revision from this server; the others from a peer",
+        "revision from this server; the others from a peer",
     )
     fanout_degree: int = Field(
         default=1,

@@ -909,9 +909,12 @@ STREAM_CODES = frozenset(
 
 
 def _kept(target: Target, model: str, choice: str) -> str:
-    """A case's revision choice as a revision id: the model's current one, one the cases know, or text."""
+    """A case's revision choice as a revision id: the model's current one, one the cases know (the first, or
+    the Nth from the last), or text."""
     if choice == "current":
         return target.current[model].revision if model in target.current else ""
+    if choice == "first":
+        return next((r for m, r in target.revisions if m == model), "none-0")
     if choice.startswith("kept:"):
         known = [r for m, r in target.revisions if m == model]
         index = int(choice[5:])
@@ -1414,7 +1417,8 @@ def peer_cases() -> st.SearchStrategy[PeerCase]:
         PeerCase,
         rpc=st.sampled_from(["hashes", "blocks", "blocks"]),
         model=weighted((8, st.sampled_from([PUB, PUB, GOOD, NEW])), (1, st.sampled_from(HOSTILE_IDS)), (1, _TEXT)),
-        revision=weighted((6, st.sampled_from(["current", "current", "kept:1"])), (1, _TEXT)),
+        # "first": the first revision the cases knew of the model: PUB's files, superseded by its publishes.
+        revision=weighted((6, st.sampled_from(["current", "current", "kept:1", "first", "first"])), (1, _TEXT)),
         tensors=st.lists(names, max_size=4).map(tuple),
         first_block=weighted((6, st.integers(0, 4)), (1, st.integers(0, 2**64 - 1))),
         refused_peer=weighted(
@@ -1439,7 +1443,12 @@ def run_peer(target: Target, case: PeerCase) -> str:
         with WeightStreamClient(target.address, progress=False) as client:
             target.took(PUB, client.publish(PUB, state), state)
     model, revision = case.model, _kept(target, case.model, case.revision)
-    state = target.revisions.get((model, revision)) if (model, revision) in target.published else None
+    # Served: a published revision kept, and the model's current storage revision (GOOD's files); never
+    # a storage revision superseded (PUB's files once published to).
+    current = target.current.get(model)
+    storage = current is not None and current.revision == revision and (model, revision) not in target.published
+    served = (model, revision) in target.published or storage
+    state = target.revisions.get((model, revision)) if served else None
     if case.rpc == "hashes":
         request = pb.GetBlockHashesRequest(model=model, revision=revision)
         code, details, got = outcome(lambda: list(target.stub.GetBlockHashes(request, timeout=CALL_TIMEOUT_S)))
@@ -1465,7 +1474,9 @@ def run_peer(target: Target, case: PeerCase) -> str:
     check_refusal(code, details, PEER_CODES)
     if got is not None:
         if state is None:
-            raise Violation(f"StreamRevisionBlocks served blocks of {model!r} revision {revision!r}, not published")
+            raise Violation(
+                f"StreamRevisionBlocks served blocks of {model!r} revision {revision!r}, neither published nor current"
+            )
         step = digests.DIGEST_BLOCK_BYTES
         blocks = [
             raw_bytes(state[name])[i : i + step]
@@ -1473,7 +1484,8 @@ def run_peer(target: Target, case: PeerCase) -> str:
             for i in range(0, state[name].numel() * state[name].element_size(), step)
         ]
         want = list(enumerate(blocks))[case.first_block :]
-        # A kept revision is served at once: no keep-alive (waiting) among its blocks, asked for or not.
+        # A kept revision (or the current storage one) is served at once: no keep-alive (waiting) among its
+        # blocks, asked for or not.
         if [(m.index, m.data) for m in got] != want or any(m.waiting for m in got):
             raise Violation(f"StreamRevisionBlocks served other blocks than {model!r} revision {revision!r} holds")
     return code.name

@@ -3,8 +3,9 @@
 A revision's blocks are the DIGEST_BLOCK_BYTES blocks of each tensor (weightstream.protocol.digests),
 numbered across the tensors a request names, in its order. A block is served from a revision this
 server keeps (published, in memory), or from one it is still pulling (Pull) once that block arrived
-and was checked against the upstream's hashes. Nothing else is ever served: no files, no storage
-revision, no revision not named exactly, and never a byte outside the tensor's own memory.
+and was checked against the upstream's hashes; and, where Holdings has StoredBlocks, from a model's
+current storage revision (revisions.stored_blocks says from which files). Nothing else is ever served:
+no files, no revision not named exactly, and never a byte outside the tensor's own bytes.
 
 Keep-alives: a request may ask for a word while it waits here for a block (Holdings.blocks with
 keepalive_s): at once, then every keepalive_s, so that its puller can tell a peer still setting up
@@ -32,6 +33,7 @@ from weightstream.protocol.digests import DIGEST_BLOCK_BYTES
 from weightstream_server.errors import InvalidRequest, ModelNotFound, SourceStalled
 from weightstream_server.revisions.published_source import PublishedSource
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
+from weightstream_server.revisions.stored_blocks import StoredBlocks
 from weightstream_server.serving.catalog import Manifest
 
 # Tensors one request may name.
@@ -169,11 +171,15 @@ class Pull:
 class Holdings:
     """The pulls in progress here and the kept revisions: where a peer's block request is answered from."""
 
-    def __init__(self, store: RevisionStore, first_block_s: float = ARRIVAL_S) -> None:
+    def __init__(
+        self, store: RevisionStore, first_block_s: float = ARRIVAL_S, stored: StoredBlocks | None = None
+    ) -> None:
         """first_block_s: how long a peer's request may wait for the first block of a pull here (the
         longest this server's own pull may wait for it: peer_pull.first_block_wait)."""
         self._store = store
         self._first_block_s = first_block_s
+        # The current storage revisions' blocks (fleet fan-out of storage revisions); None: not served.
+        self.stored = stored
         self._lock = threading.Lock()
         self._pulls: dict[tuple[str, str], Pull] = {}
         # Revisions this server has begun to take (a watch reported them) but not yet pulling: a
@@ -264,6 +270,9 @@ class Holdings:
                 if entry is None:
                     raise ModelNotFound(f"model {model[:200]!r}: revision {revision} has no tensor {tensor[:200]!r}")
                 return int(entry.nbytes)
+            stored = self.stored.size(model, revision, tensor) if self.stored is not None else None
+            if stored is not None:
+                return stored
             if time.monotonic() > deadline:
                 raise ModelNotFound(
                     f"model {model[:200]!r}: published revision {revision} is neither kept nor arriving here"
@@ -299,6 +308,9 @@ class Holdings:
                 start = entry.file_offset + index * DIGEST_BLOCK_BYTES
                 end = min(entry.file_offset + entry.nbytes, start + DIGEST_BLOCK_BYTES)
                 return bytes(part[start:end].numpy().data)
+            stored = self.stored.block(model, revision, tensor, index) if self.stored is not None else None
+            if stored is not None:
+                return stored
             if time.monotonic() > deadline:
                 raise SourceStalled(f"block {index} of tensor {tensor!r} did not arrive here in time")
             if not alive():

@@ -7,6 +7,10 @@ too, under the same name, so a client pinned to a revision may ask either tier:
 - a storage revision: the model's files are listed anew. While the watch is held the listing is
   kept (storage.upstream.UpstreamSource.hold_listings), so a manifest costs no call to the
   upstream: one ListModelFiles per revision, not one per request.
+  With --peers and a disk cache, the revision's files that the disk cache lacks are first written
+  into it from the blocks of the peer the watch event names (revisions.storage_pull), so that the
+  upstream's link carries about one copy for the whole fleet; where that fails (no disk cache, an
+  upstream without --fanout, a lying upstream) the files are read from the upstream as they are asked for.
 - a published revision: taken into this server's memory as a published revision
   (Publisher.relay, within --publish-max-bytes). Tensors that did not change since the published
   revision this server holds are shared with it: the new revision refers to the same memory (no
@@ -51,6 +55,7 @@ from weightstream_server.revisions.peer_blocks import Holdings
 from weightstream_server.revisions.peer_pull import PullReport, pull_blocks
 from weightstream_server.revisions.published import Known, Publisher
 from weightstream_server.revisions.published_source import PublishedSource, Shared
+from weightstream_server.revisions.storage_pull import StoragePull
 from weightstream_server.revisions.store import PUBLISHED, RevisionStore
 from weightstream_server.serving.catalog import Catalog, Manifest
 from weightstream_server.serving.deltas import ChunkKey, Delta
@@ -275,10 +280,14 @@ class Relay:
             return
         if event.origin != PUBLISHED:
             follower.source.forget_listing(model)
+            files = self._take_files(model, event.revision, event.peer)
             try:
                 self._store.observe_storage(model, self._catalog.storage_manifest(model))
             except ServerError as exc:
                 logger.warning("model %r: storage revision %s of the upstream: %s", model, event.revision, exc)
+            finally:
+                if files is not None:
+                    files.close()  # its peers are served from the files in the disk cache from now on
             return
         if self._store.find(model, event.revision) is not None:
             return
@@ -301,6 +310,81 @@ class Relay:
             self._pull(model, event.revision, event.peer)
         except (ServerError, WeightStreamError) as exc:
             logger.warning("model %r: published revision %s of the upstream not taken: %s", model, event.revision, exc)
+
+    def follows(self, model: str) -> bool:
+        """Whether model's revisions are followed from the upstream now (its storage revisions' blocks may be
+        served to peers from the disk cache)."""
+        with self._lock:
+            return model in self._followers
+
+    def _take_files(self, model: str, revision: str, parent: str) -> StoragePull | None:
+        """Write storage revision's files that the disk cache lacks from parent's blocks (a peer the upstream
+        planned; "" for the upstream itself): the pull, still serving this server's peers until closed; None
+        where the peer path is off here or failed (the files are then read from the upstream as asked for)."""
+        holdings = self._holdings
+        if holdings is None:
+            return None
+        try:
+            tier = self._catalog.source_for(model)
+        except ServerError:
+            return None
+        if not isinstance(tier, TieredSource) or tier.cache is None:
+            return None
+        if parent:
+            self._upstream_fans_out = True
+        if not self._upstream_fans_out:
+            return None
+        started = time.perf_counter()
+
+        def connect(target: str) -> WeightStreamClient:
+            return peer_client(self._settings, target)
+
+        pull = StoragePull(
+            tier,
+            holdings,
+            self._client,
+            connect,
+            model,
+            revision,
+            parent,
+            self._settings.peer_stall_seconds,
+            self._settings.peer_min_rate,
+        )
+        try:
+            pull.run()
+        except Exception as exc:  # whatever failed, the way without peers still works
+            pull.close()
+            if isinstance(exc, WeightStreamError) and exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                self._upstream_fans_out = False
+                logger.info(
+                    "upstream %s serves no fan-out (no --fanout there): storage revisions are read from it",
+                    self._client.target,
+                )
+            logger.warning(
+                "model %r: storage revision %s not taken through peers (%s); its files are read from the upstream",
+                model,
+                revision,
+                exc,
+            )
+            return None
+        report = pull.report
+        if report is not None:
+            holdings.counts.add(peer_bytes=report.peer_bytes, upstream_bytes=report.upstream_bytes)
+            with self._lock:
+                self.counts.pulled_bytes += report.peer_bytes + report.upstream_bytes + pull.around_bytes
+        logger.info(
+            "model %r: storage revision %s: %d files into the disk cache, %d bytes from peer %s, %d from the "
+            "upstream (%d of them headers and gaps), %.3f s",
+            model,
+            revision,
+            pull.files,
+            report.peer_bytes if report is not None else 0,
+            parent or "(none)",
+            (report.upstream_bytes if report is not None else 0) + pull.around_bytes,
+            pull.around_bytes,
+            time.perf_counter() - started,
+        )
+        return pull
 
     def _observe_storage(self, model: str) -> None:
         try:

@@ -26,7 +26,9 @@ ends. Use order survives restarts (each record's modification time is its last u
 
 Single-flight: one Fill per file at a time; every stream that wants the file's bytes meanwhile
 reads them from that fill as they arrive (a load never waits for a whole file), and the source is
-read once.
+read once. A Placement (fleet fan-out: a storage revision's file written by its caller, block by
+block in any order, revisions.storage_pull) is such a fill too: streams that want the file meanwhile
+wait for it whole; it is kept only once its size and whole CRC32C are checked, as a fill's are.
 
 Concurrency: every method of DiskCache and Fill may be called from any thread.
 """
@@ -38,6 +40,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import queue
 import stat
@@ -205,6 +208,23 @@ class DiskCache:
         self._queue.put(fill)
         return fill
 
+    def place(self, file: SourceFile) -> Placement | None:
+        """A file for the caller to write in place (Placement), kept only once whole and checked; None when
+        it is cached already, being filled, or does not fit (it is then read the usual way)."""
+        if self.lookup(file) is not None:
+            return None
+        key = cache_key(file)
+        with self._lock:
+            if key in self._filling or time.monotonic() < self._unwritable_until:
+                return None
+            if not self._make_room(file.size):
+                self._bypassed += 1
+                return None
+            self._reserved += file.size
+            placement = Placement(self, key, file)
+            self._filling[key] = placement
+        return placement
+
     def remember(self, model: str, files: tuple[SourceFile, ...]) -> None:
         """Keep which files (source paths, sizes, versions) model last resolved to, for remembered()."""
         listing = [{"name": f.name, "path": f.path, "size": f.size, "version": f.version} for f in files]
@@ -265,6 +285,9 @@ class DiskCache:
         with self._lock:
             self._filling.pop(key, None)
             self._reserved -= fill.file.size
+            replaced = self._entries.pop(key, None)  # the same bytes, kept again
+            if replaced is not None:
+                self._resident -= replaced.size
             self._entries[key] = entry
             self._resident += fill.file.size
             self._checked.add((key, _identity(kept)))
@@ -518,6 +541,76 @@ class Fill:
             self._cache._failed(self, self._partial, unwritable=isinstance(exc, _Unwritable))
             return
         self._cache._finished(self, self._partial, crc)
+
+
+class Placement(Fill):
+    """A file of the cache written by its caller, in any order (buffer()), then kept (keep) or dropped (discard).
+
+    Until then it stands in the cache as the file's fill: a stream that wants the file waits for it
+    whole and reads the kept copy; after discard it gets the error, and the next stream reads the
+    file the usual way. keep checks the size and the whole file's CRC32C (the source's, where it gave
+    one) exactly as a fill's end does; nothing is renamed into the cache unchecked, and a placement
+    neither kept nor discarded is removed with its partial file at the next start.
+
+    Ownership: the partial file and its descriptor as a Fill's; buffer() maps the file writable, and the
+    caller drops every view of that map before close_buffer() (a view still held only keeps the map
+    alive until it is collected, never the file in the cache).
+    """
+
+    def __init__(self, cache: DiskCache, key: str, file: SourceFile) -> None:
+        super().__init__(cache, key, file, _no_fetch)
+        self._map: mmap.mmap | None = None
+        self._ended = False
+
+    def buffer(self) -> mmap.mmap:
+        """The partial file, sized and mapped writable (shared: what is written is the file's)."""
+        if self._map is None:
+            os.ftruncate(self._fd, self.file.size)
+            self._map = mmap.mmap(self._fd, self.file.size)
+        return self._map
+
+    def keep(self, source_crc: int | None) -> None:
+        """Check the written file (its size, and its CRC32C against source_crc, the source's whole-file
+        CRC32C, if not None) and keep it in the cache; CorruptCheckpoint (the file dropped) if it fails."""
+        if self._ended:
+            raise CorruptCheckpoint(f"{self.file.path}: this placement has ended")
+        fd = self._fd
+        crc, read = wire.crc32c_of_range(
+            lambda start, length: os.pread(fd, length, start), 0, self.file.size + 1, block_bytes=_CHECK_BLOCK_BYTES
+        )
+        if read != self.file.size or (source_crc is not None and crc != source_crc):
+            error = CorruptCheckpoint(
+                f"{self.file.path}: the file written from peers' blocks does not match the source's size and CRC32C; "
+                "not cached"
+            )
+            self.discard(error)
+            raise error
+        self._ended = True
+        self._cache._finished(self, self._partial, crc)
+        with self._changed:
+            self._done = self.file.size
+            self._changed.notify_all()
+
+    def discard(self, error: ServerError | None = None) -> None:
+        """Drop the partial file; streams waiting for it get error (UNAVAILABLE by default). Idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        with self._changed:
+            self._error = error or StorageUnavailable(f"{self.file.path}: its copy from peers failed; try again")
+            self._changed.notify_all()
+        self._cache._failed(self, self._partial, unwritable=False)
+
+    def close_buffer(self) -> None:
+        """Unmap buffer() (once no view of it is left; otherwise the map goes when its last view does)."""
+        mapped, self._map = self._map, None
+        if mapped is not None:
+            with contextlib.suppress(BufferError):
+                mapped.close()
+
+
+def _no_fetch(offset: int) -> Iterator[tuple[bytes, int | None]]:
+    raise StorageUnavailable("a placement is written by its caller, never fetched")
 
 
 def _open_checked(cached: SourceFile) -> int | None:

@@ -126,6 +126,11 @@ class TieredSource:
             return b""
         return b"".join(data for data, _ in self._counted(self.inner.read_from(file, start, length)))
 
+    def read_uncached(self, file: SourceFile, start: int, length: int = 0) -> Iterator[tuple[bytes, int | None]]:
+        """(data, whole file's CRC32C or None) pieces of a remote file from start (length bytes, or to its end),
+        read from the source and counted, never through a fill (fleet fan-out reads a file's header so)."""
+        return self._counted(self.inner.read_from(file, start, length))
+
     def read_units(self, files: Sequence[SourceFile], plan: ReadPlan) -> Iterator[tuple[int, int, torch.Tensor]] | None:
         """The plan's units as this tier reads them; None for files in the disk cache (the streamer reads those)."""
         if files[plan.files[0].file_index].local is not None:

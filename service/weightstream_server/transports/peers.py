@@ -4,11 +4,14 @@ Both are streams like the others: a stream slot, the per-client share, the stall
 message. An upstream serves them with --fanout (GetBlockHashes to every peer, StreamRevisionBlocks
 to the peers it plans at the root); a sidecar serves StreamRevisionBlocks with --peers (to the peers
 planned below it). StreamRevisionBlocks serves only blocks of a published revision kept here or being
-pulled here (revisions.peer_blocks), never files. A request that names a refused_peer is a puller's
-report that that peer's blocks failed their hashes: with --fanout, and when the caller is the puller
-this server planned directly below that peer, the peer is left out of that revision's plans here;
-otherwise the report is ignored. A request with keepalive_ms gets a waiting message while its next
-block is awaited here (revisions.peer_blocks says when, and the periods honoured).
+pulled here, or of a model's current storage revision (revisions.peer_blocks, revisions.stored_blocks),
+never files. GetBlockHashes of a storage revision not digested yet digests it first (revisions.changes:
+each file version once, single flight), so that its manifest then carries the digest. A request that
+names a refused_peer is a puller's report that that peer's blocks failed their hashes: with --fanout,
+and when the caller is the puller this server planned directly below that peer, the peer is left out
+of that revision's plans here; otherwise the report is ignored. A request with keepalive_ms gets a
+waiting message while its next block is awaited here (revisions.peer_blocks says when, and the
+periods honoured).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import grpc
 from weightstream.protocol.framing import varint
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import InvalidRequest, ModelNotFound
+from weightstream_server.revisions.changes import Changes
 from weightstream_server.revisions.fanout import Fanout, parse_peer, reporter_host
 from weightstream_server.revisions.peer_blocks import CallerLeft, Holdings
-from weightstream_server.revisions.store import RevisionStore
+from weightstream_server.revisions.store import STORAGE, RevisionStore
 from weightstream_server.serving.stream_session import Streams
 from weightstream_server.storage.model_ids import check_revision_name
 from weightstream_server.transports import rpc
@@ -47,8 +51,11 @@ class PeersServicer:
         holdings: Holdings,
         fanout: Fanout | None,
         stall_s: float,
+        changes: Changes | None = None,
     ) -> None:
         self._streams = streams
+        # Digests storage revisions asked for (GetBlockHashes); None: only revisions digested already.
+        self._changes = changes
         self._revisions = revisions
         self._holdings = holdings
         self._fanout = fanout
@@ -60,6 +67,8 @@ class PeersServicer:
         with self._streams.session(context, method="GetBlockHashes", kind="hashes", model=request.model) as session:
             check_revision_name(request.model, request.revision, "GetBlockHashes")
             kept = self._revisions.find(request.model, request.revision)
+            if kept is not None and kept.origin == STORAGE and kept.block_hashes is None and self._changes is not None:
+                self._changes.blocks(kept)  # a superseded storage revision is not digested (its files are gone)
             if kept is None or kept.block_hashes is None:
                 raise ModelNotFound(
                     f"model {request.model[:200]!r}: revision {request.revision} is not kept or not hashed here"

@@ -22,7 +22,7 @@ from weightstream_server.ops.auth import TokenFile, bearer_token
 from weightstream_server.revisions.changes import Changes
 from weightstream_server.revisions.fanout import Fanout, peer_address
 from weightstream_server.revisions.published import Publisher
-from weightstream_server.revisions.store import PUBLISHED, Revision, RevisionStore
+from weightstream_server.revisions.store import Revision, RevisionStore
 from weightstream_server.serving.stream_session import Streams, StreamSlots, client_of
 from weightstream_server.transports import rpc
 from weightstream_server.transports.tcp.listener import DataPort
@@ -153,7 +153,7 @@ class RevisionsServicer:
                     continue
                 with streams.stalls.waiting(context, lambda: f"watch of model {request.model!r} from {peer}"):
                     message = _watch_message(current, self._revisions.kept(request.model))
-                    if joined is not None and self._fanout is not None and current.origin == PUBLISHED:
+                    if joined is not None and self._fanout is not None:
                         message.peer = self._fanout.parent(request.model, current.id, joined)
                     yield message
                 after = current.id
