@@ -314,7 +314,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         revisions.on_evicted.append(lambda revision: deltas.forget(revision.model, revision.id))
     publisher.restore()
     changes = Changes(revisions, streams.read_blocks)
-    holdings = Holdings(revisions)
+    holdings = Holdings(revisions, publisher.deltas_budget)
     relay = Relay(settings, revisions, catalog, publisher, holdings) if settings.upstream is not None else None
     shm_servicer.add_to_server(shm_servicer.ShmServicer(streams), server)
     data_port = None
