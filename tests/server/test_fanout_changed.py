@@ -11,8 +11,10 @@ end bit-exact, with the (CRC32C, BLAKE3) of every block right in what it reports
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -311,3 +313,25 @@ def test_an_older_peer_that_sends_every_block_raw_is_left_and_the_pull_ends_bit_
     assert holdings.counts.refused_blocks == 1 and holdings.counts.fallbacks == 1
     assert report.refused == f"{PLANNED}:{port}"
     assert seconds < 10 * STALL_S, seconds
+
+
+def test_pullers_asking_at_once_with_the_same_since_cost_one_encoding_per_block(tmp_path: Path) -> None:
+    """Four requests for R since H at the same moment (a tree's children, or several roots): each block
+    is encoded once on the origin, and all four get the same deltas."""
+    h_state = _held_state()
+    r_state = _few_elements(h_state)
+    with _origin(tmp_path) as (origin, upstream):
+        h, r = _published(upstream, h_state, r_state)
+        barrier = threading.Barrier(4)
+
+        def ask(_: int) -> list[tuple[int, bytes, int]]:
+            with WeightStreamClient(f"{LOOPBACK}:{origin.port}", progress=False) as client:
+                barrier.wait(10.0)
+                return [tuple(b) for b in client.revision_blocks(MODEL, r.revision, ["w"], since=h.revision) if b]
+
+        with futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, range(4)))
+        assert origin.holdings is not None
+        assert origin.holdings.counts.encoded_blocks == BLOCKS
+        assert origin.holdings.counts.served_deltas == 4 * BLOCKS
+    assert got[0] == got[1] == got[2] == got[3] and len(got[0]) == BLOCKS

@@ -35,6 +35,7 @@ Concurrency: every method may be called from any thread.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import time
@@ -119,6 +120,8 @@ class Encoded:
         self._lock = threading.Lock()
         self._kept: OrderedDict[tuple[str, str, str, str, int], tuple[int, bytes]] = OrderedDict()
         self._bytes = 0
+        # The blocks being encoded now, one lock each: requests for the same one wait for its result.
+        self._flights: dict[tuple[str, str, str, str, int], threading.Lock] = {}
 
     @property
     def budget(self) -> int:
@@ -127,6 +130,19 @@ class Encoded:
     def get(self, key: tuple[str, str, str, str, int]) -> tuple[int, bytes] | None:
         with self._lock:
             return self._kept.get(key)
+
+    @contextlib.contextmanager
+    def flight(self, key: tuple[str, str, str, str, int]) -> Iterator[None]:
+        """Held while key is encoded: one request at a time encodes a block (the others then find it here)."""
+        with self._lock:
+            flight = self._flights.setdefault(key, threading.Lock())
+        with flight:
+            try:
+                yield
+            finally:
+                with self._lock:
+                    if self._flights.get(key) is flight:
+                        del self._flights[key]
 
     def put(self, key: tuple[str, str, str, str, int], value: tuple[int, bytes]) -> None:
         if len(value[1]) > self._budget:
@@ -471,6 +487,12 @@ class _Encoder:
         known = holdings.encoded.get(key)
         if known is not None:
             return known
+        with holdings.encoded.flight(key):
+            known = holdings.encoded.get(key)  # encoded by another request meanwhile
+            return known if known is not None else self._encode(key, tensor, index, data)
+
+    def _encode(self, key: tuple[str, str, str, str, int], tensor: str, index: int, data: bytes) -> tuple[int, bytes]:
+        holdings = self._holdings
         layout = holdings.layout(self._model, self._revision, tensor)
         base = holdings.kept_block(self._model, self._since, tensor, index, layout) if layout is not None else None
         if base is None or base.numel() != len(data):

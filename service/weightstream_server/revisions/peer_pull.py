@@ -31,7 +31,7 @@ size, a payload that does not decode) is refused like a wrong block. A checked d
 (Holdings.encoded) so that this server forwards it unchanged to its own peers asking with the same since.
 
 Concurrency: one pull runs on its caller's thread, with one watchdog thread for the stall rule.
-Memory: the held revision's memory is read only, while the caller holds it (it keeps the revision).
+Memory: the held revision's tensors are views of its memory, only read, which they keep alive while the pull runs.
 """
 
 from __future__ import annotations
