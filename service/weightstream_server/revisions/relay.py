@@ -14,7 +14,10 @@ too, under the same name, so a client pinned to a revision may ask either tier:
   copied from the revision held here (a published revision's memory, or files in the disk cache),
   and only the changed byte ranges (GetChanges: the upstream's block CRC32Cs) are asked of the
   upstream, over its data port where it has one. Anything this server cannot copy (no held bytes,
-  another layout, a since the upstream no longer keeps) is pulled whole.
+  another layout, a since the upstream no longer keeps) is pulled whole. With --peers the changed
+  tensors come as blocks from the peer the watch event names (revisions.peer_pull): the blocks whose
+  upstream hash equals the held published revision's are copied from it, and the others may come
+  as deltas against it.
 
 The first request for a model waits, up to FIRST_REVISION_S, for its follower to take the
 upstream's current revision, so that it is answered with that one. A watch that ends (the
