@@ -11,6 +11,11 @@ processes used per revision.
 
 --modes star chain tree: each fleet without peers serving peers, then with them (`--peers`) in chains and
 in a tree of degree 2 (`--fanout-degree 2` at the origin), side by side.
+
+--changed F: each revision after the first changes a share F of the previous one's elements (--spread
+elements: scattered over every block, so that blocks travel as deltas; blocks: whole 1 MiB blocks, so
+that only those travel); the table then also gives the bytes each node's link received per revision
+(the most of any node, in copies of the revision).
 Needs root (network namespaces, tc).
 """
 
@@ -61,18 +66,29 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-def measure(mib: int, nodes: int, mode: str, runs: int, rate: str, folder: Path) -> dict[str, object]:
+def measure(
+    mib: int, nodes: int, mode: str, runs: int, rate: str, folder: Path, changed: float = 1.0, spread: str = "elements"
+) -> dict[str, object]:
     origin_extra, sidecar_extra = MODES[mode]
     with fleet.cluster(
-        folder, nodes, mib, rate=rate, origin_extra=origin_extra, sidecar_extra=sidecar_extra
+        folder,
+        nodes,
+        mib,
+        rate=rate,
+        origin_extra=origin_extra,
+        sidecar_extra=sidecar_extra,
+        changed=changed,
+        spread=spread,
     ) as running:
         seconds: list[float] = []
         copies: list[float] = []
+        received: list[list[float]] = []
         cpu: list[dict[str, float]] = []
         indexes = list(range(1, nodes + 1))
         for k in range(1, runs + 1):
             time.sleep(0.5)  # the previous revision's last messages drain
             sent = running.origin.tx_bytes()
+            taken = [running.node(i).rx_bytes() for i in indexes]
             cpu_before = _cpu_seconds(running)
             revision, published = running.publish(k)
             records = running.wait_engines(revision, indexes)
@@ -83,6 +99,12 @@ def measure(mib: int, nodes: int, mode: str, runs: int, rate: str, folder: Path)
             cpu.append({role: cpu_after[role] - cpu_before[role] for role in cpu_after})
             time.sleep(0.3)
             copies.append((running.origin.tx_bytes() - sent) / (mib * 1024 * 1024))
+            received.append(
+                [
+                    (running.node(i).rx_bytes() - before) / (mib * 1024 * 1024)
+                    for i, before in zip(indexes, taken, strict=True)
+                ]
+            )
     return {
         "mib": mib,
         "nodes": nodes,
@@ -90,6 +112,8 @@ def measure(mib: int, nodes: int, mode: str, runs: int, rate: str, folder: Path)
         "seconds": statistics.median(seconds),
         "spread": max(seconds) - min(seconds),
         "copies": statistics.median(copies),
+        # Per node, the median over the revisions of what its link received.
+        "received": [statistics.median(r[n] for r in received) for n in range(nodes)],
         "cpu": statistics.median(sum(c.values()) for c in cpu),
         "cpu_roles": {role: statistics.median(c[role] for c in cpu) for role in cpu[0]},
     }
@@ -102,6 +126,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["star", "chain"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rate", default="500mbit")
+    parser.add_argument("--changed", type=float, default=1.0, help="the share of elements each revision changes")
+    parser.add_argument("--spread", choices=["elements", "blocks"], default="elements")
     args = parser.parse_args()
     why = netns.available()
     if why is not None:
@@ -112,16 +138,24 @@ def main() -> None:
             for mode in args.modes:
                 for nodes in args.nodes:
                     folder = Path(tmp) / f"{mib}-{mode}-{nodes}"
-                    row = measure(mib, nodes, mode, args.runs, args.rate, folder)
+                    row = measure(mib, nodes, mode, args.runs, args.rate, folder, args.changed, args.spread)
                     rows.append(row)
+                    received = " ".join(f"{r:.3f}" for r in row["received"])  # type: ignore[attr-defined]
                     print(
                         f"{mib:>5} MiB {mode:>5} N={nodes}: {row['seconds']:.2f} s (spread {row['spread']:.2f}), "
-                        f"origin sent {row['copies']:.2f} copies, {row['cpu']:.1f} CPU-s {row['cpu_roles']}",
+                        f"origin sent {row['copies']:.3f} copies, nodes received {received}, "
+                        f"{row['cpu']:.1f} CPU-s {row['cpu_roles']}",
                         flush=True,
                     )
-    print(f"\nlinks {args.rate} each way; median of {args.runs} revisions, every element changed\n")
-    print("| MiB | mode | N | seconds (spread) | vs N=1 | origin bytes (copies) | CPU-s per revision |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    what = (
+        "every element changed" if args.changed >= 1.0 else f"{args.changed:g} of the elements changed ({args.spread})"
+    )
+    print(f"\nlinks {args.rate} each way; median of {args.runs} revisions, {what}\n")
+    print(
+        "| MiB | mode | N | seconds (spread) | vs N=1 | origin bytes (copies) | node link bytes, most (copies) "
+        "| CPU-s per revision |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         one = next(
             r for r in rows if r["mib"] == row["mib"] and r["mode"] == row["mode"] and r["nodes"] == min(args.nodes)
@@ -129,7 +163,7 @@ def main() -> None:
         ratio = float(row["seconds"]) / float(one["seconds"])  # type: ignore[arg-type]
         print(
             f"| {row['mib']} | {row['mode']} | {row['nodes']} | {row['seconds']:.2f} ({row['spread']:.2f}) | "
-            f"{ratio:.2f}x | {row['copies']:.2f} | {row['cpu']:.1f} |"
+            f"{ratio:.2f}x | {row['copies']:.3f} | {max(row['received']):.3f} | {row['cpu']:.1f} |"  # type: ignore[type-var]
         )
 
 

@@ -316,7 +316,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
         revisions.on_evicted.append(lambda revision: deltas.forget(revision.model, revision.id))
     publisher.restore()
     changes = Changes(revisions, streams.read_blocks)
-    holdings = Holdings(revisions, first_block_wait(settings.peer_stall_seconds))
+    holdings = Holdings(revisions, first_block_wait(settings.peer_stall_seconds), publisher.deltas_budget)
     relay = Relay(settings, revisions, catalog, publisher, holdings) if settings.upstream is not None else None
     # Storage revisions' blocks for peers: an upstream (--fanout) reads them from its own source; a sidecar
     # (--peers) only from its disk cache's copies of the models it follows.

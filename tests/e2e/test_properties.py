@@ -72,7 +72,7 @@ MUST_SEE = {
     "revisions": {"OK", "INVALID_ARGUMENT"},
     "raw_bytes": {"INVALID_ARGUMENT"},
     "deltas": {"APPLIED", "UNUSABLE"},
-    "peer_blocks": {"OK", "INVALID_ARGUMENT", "NOT_FOUND"},
+    "peer_blocks": {"OK", "OK_DELTAS", "INVALID_ARGUMENT", "NOT_FOUND"},
 }
 
 

@@ -182,7 +182,12 @@ def test_a_revision_with_an_empty_tensor_is_pulled_through_a_peer(tmp_path: Path
             hashes = upstream.block_hashes(MODEL, revision)
             assert hashes["empty"] == () and len(hashes["w"]) == 4
             checked_hashes(manifest, hashes)  # raises unless they are whole and give the digest
-            assert [index for index, _ in upstream.revision_blocks(MODEL, revision, ["empty", "w"])] == [0, 1, 2, 3]
+            assert [block.number for block in upstream.revision_blocks(MODEL, revision, ["empty", "w"]) if block] == [
+                0,
+                1,
+                2,
+                3,
+            ]
             # The upstream (--fanout) serves its own blocks as a peer: the pull takes them all from it.
             views = {name: torch.empty_like(tensor) for name, tensor in state.items()}
             holdings = Holdings(RevisionStore())
@@ -210,8 +215,8 @@ def test_a_request_waits_for_a_pulls_first_block_as_long_as_the_pull_itself_may(
     try:
         threading.Timer(0.8, pull.advance, ("w", 1)).start()  # past ARRIVAL_S, within first_block_s
         started = time.monotonic()
-        index, data = next(holdings.blocks(MODEL, "r1", ["w"], 0, 0.1))  # type: ignore[misc]
-        assert index == 0 and len(data) == 1024 * 1024
+        block = next(holdings.blocks(MODEL, "r1", ["w"], 0, 0.1))
+        assert block is not None and block.number == 0 and len(block.data) == 1024 * 1024
         assert 0.7 < time.monotonic() - started < 1.4
         # Block 1 never comes, and the pull has flowed: the request's own stall time holds.
         blocks = holdings.blocks(MODEL, "r1", ["w"], 1, 0.2)

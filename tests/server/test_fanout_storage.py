@@ -260,7 +260,7 @@ def test_the_upstream_serves_a_storage_revisions_blocks_of_its_tensors_only(flee
         hashes = upstream.block_hashes(MODEL, revision)  # digests the storage revision there
         assert len(hashes["w"]) == 4 and hashes["empty"] == ()
         assert upstream.manifest(MODEL, revision=revision).digest  # the digest, once hashed
-        got = b"".join(data for _, data in upstream.revision_blocks(MODEL, revision, ["w", "b"]))
+        got = b"".join(block.data for block in upstream.revision_blocks(MODEL, revision, ["w", "b"]))
         expected = b"".join(state[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes() for name in "wb")
         assert got == expected
         for names in ([FILE], [".."], ["../../etc/passwd"], [str(fleet.root / MODEL / FILE)], ["w", FILE]):
@@ -281,7 +281,7 @@ def test_a_sidecar_serves_peers_only_its_current_storage_revisions_tensors_from_
         near.manifest(MODEL)
         old = near.manifest(MODEL).revision
         revision, state = _new_revision(fleet, 6)
-        got = b"".join(data for _, data in near.revision_blocks(MODEL, revision, ["b", "w"]))
+        got = b"".join(block.data for block in near.revision_blocks(MODEL, revision, ["b", "w"]))
         assert got == b"".join(state[n].contiguous().view(-1).view(torch.uint8).numpy().tobytes() for n in "bw")
         for names in ([FILE], [".."], ["/etc/passwd"]):
             with pytest.raises(NotFoundError):

@@ -233,11 +233,15 @@ def cluster(
     start: Sequence[int] | None = None,
     one_by_one: bool = False,
     secure: bool = False,
+    changed: float = 1.0,
+    spread: str = "elements",
 ) -> Iterator[Cluster]:
     """An origin and nodes sidecars with an engine each, all at revision 0 of a mib MiB model on return
     (only the nodes of start, 1..nodes by default, are started). one_by_one: each node is started once
     the one before holds revision 0, so that the upstream's fan-out lists them in this order. secure:
-    TLS and a token everywhere (see the module's docstring)."""
+    TLS and a token everywhere (see the module's docstring). changed < 1: each revision after the first
+    changes that share of the previous one's elements (spread "elements": scattered over every block;
+    "blocks": whole 1 MiB blocks), else every element."""
     folder.mkdir(parents=True, exist_ok=True)
     with Fleet(nodes + 1, rate=rate) as fleet:
         security = Security.make(folder, fleet) if secure else None
@@ -258,7 +262,8 @@ def cluster(
         origin.start([*weightstream_cmd(), "serve", *origin_args], folder / "origin.log", env)
         trainer = [sys.executable, "-m", "tests.support.fleet", "trainer", "--target", f"127.0.0.1:{GRPC_PORT}"]
         trainer += credentials
-        origin.start([*trainer, "--mib", str(mib), "--folder", str(folder)], folder / "trainer.log", env)
+        trainer += ["--mib", str(mib), "--folder", str(folder), "--changed", str(changed), "--spread", spread]
+        origin.start(trainer, folder / "trainer.log", env)
         try:
             first, _ = running.publish(0)
             indexes = list(range(1, nodes + 1)) if start is None else list(start)
@@ -304,7 +309,9 @@ def _client(target: str, credentials: Credentials) -> WeightStreamClient:
     )
 
 
-def _trainer(target: str, mib: int, folder: Path, credentials: Credentials) -> None:
+def _trainer(
+    target: str, mib: int, folder: Path, credentials: Credentials, changed: float = 1.0, spread: str = "elements"
+) -> None:
     import torch
 
     from weightstream.client import WeightStreamError
@@ -315,8 +322,12 @@ def _trainer(target: str, mib: int, folder: Path, credentials: Credentials) -> N
     deadline = time.monotonic() + WAIT_S
     with _client(target, credentials) as client:
         k = 0
+        tensors: dict[str, torch.Tensor] = {}
         while True:
-            tensors = {f"layers.{i}.weight": torch.randn(per // 4, generator=generator) for i in range(count)}
+            if not tensors or changed >= 1.0:
+                tensors = {f"layers.{i}.weight": torch.randn(per // 4, generator=generator) for i in range(count)}
+            else:
+                tensors = {name: _changed(t, changed, spread, generator) for name, t in tensors.items()}
             go = folder / f"go-{k}"
             while not go.exists():
                 time.sleep(POLL_S)
@@ -333,6 +344,23 @@ def _trainer(target: str, mib: int, folder: Path, credentials: Credentials) -> N
             out.with_suffix(".tmp").write_text(json.dumps({"published": published, "revision": revision}))
             out.with_suffix(".tmp").rename(out)
             k += 1
+
+
+def _changed(tensor: Any, share: float, spread: str, generator: Any) -> Any:
+    """A copy of tensor (flat float32) with share of its elements changed: scattered, or whole 1 MiB blocks."""
+    import torch
+
+    out = tensor.clone()
+    if spread == "blocks":
+        per_block = 1024 * 1024 // 4
+        blocks = -(-out.numel() // per_block)
+        for j in (torch.rand(blocks, generator=generator) < share).nonzero().flatten().tolist():
+            piece = out[j * per_block : (j + 1) * per_block]
+            piece.copy_(torch.randn(piece.numel(), generator=generator))
+        return out
+    mask = torch.rand(out.numel(), generator=generator) < share
+    out[mask] = torch.randn(int(mask.sum()), generator=generator)
+    return out
 
 
 def _engine(target: str, out: Path, credentials: Credentials) -> None:
@@ -435,6 +463,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--target")
     parser.add_argument("--mib", type=int, default=8)
     parser.add_argument("--folder", type=Path)
+    parser.add_argument(
+        "--changed", type=float, default=1.0, help="trainer: the share of elements each revision changes"
+    )
+    parser.add_argument("--spread", choices=["elements", "blocks"], default="elements")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--requests", type=Path, help="call: a JSON list of requests (see _call_one)")
     parser.add_argument("--ca", type=Path, help="the fleet's CA: TLS")
@@ -444,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     credentials = Credentials(args.ca, args.client_cert, args.client_key, args.token_file)
     if args.role == "trainer":
-        _trainer(args.target, args.mib, args.folder, credentials)
+        _trainer(args.target, args.mib, args.folder, credentials, args.changed, args.spread)
     elif args.role == "engine":
         _engine(args.target, args.out, credentials)
     else:

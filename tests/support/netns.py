@@ -84,6 +84,11 @@ class Node:
         shown = json.loads(_run(["ip", "-n", self.name, "-s", "-j", "link", "show", "dev", self.interface]))
         return int(shown[0]["stats64"]["tx"]["bytes"])
 
+    def rx_bytes(self) -> int:
+        """Bytes this node has received on its link."""
+        shown = json.loads(_run(["ip", "-n", self.name, "-s", "-j", "link", "show", "dev", self.interface]))
+        return int(shown[0]["stats64"]["rx"]["bytes"])
+
     def cut(self) -> None:
         """Take the node's link down: nothing reaches it or leaves it."""
         self.run(["ip", "link", "set", self.interface, "down"])

@@ -50,6 +50,7 @@ from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server import WeightStreamServer
 from weightstream_server.errors import ServerError
 from weightstream_server.revisions.layout import lay_out
+from weightstream_server.revisions.peer_blocks import wanted_at
 
 Code: TypeAlias = grpc.StatusCode
 CALL_TIMEOUT_S = 15.0
@@ -128,6 +129,8 @@ class Target:
         self.revisions: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         self.current: dict[str, Kept] = {}
         self.published: set[tuple[str, str]] = set()
+        # Whether the peer cases published a revision of PUB close to the one before (deltas between them).
+        self.published_near = False
         for model, state in ((GOOD, good), (PUB, pub)):
             revision = self.stub.GetManifest(pb.GetManifestRequest(model=model), timeout=CALL_TIMEOUT_S).revision
             self.revisions[(model, revision)] = state
@@ -1409,10 +1412,28 @@ class PeerCase:
     first_block: int
     refused_peer: str
     keepalive_ms: int = 0
+    wanted: bytes = b""  # the bitmap of blocks asked for (empty: all)
+    since: str = ""  # a revision choice (see _kept), "" or text: the revision the puller says it holds
 
 
 def peer_cases() -> st.SearchStrategy[PeerCase]:
     names = weighted((6, st.sampled_from(sorted(LAYOUT))), (1, _TEXT), (1, st.just("x" * 5000)))
+    # The current revision's blocks, since the one before (one element away): served as deltas.
+    deltas_case = st.builds(
+        PeerCase,
+        rpc=st.just("blocks"),
+        model=st.just(PUB),
+        revision=st.just("current"),
+        tensors=st.permutations(sorted(LAYOUT)).map(tuple),
+        first_block=st.integers(0, 2),
+        refused_peer=st.just(""),
+        wanted=st.binary(max_size=1),
+        since=st.just("kept:1"),
+    )
+    return weighted((1, deltas_case), (5, _hostile_peer_cases(names)))
+
+
+def _hostile_peer_cases(names: st.SearchStrategy[str]) -> st.SearchStrategy[PeerCase]:
     return st.builds(
         PeerCase,
         rpc=st.sampled_from(["hashes", "blocks", "blocks"]),
@@ -1430,10 +1451,25 @@ def peer_cases() -> st.SearchStrategy[PeerCase]:
         keepalive_ms=weighted(
             (4, st.just(0)), (2, st.sampled_from([1, 2, 50, 2**32 - 1])), (1, st.integers(0, 2**32 - 1))
         ),
+        # Random, empty, longer than the blocks, all ones past the end, and far too long.
+        wanted=weighted(
+            (4, st.just(b"")),
+            (3, st.binary(min_size=1, max_size=3)),
+            (1, st.sampled_from([b"\xff" * 64, b"\x00" * 64, b"\x01", b"\xff" * (1 << 20), b"\xaa" * ((1 << 22) + 1)])),
+        ),
+        # Kept (a delta may come), the revision itself, unknown, hostile text.
+        since=weighted(
+            (2, st.just("")),
+            (4, st.sampled_from(["kept:1", "kept:1", "kept:2", "current"])),
+            (1, st.sampled_from(["none-1", "../../etc", "a" * 129, "pub-" + "0" * 20])),
+            (1, _TEXT),
+        ),
     )
 
 
 PEER_CODES = frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND"})
+# OK where at least one block came as a delta (checked: it decodes against since to the revision's block).
+PEER_OUTCOMES = PEER_CODES | {"OK_DELTAS"}
 
 
 def run_peer(target: Target, case: PeerCase) -> str:
@@ -1442,6 +1478,12 @@ def run_peer(target: Target, case: PeerCase) -> str:
         state = state_of(LAYOUT, 7)
         with WeightStreamClient(target.address, progress=False) as client:
             target.took(PUB, client.publish(PUB, state), state)
+    if not target.published_near:  # a revision one element away from the one before: blocks as deltas
+        target.published_near = True
+        near = {name: tensor.clone() for name, tensor in target.current[PUB].tensors.items()}
+        near["a.weight"].view(torch.int32).view(-1)[3] ^= 1
+        with WeightStreamClient(target.address, progress=False) as client:
+            target.took(PUB, client.publish(PUB, near), near)
     model, revision = case.model, _kept(target, case.model, case.revision)
     # Served: a published revision kept, and the model's current storage revision (GOOD's files); never
     # a storage revision superseded (PUB's files once published to).
@@ -1469,6 +1511,8 @@ def run_peer(target: Target, case: PeerCase) -> str:
         first_block=case.first_block,
         refused_peer=case.refused_peer,
         keepalive_ms=case.keepalive_ms,
+        wanted=case.wanted,
+        since=_kept(target, model, case.since) if case.since else "",
     )
     code, details, got = outcome(lambda: list(target.stub.StreamRevisionBlocks(request, timeout=CALL_TIMEOUT_S)))
     check_refusal(code, details, PEER_CODES)
@@ -1478,17 +1522,49 @@ def run_peer(target: Target, case: PeerCase) -> str:
                 f"StreamRevisionBlocks served blocks of {model!r} revision {revision!r}, neither published nor current"
             )
         step = digests.DIGEST_BLOCK_BYTES
-        blocks = [
-            raw_bytes(state[name])[i : i + step]
-            for name in case.tensors
-            for i in range(0, state[name].numel() * state[name].element_size(), step)
+        # (tensor, offset) of each block, in the request's numbering.
+        places = [
+            (name, i) for name in case.tensors for i in range(0, state[name].numel() * state[name].element_size(), step)
         ]
-        want = list(enumerate(blocks))[case.first_block :]
+        want = [
+            (n, raw_bytes(state[name])[i : i + step])
+            for n, (name, i) in enumerate(places)
+            if n >= case.first_block and wanted_at(case.wanted, n)
+        ]
+        base = target.revisions.get((model, request.since)) if (model, request.since) in target.published else None
+        taken = [(m.index, _block_of(m, places, base)) for m in got]
         # A kept revision (or the current storage one) is served at once: no keep-alive (waiting) among its
         # blocks, asked for or not.
-        if [(m.index, m.data) for m in got] != want or any(m.waiting for m in got):
+        if taken != want or any(m.waiting for m in got):
             raise Violation(f"StreamRevisionBlocks served other blocks than {model!r} revision {revision!r} holds")
+        if any(m.encoding for m in got):
+            return "OK_DELTAS"
     return code.name
+
+
+def _block_of(
+    message: pb.StreamRevisionBlocksResponse,
+    places: list[tuple[str, int]],
+    base: dict[str, torch.Tensor] | None,
+) -> bytes | None:
+    """The block a served message stands for: its data, or a delta decoded against base (the request's
+    since, as published); None where a delta cannot stand for one (no such since, or it does not decode)."""
+    if not message.encoding:
+        return message.data
+    if base is None or message.index >= len(places):
+        return None
+    name, offset = places[message.index]
+    if name not in base:
+        return None
+    old = raw_bytes(base[name])[offset : offset + digests.DIGEST_BLOCK_BYTES]
+    view = torch.frombuffer(bytearray(old), dtype=torch.uint8) if old else torch.empty(0, dtype=torch.uint8)
+    payload = np.frombuffer(message.data, dtype=np.uint8)
+    try:
+        decoded = deltas.Codec().decode(view.numel(), offset, payload.ctypes.data, payload.size, message.encoding)
+    except deltas.DeltaUnusable:
+        return None
+    decoded.xor_into(view)
+    return view.numpy().tobytes()
 
 
 SURFACES: dict[str, Surface] = {
@@ -1502,6 +1578,6 @@ SURFACES: dict[str, Surface] = {
         Surface("revisions", revision_cases(), run_revisions, REVISION_CODES),
         Surface("raw_bytes", raw_cases(), run_raw, RAW_CODES),
         Surface("deltas", delta_cases(), run_delta, DELTA_OUTCOMES),
-        Surface("peer_blocks", peer_cases(), run_peer, PEER_CODES),
+        Surface("peer_blocks", peer_cases(), run_peer, PEER_OUTCOMES),
     )
 }

@@ -624,13 +624,17 @@ class WeightStreamClient:
         first_block: int = 0,
         refused_peer: str = "",
         keepalive_ms: int = 0,
+        since: str = "",
+        wanted: bytes = b"",
     ) -> peers.BlockStream:
         """The blocks of tensors of a published revision as this server holds them, from first_block.
 
         What arrives is the server's word, unchecked: check each block against the block_hashes of a
         server you trust (peers.BlockStream says how to cancel the stream). keepalive_ms > 0: the stream
         also yields None for each keep-alive, which a server sends about that often while it waits for
-        the next block itself (one that predates them sends none)."""
+        the next block itself (one that predates them sends none). wanted: a bitmap of the blocks to send
+        (bit i % 8 of byte i / 8; empty: all); since: a revision the caller holds, against whose blocks
+        the server may send deltas (a server that predates both sends every block whole)."""
         request = pb.StreamRevisionBlocksRequest(
             model=model,
             revision=revision,
@@ -638,6 +642,8 @@ class WeightStreamClient:
             first_block=first_block,
             refused_peer=refused_peer,
             keepalive_ms=keepalive_ms,
+            since=since,
+            wanted=wanted,
         )
         call = self.stub.StreamRevisionBlocks(request, metadata=self._channels.metadata)
         return peers.BlockStream(self.target, call, keepalives=keepalive_ms > 0)

@@ -276,9 +276,13 @@ def sample_starts(length: int) -> tuple[int, list[int]]:
 def dense(new: torch.Tensor, old: torch.Tensor) -> bool:
     """Whether new XOR old (flat uint8 host tensors of one length) is too dense for a delta, by samples
     alone: a chunk whose every element changed costs a few small XORs, not a whole one."""
-    sample, starts = sample_starts(new.numel())
-    a, b = new.numpy(), old.numpy()
-    nonzero = sum(int(np.count_nonzero(a[s : s + sample] != b[s : s + sample])) for s in starts)
+    return dense_between(new.numpy(), old.numpy())
+
+
+def dense_between(new: np.ndarray, old: np.ndarray) -> bool:
+    """dense, for flat uint8 numpy arrays of one length."""
+    sample, starts = sample_starts(new.size)
+    nonzero = sum(int(np.count_nonzero(new[s : s + sample] != old[s : s + sample])) for s in starts)
     return nonzero > DENSE * sample * len(starts)
 
 

@@ -447,27 +447,33 @@ class GetBlockHashesResponse(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StreamRevisionBlocksRequest(_message.Message):
-    __slots__ = ("model", "revision", "tensors", "first_block", "refused_peer", "keepalive_ms")
+    __slots__ = ("model", "revision", "tensors", "first_block", "refused_peer", "keepalive_ms", "since", "wanted")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     REFUSED_PEER_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_MS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    WANTED_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     tensors: _containers.RepeatedScalarFieldContainer[str]
     first_block: int
     refused_peer: str
     keepalive_ms: int
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ..., first_block: _Optional[int] = ..., refused_peer: _Optional[str] = ..., keepalive_ms: _Optional[int] = ...) -> None: ...
+    since: str
+    wanted: bytes
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ..., first_block: _Optional[int] = ..., refused_peer: _Optional[str] = ..., keepalive_ms: _Optional[int] = ..., since: _Optional[str] = ..., wanted: _Optional[bytes] = ...) -> None: ...
 
 class StreamRevisionBlocksResponse(_message.Message):
-    __slots__ = ("index", "waiting", "data")
+    __slots__ = ("index", "waiting", "encoding", "data")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     index: int
     waiting: bool
+    encoding: ChunkEncoding
     data: bytes
-    def __init__(self, index: _Optional[int] = ..., waiting: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., waiting: _Optional[bool] = ..., encoding: _Optional[_Union[ChunkEncoding, str]] = ..., data: _Optional[bytes] = ...) -> None: ...

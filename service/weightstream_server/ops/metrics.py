@@ -201,7 +201,8 @@ def create_registry(
 
 
 class PeersCollector(Collector):
-    """Fleet fan-out: revision bytes from peers and the upstream, blocks refused, peers left, bytes served to peers."""
+    """Fleet fan-out: revision bytes from peers, the upstream and local copies, their cost on the wire, blocks
+    refused, peers left, deltas encoded, bytes served to peers."""
 
     def __init__(self, counts: PeerCounts) -> None:
         self._counts = counts
@@ -209,11 +210,33 @@ class PeersCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         c = self._counts
         pulled = CounterMetricFamily(
-            PREFIX + "fanout_bytes_received", "Published revisions' block bytes taken, by source.", labels=["source"]
+            PREFIX + "fanout_bytes_received",
+            "Published revisions' block bytes taken, by source (local: copied from the revision held here, "
+            "unchanged by the upstream's block hashes).",
+            labels=["source"],
         )
         pulled.add_metric(["peer"], c.peer_bytes)
         pulled.add_metric(["upstream"], c.upstream_bytes)
+        pulled.add_metric(["local"], c.copied_bytes)
         yield pulled
+        wire = CounterMetricFamily(
+            PREFIX + "fanout_wire_bytes_received",
+            "What the blocks taken from peers and the upstream cost on the wire (a delta's payload, else the block).",
+            labels=["source"],
+        )
+        wire.add_metric(["peer"], c.peer_wire_bytes)
+        wire.add_metric(["upstream"], c.upstream_wire_bytes)
+        yield wire
+        yield CounterMetricFamily(
+            PREFIX + "fanout_blocks_encoded",
+            "Blocks encoded here as deltas against a puller's since (at most once per block and since while kept).",
+            value=c.encoded_blocks,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "fanout_deltas_served",
+            "Blocks served to peers as deltas against their since.",
+            value=c.served_deltas,
+        )
         yield CounterMetricFamily(
             PREFIX + "fanout_blocks_refused",
             "Blocks from a peer refused: not the block asked for, or not the upstream's BLAKE3 hash.",
@@ -225,7 +248,9 @@ class PeersCollector(Collector):
             value=c.fallbacks,
         )
         yield CounterMetricFamily(
-            PREFIX + "fanout_bytes_served", "Block bytes served to peers (StreamRevisionBlocks).", value=c.served_bytes
+            PREFIX + "fanout_bytes_served",
+            "Block bytes served to peers (StreamRevisionBlocks; a delta's payload for a block sent as one).",
+            value=c.served_bytes,
         )
 
 

@@ -17,7 +17,21 @@ cut link), and may take up to KEEPALIVE_FIRST_BLOCK_STALLS stall times while the
 sends none (a server that predates them) is given FIRST_BLOCK_STALLS stall times. After the first
 block keep-alives change nothing: the stall rule and the rate floor count blocks only.
 
+Changed blocks only: where this server holds a revision of the model in memory (Held: a kept
+published revision), a block whose upstream hash equals the held block's hash at the same index (same
+dtype and shape) is copied from it here, not asked for; the request's wanted bitmap names the
+others. Copied blocks count as checked once copied (their CRC32C is the held block's) and become
+available to this server's peers in order with the received ones. A block sent that is not the next
+one wanted (an older peer that ignores the bitmap sends every block) is refused like a wrong one.
+
+Deltas: the request names the held revision (since); a block may come as an XOR delta against the
+held copy of it. It is decoded into place from that copy and its result checked against the
+upstream's hash like any block; a delta that cannot apply (no held block of that tensor, another
+size, a payload that does not decode) is refused like a wrong block. A checked delta is kept
+(Holdings.encoded) so that this server forwards it unchanged to its own peers asking with the same since.
+
 Concurrency: one pull runs on its caller's thread, with one watchdog thread for the stall rule.
+Memory: the held revision's tensors are views of its memory, only read, which they keep alive while the pull runs.
 """
 
 from __future__ import annotations
@@ -35,11 +49,18 @@ import torch
 from weightstream.client import WeightStreamClient
 from weightstream.client.errors import WeightStreamError
 from weightstream.client.manifest import Manifest
-from weightstream.client.peers import BlockStream
-from weightstream.protocol import digests, dtypes, wire
+from weightstream.client.peers import Block, BlockStream
+from weightstream.protocol import deltas, digests, dtypes, wire
 from weightstream.protocol.digests import DIGEST_BLOCK_BYTES
 from weightstream_server.errors import UpstreamError
-from weightstream_server.revisions.peer_blocks import KEEPALIVE_MAX_S, KEEPALIVE_MIN_S, Holdings, Pull, blocks_of
+from weightstream_server.revisions.peer_blocks import (
+    KEEPALIVE_MAX_S,
+    KEEPALIVE_MIN_S,
+    Holdings,
+    Pull,
+    blocks_of,
+    wanted_bitmap,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +85,34 @@ class EndedEarly(Exception):
     """A stream of blocks that ended before the last block."""
 
 
+@dataclass(frozen=True)
+class HeldTensor:
+    """A tensor of a held revision: its bytes (flat uint8, read only) and its blocks' CRC32Cs and BLAKE3 hashes."""
+
+    flat: torch.Tensor
+    crcs: Sequence[int]
+    hashes: Sequence[bytes]
+
+
+@dataclass(frozen=True)
+class Held:
+    """A revision this server holds in memory: its name, and its tensors that have the dtype and shape of
+    the same tensor in the revision pulled."""
+
+    revision: str
+    tensors: dict[str, HeldTensor]
+
+
 @dataclass
 class PullReport:
+    # Block bytes taken from a peer and from the upstream, and copied from the held revision.
     peer_bytes: int = 0
     upstream_bytes: int = 0
+    copied_bytes: int = 0
+    # What the blocks taken cost on the wire (a delta's payload, else the block), and blocks taken as deltas.
+    peer_wire_bytes: int = 0
+    upstream_wire_bytes: int = 0
+    delta_blocks: int = 0
     refused: str = ""  # the peer whose block failed its hash, if one did
     # The pull, still serving this server's peers: ended by the caller once the revision is kept.
     pull: Pull | None = None
@@ -202,10 +247,14 @@ def pull_blocks(
     parent: str,
     stall_s: float,
     min_rate: float = 0.0,
+    held: Held | None = None,
+    use_deltas: bool = True,
 ) -> PullReport:
     """Fill views (tensors names of the revision manifest describes, in that order) from parent's blocks
     (or the upstream's, parent ""), each checked; the rest from the upstream where parent fails, stalls
     or (min_rate > 0) forwards slower than min_rate bytes/s (a slow peer would slow its whole chain).
+    Blocks that held has unchanged are copied from it, not asked for; use_deltas: blocks may come as
+    deltas against held.
 
     Raises where the upstream itself fails or lies (the caller's pull then fails whole)."""
     model, revision = manifest.model, manifest.revision
@@ -214,12 +263,24 @@ def pull_blocks(
     sizes = {info.name: info.nbytes for info in manifest.tensors}
     order = [(name, j) for name in names for j in range(blocks_of(sizes[name]))]
     flats = {name: views[name].view(-1).view(torch.uint8) for name in names}
+    held_tensors = {
+        name: tensor
+        for name, tensor in (held.tensors.items() if held is not None else ())
+        if name in flats
+        and tensor.flat.numel() == flats[name].numel()
+        and len(tensor.hashes) == len(tensor.crcs) == len(hashes[name])
+    }
+    copies = [name in held_tensors and held_tensors[name].hashes[j] == hashes[name][j] for name, j in order]
+    wanted = wanted_bitmap([not copy for copy in copies]) if any(copies) else b""
+    since = held.revision if held is not None and held_tensors and use_deltas else ""
+    receiving = _Receiving(manifest, order, hashes, flats, held_tensors, copies, holdings, since)
     counts = holdings.counts
     report = PullReport()
     pull = holdings.begin(model, revision, {name: views[name] for name in names})
     try:
         source = parent
-        next_block = 0
+        receiving.copy_from(0, pull, report)
+        next_block = receiving.position
         while next_block < len(order):
             # A peer's own client, closed whatever happens to its stream (the upstream's is the caller's).
             peer = connect(source) if source else None
@@ -232,6 +293,8 @@ def pull_blocks(
                     first_block=next_block,
                     refused_peer="" if source else report.refused,
                     keepalive_ms=keepalive_ms(stall_s) if source else 0,
+                    since=since,
+                    wanted=wanted,
                 )
             except BaseException:
                 if peer is not None:
@@ -247,7 +310,10 @@ def pull_blocks(
                 min_rate if source else 0.0,
             )
             try:
-                next_block = _receive(stream, watchdog, order, hashes, flats, pull, next_block, report, source)
+                try:
+                    receiving.receive(stream, watchdog, pull, report, source)
+                finally:
+                    next_block = receiving.position  # a fallback goes on from the first block not taken
                 if next_block < len(order):
                     raise EndedEarly(f"the stream ended at block {next_block} of {len(order)}")
             except (WeightStreamError, BadBlock, EndedEarly) as exc:
@@ -279,40 +345,120 @@ def pull_blocks(
     return report
 
 
-def _receive(
-    stream: BlockStream,
-    watchdog: _Watchdog,
-    order: Sequence[tuple[str, int]],
-    hashes: dict[str, tuple[bytes, ...]],
-    flats: dict[str, torch.Tensor],
-    pull: Pull,
-    next_block: int,
-    report: PullReport,
-    source: str,
-) -> int:
-    for block in stream:
-        if block is None:
-            watchdog.keepalive()  # never counted as bytes
-            continue
-        index, data = block
-        watchdog.block(len(data))
-        if index != next_block or next_block >= len(order):
-            raise BadBlock(f"block {index} came where block {next_block} was due")
-        name, j = order[next_block]
-        flat = flats[name]
+class _Receiving:
+    """How one pull places its blocks: which are copied from the held revision, and how each one received
+    is checked and written (decoded first when it came as a delta against since)."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        order: Sequence[tuple[str, int]],
+        hashes: dict[str, tuple[bytes, ...]],
+        flats: dict[str, torch.Tensor],
+        held: dict[str, HeldTensor],
+        copies: Sequence[bool],
+        holdings: Holdings,
+        since: str,
+    ) -> None:
+        self._model = manifest.model
+        self._revision = manifest.revision
+        self._order = order
+        self._hashes = hashes
+        self._flats = flats
+        self._held = held
+        self._copies = copies
+        self._holdings = holdings
+        self._since = since  # "" : no delta was asked for, none may come
+        self._codec: deltas.Codec | None = None
+        # The first block not yet taken (written, checked and advanced in the Pull).
+        self.position = 0
+
+    def copy_from(self, position: int, pull: Pull, report: PullReport) -> None:
+        """Copy the blocks from position on that the held revision has unchanged, up to the next wanted one
+        (or the end), which becomes self.position."""
+        order = self._order
+        while position < len(order) and self._copies[position]:
+            name, j = order[position]
+            view = self._block_view(name, j)
+            held = self._held[name]
+            start = j * DIGEST_BLOCK_BYTES
+            view.copy_(held.flat[start : start + view.numel()])
+            self._record(report, name, j, held.crcs[j])
+            pull.advance(name, j + 1)
+            report.copied_bytes += view.numel()
+            position += 1
+        self.position = position
+
+    def receive(
+        self,
+        stream: BlockStream,
+        watchdog: _Watchdog,
+        pull: Pull,
+        report: PullReport,
+        source: str,
+    ) -> None:
+        """Take stream's blocks from self.position on, each the next wanted one, checked."""
+        order = self._order
+        for block in stream:
+            if block is None:
+                watchdog.keepalive()  # never counted as bytes
+                continue
+            watchdog.block(len(block.data))
+            next_block = self.position
+            if block.number != next_block or next_block >= len(order):
+                raise BadBlock(f"block {block.number} came where block {next_block} was due")
+            name, j = order[next_block]
+            view = self._block_view(name, j)
+            crc = self._place(block, name, j, view)
+            self._record(report, name, j, crc)
+            pull.advance(name, j + 1)
+            if source:
+                report.peer_bytes += view.numel()
+                report.peer_wire_bytes += len(block.data)
+            else:
+                report.upstream_bytes += view.numel()
+                report.upstream_wire_bytes += len(block.data)
+            report.delta_blocks += 1 if block.encoding else 0
+            self.copy_from(next_block + 1, pull, report)
+
+    def _block_view(self, name: str, j: int) -> torch.Tensor:
+        flat = self._flats[name]
         start = j * DIGEST_BLOCK_BYTES
-        length = min(DIGEST_BLOCK_BYTES, flat.numel() - start)
-        expected = hashes[name][j]
-        if len(data) != length or digests.block_hash(memoryview(data)) != expected:
-            raise BadBlock(f"block {j} of tensor {name!r} does not match the upstream's hash")
-        flat[start : start + length].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        return flat[start : min(flat.numel(), start + DIGEST_BLOCK_BYTES)]
+
+    def _place(self, block: Block, name: str, j: int, view: torch.Tensor) -> int:
+        """Write block (block j of tensor name) into view, checked against the upstream's hash; its CRC32C.
+        BadBlock where it does not check (view may then hold anything: it is not advanced)."""
+        expected = self._hashes[name][j]
+        length = view.numel()
+        if not block.encoding:
+            if len(block.data) != length or digests.block_hash(memoryview(block.data)) != expected:
+                raise BadBlock(f"block {j} of tensor {name!r} does not match the upstream's hash")
+            view.numpy()[:] = np.frombuffer(block.data, dtype=np.uint8)
+            return wire.crc32c_at(view.data_ptr(), length)
+        base = self._held.get(name) if self._since else None
+        if base is None:
+            raise BadBlock(f"block {j} of tensor {name!r} came as a delta, and none can apply here")
+        if self._codec is None:
+            self._codec = deltas.Codec()
+        start = j * DIGEST_BLOCK_BYTES
+        payload = np.frombuffer(block.data, dtype=np.uint8)
+        try:
+            decoded = self._codec.decode(length, start, payload.ctypes.data, payload.size, block.encoding)
+        except deltas.DeltaUnusable as exc:
+            raise BadBlock(f"block {j} of tensor {name!r} came as a delta that does not decode: {exc}") from None
+        view.copy_(base.flat[start : start + length])
+        crc = decoded.xor_into(view)
+        if digests.block_hash(view.numpy().data) != expected:
+            raise BadBlock(
+                f"block {j} of tensor {name!r}, a delta against {self._since}, does not match the upstream's hash"
+            )
+        # Checked: forwarded as it came to this server's peers that name the same since.
+        key = (self._model, self._revision, self._since, name, j)
+        self._holdings.encoded.put(key, (block.encoding, block.data))
+        return crc
+
+    def _record(self, report: PullReport, name: str, j: int, crc: int) -> None:
         known = report.known.setdefault(name, [])
         del known[j:]  # a block taken again after a fallback
-        known.append((wire.crc32c_at(flat.data_ptr() + start, length), expected))
-        pull.advance(name, j + 1)
-        if source:
-            report.peer_bytes += length
-        else:
-            report.upstream_bytes += length
-        next_block += 1
-    return next_block
+        known.append((crc, self._hashes[name][j]))

@@ -18,7 +18,10 @@ too, under the same name, so a client pinned to a revision may ask either tier:
   copied from the revision held here (a published revision's memory, or files in the disk cache),
   and only the changed byte ranges (GetChanges: the upstream's block CRC32Cs) are asked of the
   upstream, over its data port where it has one. Anything this server cannot copy (no held bytes,
-  another layout, a since the upstream no longer keeps) is pulled whole.
+  another layout, a since the upstream no longer keeps) is pulled whole. With --peers the changed
+  tensors come as blocks from the peer the watch event names (revisions.peer_pull): the blocks whose
+  upstream hash equals the held published revision's are copied from it, and the others may come
+  as deltas against it.
 
 The first request for a model waits, up to FIRST_REVISION_S, for its follower to take the
 upstream's current revision, so that it is answered with that one. A watch that ends (the
@@ -52,7 +55,7 @@ from weightstream.protocol import dtypes
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream_server.errors import ModelNotFound, ServerError, UpstreamError
 from weightstream_server.revisions.peer_blocks import Holdings
-from weightstream_server.revisions.peer_pull import PullReport, pull_blocks
+from weightstream_server.revisions.peer_pull import Held, HeldTensor, PullReport, pull_blocks
 from weightstream_server.revisions.published import Known, Publisher
 from weightstream_server.revisions.published_source import PublishedSource, Shared
 from weightstream_server.revisions.storage_pull import StoragePull
@@ -514,11 +517,14 @@ class Relay:
 
     def _pull_from_peers(self, model: str, revision: str, parent: str) -> None:
         """Take revision as the blocks of its changed tensors from parent (a peer the upstream planned;
-        "" for the upstream itself), each checked against the upstream's block hashes."""
+        "" for the upstream itself), each checked against the upstream's block hashes; the blocks the
+        published revision held here has unchanged are copied from it, and the others may come as
+        deltas against it."""
         holdings = self._holdings
         assert holdings is not None
         started = time.perf_counter()
-        upstream, _, shared, start = self._begin(model, revision)
+        upstream, held_manifest, shared, start = self._begin(model, revision)
+        held = self._held_blocks(model, held_manifest, upstream.tensors)
         order = [info.name for info in upstream.tensors]
         reports: list[PullReport] = []
 
@@ -530,7 +536,7 @@ class Relay:
             stall_s = self._settings.peer_stall_seconds
             min_rate = self._settings.peer_min_rate
             reports.append(
-                pull_blocks(holdings, self._client, connect, upstream, views, names, parent, stall_s, min_rate)
+                pull_blocks(holdings, self._client, connect, upstream, views, names, parent, stall_s, min_rate, held)
             )
             return reports[-1].known
 
@@ -542,24 +548,59 @@ class Relay:
                     holdings.end(report.pull)
         holdings.forget(model, revision)
         report = reports[0]
-        holdings.counts.add(peer_bytes=report.peer_bytes, upstream_bytes=report.upstream_bytes)
+        holdings.counts.add(
+            peer_bytes=report.peer_bytes,
+            upstream_bytes=report.upstream_bytes,
+            copied_bytes=report.copied_bytes,
+            peer_wire_bytes=report.peer_wire_bytes,
+            upstream_wire_bytes=report.upstream_wire_bytes,
+        )
         seconds = time.perf_counter() - started
         shared_bytes = sum(s.nbytes for s in shared.values())
         with self._lock:
             self.counts.revisions += 1
             self.counts.pulled_bytes += report.peer_bytes + report.upstream_bytes
+            self.counts.copied_bytes += report.copied_bytes
             self.counts.shared_bytes += shared_bytes
             self.counts.seconds += seconds
         logger.info(
-            "model %r: revision %s relayed: %d bytes from peer %s, %d from the upstream, %d shared, %.3f s",
+            "model %r: revision %s relayed: %d bytes from peer %s (%d on the wire), %d from the upstream "
+            "(%d on the wire), %d blocks as deltas, %d copied and %d shared from %s, %.3f s",
             model,
             revision,
             report.peer_bytes,
             parent or "(none)",
+            report.peer_wire_bytes,
             report.upstream_bytes,
+            report.upstream_wire_bytes,
+            report.delta_blocks,
+            report.copied_bytes,
             shared_bytes,
+            held.revision if held is not None else "nothing",
             seconds,
         )
+
+    def _held_blocks(self, model: str, held: Manifest | None, tensors: Sequence[TensorInfo]) -> Held | None:
+        """The published revision held here in memory, with its block checks, as a pull copies blocks from
+        it (its tensors of the same dtype and shape as tensors'); None where there is none."""
+        if held is None or not isinstance(held.source, PublishedSource):
+            return None
+        kept = self._store.find(model, held.revision)
+        if kept is None or kept.blocks is None or kept.block_hashes is None:
+            return None
+        found: dict[str, HeldTensor] = {}
+        for info in tensors:
+            entry = held.by_name.get(info.name)
+            crcs = kept.blocks.get(info.name)
+            hashes = kept.block_hashes.get(info.name)
+            if entry is None or crcs is None or hashes is None:
+                continue
+            if entry.dtype.torch != info.dtype or entry.shape != tuple(info.shape):
+                continue
+            part = held.source.part_buffer(entry.file_index)
+            flat = part[entry.file_offset : entry.file_offset + entry.nbytes]
+            found[info.name] = HeldTensor(flat, crcs, hashes)
+        return Held(held.revision, found) if found else None
 
     def _shared(
         self, model: str, held: Manifest | None, tensors: Sequence[TensorInfo], revision: str

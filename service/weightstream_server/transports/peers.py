@@ -11,7 +11,8 @@ names a refused_peer is a puller's report that that peer's blocks failed their h
 and when the caller is the puller this server planned directly below that peer, the peer is left out
 of that revision's plans here; otherwise the report is ignored. A request with keepalive_ms gets a
 waiting message while its next block is awaited here (revisions.peer_blocks says when, and the
-periods honoured).
+periods honoured). A request's wanted bitmap picks the blocks sent; its since lets this server send
+blocks as deltas against a revision it keeps too (revisions.peer_blocks).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class PeersServicer:
                 self._stall_s,
                 context.is_active,
                 request.keepalive_ms / 1000,
+                request.wanted,
+                request.since,
             )
             # Only for a revision this server keeps (nothing is stored for names a reader made up), and
             # only from the puller planned below the peer (Fanout.refuse).
@@ -113,20 +116,22 @@ class PeersServicer:
                         with session.waiting_on_client():
                             yield WAITING_MESSAGE
                         continue
-                    index, data = block
-                    message = _block_message(index, data)
+                    message = _block_message(block.number, block.data, block.encoding)
                     with session.waiting_on_client():
                         yield message
-                    session.count_sent(len(data))
-                    counts.add(served_bytes=len(data))
+                    session.count_sent(len(block.data))
+                    counts.add(served_bytes=len(block.data), served_deltas=1 if block.encoding else 0)
             except CallerLeft:
                 return  # the peer left while its next block was awaited here: its slot is free now
 
 
-def _block_message(index: int, data: bytes) -> bytes:
-    """StreamRevisionBlocksResponse(index, data) serialized, with one copy of data (protobuf's own takes two)."""
-    # Field 1 (index, varint) and field 15 (data, length-delimited), as protobuf writes them.
-    return b"".join((b"\x08", varint(index), b"\x7a", varint(len(data)), data))
+def _block_message(index: int, data: bytes, encoding: int = 0) -> bytes:
+    """StreamRevisionBlocksResponse(index, encoding, data) serialized, with one copy of data (protobuf's own
+    takes two)."""
+    # Field 1 (index, varint), field 3 (encoding, varint; left out when 0) and field 15 (data,
+    # length-delimited), as protobuf writes them.
+    coded = (b"\x18", varint(encoding)) if encoding else ()
+    return b"".join((b"\x08", varint(index), *coded, b"\x7a", varint(len(data)), data))
 
 
 def add_to_server(servicer: PeersServicer, server: grpc.Server, *, hashes: bool, blocks: bool) -> None:
