@@ -284,9 +284,10 @@ def test_a_hostile_peers_delta_or_block_is_refused_and_the_rest_comes_from_the_u
         assert report.upstream_bytes == len(CHANGED) * DIGEST_BLOCK_BYTES, report  # only the changed blocks
 
 
-def test_an_older_peer_that_sends_every_block_raw_is_left_and_the_pull_ends_bit_exact(tmp_path: Path) -> None:
+def test_an_older_peer_that_sends_every_block_raw_is_kept_and_the_pull_ends_bit_exact(tmp_path: Path) -> None:
     """A peer that predates wanted and since (its requests reach the origin without them) sends every
-    block from first_block, raw: the first one not wanted is refused, the changed rest comes from the origin."""
+    block from first_block, raw: those copied here already are dropped unread, the changed ones taken
+    from it, nothing refused, nothing from the origin."""
     h_state = _held_state()
     r_state = _changed_blocks(h_state)
     stubs: list[pb_grpc.WeightStreamServiceStub] = []
@@ -308,10 +309,12 @@ def test_an_older_peer_that_sends_every_block_raw_is_left_and_the_pull_ends_bit_
             seconds = time.monotonic() - started
         finally:
             peer.stop(grace=None)
-    # Block 3 (changed, wanted) came from it; block 4 (unchanged, not wanted) was refused.
-    assert report.peer_bytes == DIGEST_BLOCK_BYTES and report.upstream_bytes == DIGEST_BLOCK_BYTES, report
-    assert holdings.counts.refused_blocks == 1 and holdings.counts.fallbacks == 1
-    assert report.refused == f"{PLANNED}:{port}"
+    # Every changed block came from it; the unchanged ones after the first changed one came too, unread.
+    assert report.peer_bytes == len(CHANGED) * DIGEST_BLOCK_BYTES and report.upstream_bytes == 0, report
+    total = sum(tensor.numel() * tensor.element_size() for tensor in r_state.values())
+    assert report.peer_wire_bytes == total - min(CHANGED) * DIGEST_BLOCK_BYTES, report
+    assert holdings.counts.refused_blocks == 0 and holdings.counts.fallbacks == 0
+    assert report.refused == ""
     assert seconds < 10 * STALL_S, seconds
 
 

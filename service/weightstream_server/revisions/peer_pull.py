@@ -22,7 +22,9 @@ published revision), a block whose upstream hash equals the held block's hash at
 dtype and shape) is copied from it here, not asked for; the request's wanted bitmap names the
 others. Copied blocks count as checked once copied (their CRC32C is the held block's) and become
 available to this server's peers in order with the received ones. A block sent that is not the next
-one wanted (an older peer that ignores the bitmap sends every block) is refused like a wrong one.
+one wanted is refused like a wrong one, but for a block taken here already on the way to it: a peer
+or upstream that predates the bitmap sends every block from first_block, and those are dropped unread
+(they cost the link, not the pull).
 
 Deltas: the request names the held revision (since); a block may come as an XOR delta against the
 held copy of it. It is decoded into place from that copy and its result checked against the
@@ -397,16 +399,27 @@ class _Receiving:
         report: PullReport,
         source: str,
     ) -> None:
-        """Take stream's blocks from self.position on, each the next wanted one, checked."""
+        """Take stream's blocks from self.position on, each the next wanted one, checked; blocks taken
+        already (copied here) that a sender predating wanted sends on the way are dropped unread."""
         order = self._order
+        last = -1  # the number of the stream's last block: numbers only grow
         for block in stream:
             if block is None:
                 watchdog.keepalive()  # never counted as bytes
                 continue
             watchdog.block(len(block.data))
             next_block = self.position
+            if last < block.number < next_block and len(block.data) <= DIGEST_BLOCK_BYTES:
+                # Not wanted, and taken here: an older sender's (it sends every block from first_block).
+                last = block.number
+                if source:
+                    report.peer_wire_bytes += len(block.data)
+                else:
+                    report.upstream_wire_bytes += len(block.data)
+                continue
             if block.number != next_block or next_block >= len(order):
                 raise BadBlock(f"block {block.number} came where block {next_block} was due")
+            last = block.number
             name, j = order[next_block]
             view = self._block_view(name, j)
             crc = self._place(block, name, j, view)
