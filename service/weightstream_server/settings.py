@@ -226,7 +226,8 @@ class ServerSettings(BaseSettings):
     delta_cache_bytes: ByteCount = Field(
         default=256 * 1024 * 1024,
         description="XOR deltas (against a revision this server holds) kept for every client updating between the "
-        "same two revisions, computed once; 0: no deltas, changed chunks go whole",
+        "same two revisions, computed once, and as much again for peers' blocks (fan-out); 0: no deltas, changed "
+        "chunks go whole",
     )
     max_watches: int = Field(
         default=32, description="WatchModel calls open at once (each holds a worker thread), half per client"

@@ -196,9 +196,10 @@ def test_an_older_puller_gets_every_block_raw(tmp_path: Path) -> None:
 Answer = Callable[[pb.StreamRevisionBlocksRequest, pb.StreamRevisionBlocksResponse], pb.StreamRevisionBlocksResponse]
 
 
-def _delta(h_state: dict[str, torch.Tensor], wrong: bool) -> Answer:
+def _delta(h_state: dict[str, torch.Tensor], wrong: bool, padded: bool = False) -> Answer:
     """The first block as a delta against H: one that decodes to R's block, or (wrong) to other bytes (one
-    bit of the XOR flipped)."""
+    bit of the XOR flipped), or (padded) a right one followed by a zstd skippable frame that makes it
+    larger than any delta worth sending (it decodes the same: a relay would keep and forward the padding)."""
 
     def answer(
         request: pb.StreamRevisionBlocksRequest, response: pb.StreamRevisionBlocksResponse
@@ -219,7 +220,11 @@ def _delta(h_state: dict[str, torch.Tensor], wrong: bool) -> Answer:
             xor[7] ^= 1
         encoded = deltas.Codec().encode(xor, start)
         assert encoded is not None
-        return pb.StreamRevisionBlocksResponse(index=j, encoding=encoded[0], data=encoded[1])
+        data = encoded[1]
+        if padded:
+            size = DIGEST_BLOCK_BYTES * 7 // 8 - len(data)
+            data += b"\x50\x2a\x4d\x18" + size.to_bytes(4, "little") + bytes(size)
+        return pb.StreamRevisionBlocksResponse(index=j, encoding=encoded[0], data=data)
 
     return answer
 
@@ -254,12 +259,13 @@ def _hostile(upstream_port: int, answer: Answer) -> tuple[grpc.Server, int, list
     return server, port, asked
 
 
-@pytest.mark.parametrize("kind", ["wrong_delta", "undecodable", "unasked", "delta_unasked_for"])
+@pytest.mark.parametrize("kind", ["wrong_delta", "undecodable", "unasked", "delta_unasked_for", "padded_delta"])
 def test_a_hostile_peers_delta_or_block_is_refused_and_the_rest_comes_from_the_upstream(
     tmp_path: Path, kind: str
 ) -> None:
-    """A delta that decodes to wrong bytes, one that does not decode, a block not asked for, or a delta
-    (even a right one) to a puller that named no since: refused, counted, the rest from the origin, bit-exact."""
+    """A delta that decodes to wrong bytes, one that does not decode, a block not asked for, a delta (even
+    a right one) to a puller that named no since, or a right delta padded past what any delta worth sending
+    takes: refused, counted, the rest from the origin, bit-exact."""
     h_state = _held_state()
     r_state = _few_elements(h_state) if kind != "unasked" else _changed_blocks(h_state)
     answers: dict[str, Answer] = {
@@ -267,6 +273,7 @@ def test_a_hostile_peers_delta_or_block_is_refused_and_the_rest_comes_from_the_u
         "undecodable": _undecodable,
         "unasked": _unasked,
         "delta_unasked_for": _delta(h_state, wrong=False),
+        "padded_delta": _delta(h_state, wrong=False, padded=True),
     }
     with _origin(tmp_path) as (origin, upstream):
         h, r = _published(upstream, h_state, r_state)

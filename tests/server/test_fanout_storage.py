@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +32,13 @@ from weightstream.client import InvalidArgumentError, NotFoundError, WeightStrea
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server import WeightStreamServer
+from weightstream_server.errors import StorageUnavailable
 from weightstream_server.revisions.peer_blocks import Holdings
 from weightstream_server.revisions.storage_pull import StoragePull
 from weightstream_server.revisions.store import RevisionStore
+from weightstream_server.revisions.stored_blocks import StoredBlocks
 from weightstream_server.storage.disk_cache import DiskCache, cache_key
+from weightstream_server.storage.sources import SourceFile
 from weightstream_server.storage.tiers import TieredSource
 from weightstream_server.storage.upstream import UpstreamSource
 
@@ -311,3 +317,64 @@ def test_without_fanout_upstream_a_storage_revision_reaches_the_sidecar_the_usua
             loaded = near.load_state_dict(MODEL)
     assert all(torch.equal(loaded[name], state[name]) for name in state)
     assert any("not taken through peers" in r.getMessage() for r in caplog.records)
+
+
+def test_while_a_storage_revision_is_pulled_from_peers_clients_are_answered_with_the_revision_held(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upstream's blocks of the new revision come slowly (0.4 s each here, as a slow link): meanwhile a
+    client of the sidecar is answered at once with the revision the sidecar holds, its files read from the
+    disk cache, not sent to wait for files still being written; once they are kept, the new revision."""
+    served = threading.Event()
+    block = StoredBlocks.block
+
+    def slow_block(self: StoredBlocks, model: str, revision: str, tensor: str, index: int) -> bytes | None:
+        served.set()
+        time.sleep(0.4)
+        return block(self, model, revision, tensor, index)
+
+    with WeightStreamClient(fleet.sidecar_target, progress=False) as near:
+        old = near.manifest(MODEL).revision
+        held = {name: torch.empty_like(tensor) for name, tensor in _write_state(0).items()}
+        near.load_into(held, MODEL, strict=False)  # the held revision's file in the sidecar's disk cache
+        monkeypatch.setattr(StoredBlocks, "block", slow_block)
+        state = _write(fleet.root, 7)
+        assert served.wait(20.0), "the sidecar's pull never asked the upstream for a block"
+        started = time.monotonic()
+        assert near.manifest(MODEL).revision == old
+        views = {name: torch.empty_like(tensor) for name, tensor in held.items()}
+        near.load_into(views, MODEL, revision=old, strict=False)
+        assert time.monotonic() - started < 1.0  # the pull takes four blocks of 0.4 s
+        assert all(torch.equal(views[name], held[name]) for name in views)
+        revision, _ = _new_revision(fleet, 7)
+        assert revision != old
+        near.load_into(views, MODEL, revision=revision, strict=False)
+    assert all(torch.equal(views[name], state[name]) for name in views)
+
+
+def _write_state(seed: int) -> dict[str, torch.Tensor]:
+    """The tensors _write(root, seed) writes, without writing them."""
+    generator = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(3 * MIB // 4 + 5, generator=generator), "b": torch.randn(10, generator=generator)}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_placement_on_a_full_filesystem_fails_cleanly_and_marks_the_disk_cache_unwritable(tmp_path: Path) -> None:
+    """A disk cache whose budget is larger than its filesystem's free space (a 4 MiB tmpfs here): a placement
+    of an 8 MiB file fails at buffer() with UNAVAILABLE, before any write into its map (which would end the
+    process with SIGBUS), leaves no partial file, and the cache is not written a while."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        cache = DiskCache(small / "cache", 1 << 30)
+        file = SourceFile(FILE, f"upstream://{MODEL}/{FILE}", 8 * MIB, "v1")
+        placement = cache.place(file)
+        assert placement is not None
+        with pytest.raises(StorageUnavailable, match="no room"):
+            placement.buffer()
+        assert os.listdir(small / "cache" / "partial") == []
+        assert cache.place(file) is None  # not written a while, as after a fill's failed write
+    finally:
+        # Lazily: the cache's lock file and the dropped placement's descriptor close when collected.
+        subprocess.run(["umount", "--lazy", str(small)], check=True)

@@ -452,6 +452,10 @@ class _Receiving:
         base = self._held.get(name) if self._since else None
         if base is None:
             raise BadBlock(f"block {j} of tensor {name!r} came as a delta, and none can apply here")
+        if len(block.data) > deltas.WORTH * length:
+            # No server sends a delta that saves less (deltas.WORTH); a larger one (padding after its frame
+            # decodes to nothing) would be kept and forwarded as it came to the peers below.
+            raise BadBlock(f"block {j} of tensor {name!r} came as a delta of {len(block.data)} bytes: not worth it")
         if self._codec is None:
             self._codec = deltas.Codec()
         start = j * DIGEST_BLOCK_BYTES

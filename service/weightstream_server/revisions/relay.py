@@ -282,8 +282,11 @@ class Relay:
             logger.warning("model %r: %s; the event is dropped", model, exc)
             return
         if event.origin != PUBLISHED:
-            follower.source.forget_listing(model)
+            # The listing kept (the revision held here) is dropped only once the files are in the disk
+            # cache: meanwhile clients are answered with the revision held, not sent to wait for files
+            # still being written from peers.
             files = self._take_files(model, event.revision, event.peer)
+            follower.source.forget_listing(model)
             try:
                 self._store.observe_storage(model, self._catalog.storage_manifest(model))
             except ServerError as exc:

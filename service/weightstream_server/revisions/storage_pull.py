@@ -44,6 +44,7 @@ from weightstream_server.storage.header import HeaderTensor, read_header
 from weightstream_server.storage.sources import SourceFile
 from weightstream_server.storage.sources import revision as revision_of
 from weightstream_server.storage.tiers import TieredSource
+from weightstream_server.storage.upstream import UpstreamSource
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,10 @@ class StoragePull:
         # Peers planned below this one may ask already: their requests wait for this pull (peer_blocks),
         # and for the revision to be current here (close()).
         self._holdings.expect(model, revision)
-        located = self._tier.inner.resolve(model)
+        inner = self._tier.inner
+        # Listed anew for the pull only: until the revision is taken here, this server answers with the
+        # revision it holds (whose files its disk cache has), not with files still being written.
+        located = inner.list_anew(model) if isinstance(inner, UpstreamSource) else inner.resolve(model)
         listed = revision_of(located.files)
         if listed != revision:
             raise UpstreamError(

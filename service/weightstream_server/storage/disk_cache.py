@@ -552,9 +552,11 @@ class Placement(Fill):
     one) exactly as a fill's end does; nothing is renamed into the cache unchecked, and a placement
     neither kept nor discarded is removed with its partial file at the next start.
 
-    Ownership: the partial file and its descriptor as a Fill's; buffer() maps the file writable, and the
-    caller drops every view of that map before close_buffer() (a view still held only keeps the map
-    alive until it is collected, never the file in the cache).
+    Ownership: the partial file and its descriptor as a Fill's; buffer() maps the file writable, with its
+    blocks allocated first (a full filesystem fails buffer() with _Unwritable, never a write into the
+    map, which would end the process with SIGBUS). The caller ends every use of views of that map
+    before close_buffer(): a view made with torch.frombuffer holds no export of the map, so the map
+    closes under it, and reading it then is invalid.
     """
 
     def __init__(self, cache: DiskCache, key: str, file: SourceFile) -> None:
@@ -563,9 +565,17 @@ class Placement(Fill):
         self._ended = False
 
     def buffer(self) -> mmap.mmap:
-        """The partial file, sized and mapped writable (shared: what is written is the file's)."""
+        """The partial file, its blocks allocated and mapped writable (shared: what is written is the file's);
+        _Unwritable (the placement dropped, the cache not written a while, as after a fill's failed write)
+        where the filesystem has no room for it."""
         if self._map is None:
-            os.ftruncate(self._fd, self.file.size)
+            try:
+                if self.file.size:
+                    os.posix_fallocate(self._fd, 0, self.file.size)
+            except OSError as exc:
+                error = _Unwritable(f"{self.file.path}: no room for it in the disk cache's filesystem: {exc}")
+                self.discard(error, unwritable=True)
+                raise error from exc
             self._map = mmap.mmap(self._fd, self.file.size)
         return self._map
 
@@ -591,18 +601,19 @@ class Placement(Fill):
             self._done = self.file.size
             self._changed.notify_all()
 
-    def discard(self, error: ServerError | None = None) -> None:
-        """Drop the partial file; streams waiting for it get error (UNAVAILABLE by default). Idempotent."""
+    def discard(self, error: ServerError | None = None, *, unwritable: bool = False) -> None:
+        """Drop the partial file; streams waiting for it get error (UNAVAILABLE by default); unwritable: the
+        cache is not written a while (a full filesystem). Idempotent."""
         if self._ended:
             return
         self._ended = True
         with self._changed:
             self._error = error or StorageUnavailable(f"{self.file.path}: its copy from peers failed; try again")
             self._changed.notify_all()
-        self._cache._failed(self, self._partial, unwritable=False)
+        self._cache._failed(self, self._partial, unwritable=unwritable)
 
     def close_buffer(self) -> None:
-        """Unmap buffer() (once no view of it is left; otherwise the map goes when its last view does)."""
+        """Unmap buffer(): after every use of its views has ended (see the class's ownership)."""
         mapped, self._map = self._map, None
         if mapped is not None:
             with contextlib.suppress(BufferError):

@@ -90,7 +90,15 @@ class UpstreamSource:
         return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
     def resolve(self, model: str) -> ModelFiles:
-        weights = tuple(f for f, kind in self._listing(model) if kind == "weights")
+        return self._weights(model, self._listing(model))
+
+    def list_anew(self, model: str) -> ModelFiles:
+        """model's files as the upstream lists them now; the kept listing (what this server answers with
+        until forget_listing) stays as it is."""
+        return self._weights(model, self._listing(model, keep=False))
+
+    def _weights(self, model: str, listing: list[tuple[SourceFile, FileKind]]) -> ModelFiles:
+        weights = tuple(f for f, kind in listing if kind == "weights")
         if not weights:
             raise ModelNotFound(f"{self.describe()}: model {model!r} has no *.safetensors files")
         return ModelFiles(model, weights, None)
@@ -134,16 +142,17 @@ class UpstreamSource:
     def close(self) -> None:
         self._client.close()
 
-    def _listing(self, model: str) -> list[tuple[SourceFile, FileKind]]:
+    def _listing(self, model: str, keep: bool = True) -> list[tuple[SourceFile, FileKind]]:
+        """model's listing: the kept one if there is one (keep), else the upstream's, kept while held (keep)."""
         with self._lock:
-            held = self._held.get(model)
+            held = self._held.get(model) if keep else None
         if held is not None:
             return held
         try:
             with translated(self.describe()):
                 listing: ModelFileList = self._client.list_files(model)
         except UpstreamError as exc:
-            if exc.code == grpc.StatusCode.NOT_FOUND:
+            if exc.code == grpc.StatusCode.NOT_FOUND and keep:
                 with self._lock:
                     if model in self._holding:
                         self._held[model] = []  # no files (a model only published there) until its watch says
@@ -154,7 +163,7 @@ class UpstreamSource:
         ]
         with self._lock:
             self._revisions[model] = (tuple(f for f, _ in files), listing.revision)
-            if model in self._holding:
+            if keep and model in self._holding:
                 self._held[model] = files
         return files
 
