@@ -285,7 +285,8 @@ def pull_blocks(
     sources (a swarm; parent is then not used): the manifest's tensors cut into len(sources) groups
     (swarm_groups), each group's tensors among names pulled as above from its source, all groups at
     once (a thread each), into the one Pull of the revision; a source that fails leaves its own group
-    to the upstream, not the others.
+    to the upstream, not the others; the k groups taken from peers each have a floor of min_rate / k
+    (they share this server's link).
 
     Raises where the upstream itself fails or lies (the caller's pull then fails whole, once every
     group's thread has ended)."""
@@ -305,6 +306,8 @@ def pull_blocks(
         runs = [(group, source) for group, source in runs if group]
     else:
         runs = [(list(names), parent)]
+    # The floor is the link's: the groups taken from peers at once share it.
+    floor = min_rate / max(1, sum(1 for _, source in runs if source))
     pull = holdings.begin(model, revision, {name: views[name] for name in names})
     try:
 
@@ -319,7 +322,7 @@ def pull_blocks(
                 group,
                 source,
                 stall_s,
-                min_rate,
+                floor,
                 held,
                 use_deltas,
                 pull,
