@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from tests.support import fleet, netns
 from tests.support.commands import weightstream_cmd
@@ -37,32 +36,7 @@ WAIT_S = 300.0
 def _write(root: Path, mib: int, seed: int) -> bytes:
     """The model's file, replaced whole (a new storage revision); its bytes."""
     generator = torch.Generator().manual_seed(seed)
-    state = {"w": torch.randn(mib * 1024 * 1024 // 4, generator=generator)}
-    staged = root / MODEL / f"{FILE}.tmp"
-    save_file(state, str(staged))
-    staged.replace(root / MODEL / FILE)
-    return (root / MODEL / FILE).read_bytes()
-
-
-def _cached(folder: Path, expected: bytes) -> bool:
-    """Whether the disk cache at folder kept (with its record) a file of exactly these bytes."""
-    files = folder / "files"
-    if not files.is_dir():
-        return False
-    return any(
-        p.stat().st_size == len(expected) and p.with_name(p.name + ".json").exists() and p.read_bytes() == expected
-        for p in files.iterdir()
-        if not p.name.endswith(".json")
-    )
-
-
-def _wait(check: object, what: str, cluster: fleet.Cluster) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            sys.stderr.write(cluster.logs())
-            raise AssertionError(f"{what} not seen within {WAIT_S} s")
-        time.sleep(0.05)
+    return fleet.rewrite(root / MODEL / FILE, {"w": torch.randn(mib * 1024 * 1024 // 4, generator=generator)})
 
 
 def measure(mib: int, nodes: int, runs: int, rate: str, folder: Path) -> dict[str, object]:
@@ -73,12 +47,7 @@ def measure(mib: int, nodes: int, runs: int, rate: str, folder: Path) -> dict[st
     with netns.Fleet(nodes + 1, rate=rate) as running:
         cluster = fleet.Cluster(running, folder, nodes)
         origin = cluster.origin
-        origin_args = [
-            "--model-root", str(root), "--host", "0.0.0.0", "--grpc-port", str(fleet.GRPC_PORT),
-            "--http-port", str(fleet.HTTP_PORT), "--data-port", str(fleet.DATA_PORT), "--watch-interval", "0.1",
-            "--fanout",
-        ]  # fmt: skip
-        origin.start([*weightstream_cmd(), "serve", *origin_args], folder / "origin.log", env)
+        fleet.start_root_origin(cluster, root, 0.1)
         ask = [{"target": f"127.0.0.1:{fleet.GRPC_PORT}", "rpc": "manifest", "model": MODEL, "as": "plaintext"}]
         caches = [folder / f"cache-{i}" for i in range(1, nodes + 1)]
         for i in range(1, nodes + 1):  # one by one: the upstream lists them in this order, one chain
@@ -86,8 +55,10 @@ def measure(mib: int, nodes: int, runs: int, rate: str, folder: Path) -> dict[st
             cluster.node(i).start(
                 [*weightstream_cmd(), "serve", *fleet.sidecar_args(origin, extra)], folder / f"sidecar-{i}.log", env
             )
-            _wait(lambda i=i: cluster.call(i, ask)[0]["code"] == "OK", f"node {i}'s sidecar serving", cluster)
-            _wait(lambda i=i: _cached(caches[i - 1], current), f"node {i}'s first revision", cluster)
+            cluster.wait(lambda i=i: cluster.call(i, ask)[0]["code"] == "OK", f"node {i}'s sidecar serving", WAIT_S)
+            cluster.wait(
+                lambda i=i: fleet.disk_cache_holds(caches[i - 1], current), f"node {i}'s first revision", WAIT_S
+            )
         seconds: list[float] = []
         copies: list[float] = []
         received: list[float] = []
@@ -98,7 +69,9 @@ def measure(mib: int, nodes: int, runs: int, rate: str, folder: Path) -> dict[st
             started = time.time()
             current = _write(root, mib, k)
             for cache in caches:
-                _wait(lambda c=cache, b=current: _cached(c, b), f"the new revision in {cache}", cluster)
+                cluster.wait(
+                    lambda c=cache, b=current: fleet.disk_cache_holds(c, b), f"the new revision in {cache}", WAIT_S
+                )
             seconds.append(time.time() - started)
             time.sleep(0.3)
             copies.append((origin.tx_bytes() - sent) / len(current))

@@ -10,13 +10,11 @@ Needs root (ip netns, tc): skipped otherwise.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from tests.support import fleet, netns
 from tests.support.commands import weightstream_cmd
@@ -38,31 +36,7 @@ def _write(root: Path, seed: int) -> bytes:
     """The model's file, replaced whole (a new storage revision); its bytes."""
     generator = torch.Generator().manual_seed(seed)
     state = {"w": torch.randn(MIB * 1024 * 1024 // 4, generator=generator), "b": torch.randn(7, generator=generator)}
-    staged = root / MODEL / f"{FILE}.tmp"
-    save_file(state, str(staged))
-    staged.replace(root / MODEL / FILE)
-    return (root / MODEL / FILE).read_bytes()
-
-
-def _cached(folder: Path, expected: bytes) -> bool:
-    """Whether a disk cache at folder holds a kept copy (with its record) of a file with these bytes."""
-    files = folder / "files"
-    if not files.is_dir():
-        return False
-    return any(
-        p.stat().st_size == len(expected) and p.with_name(p.name + ".json").exists() and p.read_bytes() == expected
-        for p in files.iterdir()
-        if not p.name.endswith(".json")
-    )
-
-
-def _wait(check: object, what: str, cluster: fleet.Cluster) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            sys.stderr.write(cluster.logs())
-            raise AssertionError(f"{what} not seen within {WAIT_S} s")
-        time.sleep(0.1)
+    return fleet.rewrite(root / MODEL / FILE, state)
 
 
 def test_a_storage_revision_reaches_every_nodes_disk_cache_bit_exact_with_the_origin_sending_about_one_copy(
@@ -75,12 +49,7 @@ def test_a_storage_revision_reaches_every_nodes_disk_cache_bit_exact_with_the_or
     with netns.Fleet(NODES + 1, rate="400mbit") as nodes:
         cluster = fleet.Cluster(nodes, tmp_path, NODES)
         origin = cluster.origin
-        origin_args = [
-            "--model-root", str(root), "--host", "0.0.0.0", "--grpc-port", str(fleet.GRPC_PORT),
-            "--http-port", str(fleet.HTTP_PORT), "--data-port", str(fleet.DATA_PORT), "--watch-interval", "0.3",
-            "--fanout",
-        ]  # fmt: skip
-        origin.start([*weightstream_cmd(), "serve", *origin_args], tmp_path / "origin.log", env)
+        fleet.start_root_origin(cluster, root, 0.3)
         ask = [{"target": f"127.0.0.1:{fleet.GRPC_PORT}", "rpc": "manifest", "model": MODEL, "as": "plaintext"}]
         for i in range(1, NODES + 1):  # one by one: the upstream lists them in this order, one chain
             extra = ["--peers", "--peer-stall-seconds", "1", "--disk-cache", str(tmp_path / f"cache-{i}")]
@@ -88,14 +57,18 @@ def test_a_storage_revision_reaches_every_nodes_disk_cache_bit_exact_with_the_or
                 [*weightstream_cmd(), "serve", *fleet.sidecar_args(origin, extra)], tmp_path / f"sidecar-{i}.log", env
             )
             # The sidecar follows the model once asked for it, and takes its current revision.
-            _wait(lambda i=i: cluster.call(i, ask)[0]["code"] == "OK", f"node {i}'s sidecar serving", cluster)
-            _wait(lambda i=i: _cached(tmp_path / f"cache-{i}", first), f"node {i}'s first revision", cluster)
+            cluster.wait(lambda i=i: cluster.call(i, ask)[0]["code"] == "OK", f"node {i}'s sidecar serving", WAIT_S)
+            cluster.wait(
+                lambda i=i: fleet.disk_cache_holds(tmp_path / f"cache-{i}", first), f"node {i}'s first revision", WAIT_S
+            )
         time.sleep(0.5)
         sent = origin.tx_bytes()
         received = [cluster.metrics(i).get(PEER_BYTES, 0) for i in (1, 2, 3)]
         second = _write(root, 1)
         for i in range(1, NODES + 1):
-            _wait(lambda i=i: _cached(tmp_path / f"cache-{i}", second), f"node {i}'s new revision", cluster)
+            cluster.wait(
+                lambda i=i: fleet.disk_cache_holds(tmp_path / f"cache-{i}", second), f"node {i}'s new revision", WAIT_S
+            )
         time.sleep(0.3)
         copies = (origin.tx_bytes() - sent) / len(second)
         from_peers = [cluster.metrics(i).get(PEER_BYTES, 0) - received[i - 1] for i in (1, 2, 3)]

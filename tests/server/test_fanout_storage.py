@@ -20,17 +20,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.support.hostile_peer import serve_blocks
+from tests.support.hostile_peer import flipping, serve_blocks
 from tests.support.ports import LOOPBACK
 from tests.support.servers import eventually, loopback_settings, serving
 from weightstream.client import InvalidArgumentError, NotFoundError, WeightStreamClient
-from weightstream.v1 import weightstream_pb2 as pb
-from weightstream.v1 import weightstream_pb2_grpc as pb_grpc
 from weightstream_server import WeightStreamServer
 from weightstream_server.errors import StorageUnavailable
 from weightstream_server.revisions.peer_blocks import Holdings
@@ -207,16 +204,7 @@ def test_a_peer_sending_wrong_bytes_is_refused_and_the_file_ends_bit_exact_from_
     with WeightStreamClient(fleet.sidecar_target, progress=False) as near:
         near.manifest(MODEL)
         revision, state = _new_revision(fleet, 3)
-    channel = grpc.insecure_channel(fleet.upstream_target)
-    stub = pb_grpc.WeightStreamServiceStub(channel)
-
-    def flipped(request: pb.StreamRevisionBlocksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        for response in stub.StreamRevisionBlocks(request):
-            data = bytearray(response.data)
-            data[len(data) // 2] ^= 0x5A
-            yield pb.StreamRevisionBlocksResponse(index=response.index, data=bytes(data)).SerializeToString()
-
-    hostile, port = serve_blocks(flipped)
+    hostile, port = serve_blocks(flipping(fleet.upstream_target))
     node = _node(fleet, "node-cache")
     try:
         with WeightStreamClient(fleet.upstream_target, progress=False) as upstream:
@@ -225,7 +213,6 @@ def test_a_peer_sending_wrong_bytes_is_refused_and_the_file_ends_bit_exact_from_
             pull = _pull(node, upstream, revision, HOSTILE, {HOSTILE: f"{LOOPBACK}:{port}"})
     finally:
         hostile.stop(grace=None)
-        channel.close()
     report = pull.report
     assert report is not None
     assert report.refused == HOSTILE and node.holdings.counts.refused_blocks == 1, report

@@ -40,6 +40,8 @@ from tests.support.commands import clean_env, weightstream_cmd
 from tests.support.netns import Fleet, Node
 
 if TYPE_CHECKING:
+    import torch
+
     from weightstream.client import WeightStreamClient
 
 MODEL = "fleet-model"
@@ -171,6 +173,14 @@ class Cluster:
         answers: list[dict[str, Any]] = json.loads(self.node(index).run(argv))
         return answers
 
+    def wait(self, check: object, what: str, timeout: float = WAIT_S) -> None:
+        """Until check() is true; the fleet's logs on stderr if it is not within timeout."""
+        try:
+            _wait(check, what, timeout, self.fleet)
+        except (TimeoutError, RuntimeError):
+            sys.stderr.write(self.logs())
+            raise
+
     def logs(self) -> str:
         return "\n".join(
             f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.folder.glob("*.log"))
@@ -186,6 +196,38 @@ def _wait(check: object, what: str, timeout: float, fleet: Fleet) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not within {timeout:.0f} s")
         time.sleep(POLL_S)
+
+
+def start_root_origin(cluster: Cluster, root: Path, watch_interval: float) -> None:
+    """Start the origin serving the model root root with --fanout (storage revisions); its log in the fleet folder."""
+    args = [
+        "--model-root", str(root), "--host", "0.0.0.0", "--grpc-port", str(GRPC_PORT), "--http-port", str(HTTP_PORT),
+        "--data-port", str(DATA_PORT), "--watch-interval", str(watch_interval), "--fanout",
+    ]  # fmt: skip
+    cluster.origin.start([*weightstream_cmd(), "serve", *args], cluster.folder / "origin.log", _env())
+
+
+def rewrite(path: Path, state: dict[str, torch.Tensor]) -> bytes:
+    """Replace the safetensors file at path whole with state's tensors, at once (a new storage revision
+    above, as a checkpoint writer would); its bytes."""
+    from safetensors.torch import save_file
+
+    staged = path.with_name(path.name + ".tmp")
+    save_file(state, str(staged))
+    staged.replace(path)
+    return path.read_bytes()
+
+
+def disk_cache_holds(folder: Path, expected: bytes) -> bool:
+    """Whether the disk cache at folder kept (with its record) a file of exactly these bytes."""
+    files = folder / "files"
+    if not files.is_dir():
+        return False
+    return any(
+        p.stat().st_size == len(expected) and p.with_name(p.name + ".json").exists() and p.read_bytes() == expected
+        for p in files.iterdir()
+        if not p.name.endswith(".json")
+    )
 
 
 def _env() -> dict[str, str]:

@@ -39,14 +39,9 @@ def serve_blocks(blocks: Blocks, host: str = "127.0.0.1", port: int = 0) -> tupl
     return server, bound
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--upstream", required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--port", type=int, required=True)
-    args = parser.parse_args()
-    channel = grpc.insecure_channel(args.upstream)
-    stub = pb_grpc.WeightStreamServiceStub(channel)
+def flipping(upstream: str) -> Blocks:
+    """StreamRevisionBlocks answered with upstream's own blocks, one byte of each flipped."""
+    stub = pb_grpc.WeightStreamServiceStub(grpc.insecure_channel(upstream))
 
     def blocks(request: pb.StreamRevisionBlocksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         for response in stub.StreamRevisionBlocks(request):
@@ -54,7 +49,17 @@ def main() -> None:
             data[len(data) // 2] ^= 0x5A
             yield pb.StreamRevisionBlocksResponse(index=response.index, data=bytes(data)).SerializeToString()
 
-    server, _ = serve_blocks(blocks, "0.0.0.0", args.port)
+    return blocks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    stub = pb_grpc.WeightStreamServiceStub(grpc.insecure_channel(args.upstream))
+    server, _ = serve_blocks(flipping(args.upstream), "0.0.0.0", args.port)
 
     def watch() -> None:
         while True:

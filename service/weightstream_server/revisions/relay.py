@@ -317,6 +317,13 @@ class Relay:
         except (ServerError, WeightStreamError) as exc:
             logger.warning("model %r: published revision %s of the upstream not taken: %s", model, event.revision, exc)
 
+    def _note_no_fanout(self, exc: BaseException, then: str) -> None:
+        """After exc: an upstream that answered UNIMPLEMENTED serves no fan-out (no --fanout there), so
+        revisions it plans no peer for are taken the way without peers (then says how)."""
+        if isinstance(exc, WeightStreamError) and exc.code == grpc.StatusCode.UNIMPLEMENTED:
+            self._upstream_fans_out = False
+            logger.info("upstream %s serves no fan-out (no --fanout there): %s", self._client.target, then)
+
     def follows(self, model: str) -> bool:
         """Whether model's revisions are followed from the upstream now (its storage revisions' blocks may be
         served to peers from the disk cache)."""
@@ -360,12 +367,7 @@ class Relay:
             pull.run()
         except Exception as exc:  # whatever failed, the way without peers still works
             pull.close()
-            if isinstance(exc, WeightStreamError) and exc.code == grpc.StatusCode.UNIMPLEMENTED:
-                self._upstream_fans_out = False
-                logger.info(
-                    "upstream %s serves no fan-out (no --fanout there): storage revisions are read from it",
-                    self._client.target,
-                )
+            self._note_no_fanout(exc, "storage revisions are read from it")
             logger.warning(
                 "model %r: storage revision %s not taken through peers (%s); its files are read from the upstream",
                 model,
@@ -423,12 +425,7 @@ class Relay:
                 return
             except (ServerError, WeightStreamError) as exc:
                 self._holdings.forget(model, revision)
-                if isinstance(exc, WeightStreamError) and exc.code == grpc.StatusCode.UNIMPLEMENTED:
-                    self._upstream_fans_out = False
-                    logger.info(
-                        "upstream %s serves no fan-out (no --fanout there): revisions are pulled from it whole",
-                        self._client.target,
-                    )
+                self._note_no_fanout(exc, "revisions are pulled from it whole")
                 # An upstream without the fan-out RPCs, or one that failed them: the way without peers.
                 logger.warning(
                     "model %r: revision %s not taken through peers (%s); pulled from the upstream", model, revision, exc
