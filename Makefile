@@ -40,7 +40,7 @@ $(EMULATORS): tests/s3/package.json
 test: $(STAMP) $(EMULATORS) prometheus engine-venvs lint typecheck check-proto check-deploy check-docs
 	$(BIN)/python -m pytest --durations=30
 
-# The one-minute loop: the 655 tests not marked slow (no vLLM, no S3 server, no `weightstream serve`
+# The one-minute loop: the 647 tests not marked slow (no vLLM, no S3 server, no `weightstream serve`
 # processes, nothing over about a second), after the project's own install only. `make test` runs them all,
 # and tests/packaging/test_fast_loop.py among them fails when the count on the line above is not pytest's.
 test-fast: $(STAMP)

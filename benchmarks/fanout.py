@@ -9,10 +9,8 @@ processes used per revision.
 
     sudo PYTHONPATH=$PWD:$PWD/client:$PWD/service .venv/bin/python -m benchmarks.fanout --mib 64 256 --nodes 1 2 4 8
 
---modes star chain tree swarm: each fleet without peers serving peers, then with them (`--peers`) in
-chains, in a tree of degree 2 (`--fanout-degree 2` at the origin), and in a swarm (`--fanout-shape swarm`
-at the origin: each node takes one group of the revision's tensors from the origin and every other
-group from the node that owns it), side by side.
+--modes star chain tree: each fleet without peers serving peers, then with them (`--peers`) in chains and
+in a tree of degree 2 (`--fanout-degree 2` at the origin), side by side.
 
 --changed F: each revision after the first changes a share F of the previous one's elements (--spread
 elements: scattered over every block, so that blocks travel as deltas; blocks: whole 1 MiB blocks, so
@@ -35,13 +33,11 @@ from benchmarks.harness import process_cpu_seconds
 from tests.support import fleet, netns
 
 # mode: (the origin's options, the sidecars' options). star: every sidecar pulls from the origin (no
-# fan-out); chain: peers serve peers, each forwarding every block as it arrives; tree: each peer serves two;
-# swarm: each peer takes its own group of tensors from the origin and every other group from its owner.
+# fan-out); chain: peers serve peers, each forwarding every block as it arrives; tree: each peer serves two.
 MODES: dict[str, tuple[list[str], list[str]]] = {
     "star": ([], []),
     "chain": ([], ["--peers"]),
     "tree": (["--fanout-degree", "2"], ["--peers"]),
-    "swarm": (["--fanout-shape", "swarm"], ["--peers"]),
 }
 
 

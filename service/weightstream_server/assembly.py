@@ -341,7 +341,7 @@ def create_server(settings: ServerSettings) -> WeightStreamServer:
     tcp_servicer.add_to_server(tcp_servicer.TcpServicer(streams, data_port, announced), server)
     # Fan-out is opt-in: an upstream plans peers only with --fanout; a sidecar serves blocks to its
     # peers only with --peers.
-    fanout = Fanout(settings.fanout_roots, settings.fanout_degree, settings.fanout_shape) if settings.fanout else None
+    fanout = Fanout(settings.fanout_roots, settings.fanout_degree) if settings.fanout else None
     revisions_servicer.add_to_server(
         revisions_servicer.RevisionsServicer(
             streams, revisions, publisher, changes, publish_tokens, data_port=data_port, advertise=announced,

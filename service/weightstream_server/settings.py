@@ -287,13 +287,6 @@ class ServerSettings(BaseSettings):
         description="fleet fan-out: how many peers take a revision from each peer (1: chains, each peer forwarding "
         "every block as it arrives)",
     )
-    fanout_shape: str = Field(
-        default="tree",
-        description="fleet fan-out: the plan of each revision: tree (--fanout-roots peers take it from this "
-        "server, each other from a peer above it, --fanout-degree below each; degree 1: chains) or swarm (its "
-        "tensors cut into one group per peer, each peer taking its own group from this server and every other "
-        "group from the peer that owns it)",
-    )
     disk_cache: Path | None = Field(
         default=None,
         description="directory of a disk cache of the model files read from object stores (S3, GCS, Azure) or "
@@ -390,8 +383,6 @@ class ServerSettings(BaseSettings):
             problems.append(f"fanout_roots must be within 1..4096, not {self.fanout_roots}")
         if not 1 <= self.fanout_degree <= 64:
             problems.append(f"fanout_degree must be within 1..64, not {self.fanout_degree}")
-        if self.fanout_shape not in ("tree", "swarm"):
-            problems.append(f"fanout_shape must be tree or swarm, not {self.fanout_shape!r}")
         if self.disk_cache_bytes < 1:
             problems.append(f"disk_cache_bytes must be at least 1, not {self.disk_cache_bytes}")
         if self.disk_cache is not None and self.upstream is None and not self.object_buckets:

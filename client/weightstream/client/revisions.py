@@ -42,9 +42,6 @@ class RevisionEvent:
     # Fleet fan-out (a watch with peer_port): "HOST:PORT" of the peer to take this published revision's
     # blocks from; "": from the server watched.
     peer: str = ""
-    # Fleet fan-out in a swarm: the peer to take each group of the revision's tensors from, in group
-    # order ("": from the server watched); (): none, see peer.
-    sources: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,13 +80,7 @@ def changes_from_proto(response: pb.GetChangesResponse) -> Changes:
 
 def event_from_proto(response: pb.WatchModelResponse) -> RevisionEvent:
     return RevisionEvent(
-        response.model,
-        response.revision,
-        response.origin,
-        response.total_bytes,
-        tuple(response.kept),
-        response.peer,
-        tuple(response.sources),
+        response.model, response.revision, response.origin, response.total_bytes, tuple(response.kept), response.peer
     )
 
 

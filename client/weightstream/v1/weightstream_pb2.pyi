@@ -415,22 +415,20 @@ class WatchModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., after: _Optional[str] = ..., peer_port: _Optional[int] = ...) -> None: ...
 
 class WatchModelResponse(_message.Message):
-    __slots__ = ("model", "revision", "origin", "total_bytes", "kept", "peer", "sources")
+    __slots__ = ("model", "revision", "origin", "total_bytes", "kept", "peer")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
-    SOURCES_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     origin: str
     total_bytes: int
     kept: _containers.RepeatedScalarFieldContainer[str]
     peer: str
-    sources: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., origin: _Optional[str] = ..., total_bytes: _Optional[int] = ..., kept: _Optional[_Iterable[str]] = ..., peer: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., origin: _Optional[str] = ..., total_bytes: _Optional[int] = ..., kept: _Optional[_Iterable[str]] = ..., peer: _Optional[str] = ...) -> None: ...
 
 class GetBlockHashesRequest(_message.Message):
     __slots__ = ("model", "revision")

@@ -8,16 +8,10 @@ them from peer (i - roots) // degree. With degree 1 (the default) that is `roots
 forwards every block as soon as it has it and checked it, so each link carries each byte about once
 and a revision reaches the last peer of a chain about one link's transfer after the first.
 
-With shape "swarm" the plan is not a tree: a revision's tensors are cut into one group per planned
-peer (peer_pull.swarm_groups, from the manifest alone, the same at every puller); peer k takes group
-k from this server and every other group g from peer g (sources). This server's link carries each
-byte once, each peer's downlink one copy and its uplink (N - 1) / N copies, at depth 2.
-
 A peer whose blocks failed their hashes at a puller (refuse) is left out of the plans of that
-revision: the peers planned below it then take it from its parent (in a swarm: the group it owned
-from this server). A refusal is taken only from a puller this server itself planned to take that
-revision (or, in a swarm, a group of it) from that peer (its IP, as the server sees it), and only for
-a model with peers: a reader cannot refuse an honest peer or fill memory.
+revision: the peers planned below it then take it from its parent. A refusal is taken only from the
+puller this server itself planned below that peer for that revision (its IP, as the server sees
+it), and only for a model with peers: a reader cannot refuse an honest peer or fill memory.
 
 A peer's address is never loopback, unspecified, link-local or multicast: a watcher cannot make the
 others send their upstream token to a service on their own host.
@@ -43,8 +37,6 @@ MAX_REFUSED_PEERS = 1024
 MAX_REFUSED_MODELS = 1024
 # Characters of a model id or revision name written in a log line.
 LOGGED_CHARS = 200
-# The plans: a tree of roots and degree (degree 1: chains), or a swarm of tensor groups.
-SHAPES = ("tree", "swarm")
 
 
 @dataclass(frozen=True)
@@ -92,12 +84,9 @@ def parse_peer(address: str) -> str | None:
 class Fanout:
     """The peers of each model and the plan of each revision."""
 
-    def __init__(self, roots: int = 1, degree: int = 1, shape: str = "tree") -> None:
-        if shape not in SHAPES:
-            raise ValueError(f"fan-out shape {shape!r} is none of {', '.join(SHAPES)}")
+    def __init__(self, roots: int = 1, degree: int = 1) -> None:
         self.roots = roots
         self.degree = degree
-        self.shape = shape
         self._lock = threading.Lock()
         self._keys = itertools.count(1)
         self._peers: dict[str, list[Peer]] = {}
@@ -132,8 +121,7 @@ class Fanout:
         with self._lock:
             peers = list(self._peers.get(model, []))
         below = [p for p in peers if _host(p.address) == reporter and p.address != address]
-        planned = (self.sources(model, revision, p) or [self.parent(model, revision, p)] for p in below)
-        if not any(address in sources for sources in planned):
+        if not any(self.parent(model, revision, p) == address for p in below):
             logger.info(
                 "model %r: refusal of peer %s for revision %s from %s ignored: not a puller planned below it",
                 model[:LOGGED_CHARS],
@@ -161,9 +149,11 @@ class Fanout:
         return True
 
     def parent(self, model: str, revision: str, peer: Peer) -> str:
-        """The address peer takes revision from; "" for this server (always, in a swarm: see sources)."""
-        refused, planned = self._planned(model, revision, peer)
-        if peer not in planned or self.shape == "swarm":
+        """The address peer takes revision from; "" for this server."""
+        with self._lock:
+            refused = self._refused.get(model, {}).get(revision, set())
+            planned = [p for p in self._peers.get(model, []) if p.address not in refused or p is peer]
+        if peer not in planned:
             return ""
         index = planned.index(peer)
         if index < self.roots:
@@ -172,23 +162,6 @@ class Fanout:
         if parent.address in refused or parent.address == peer.address:
             return ""
         return parent.address
-
-    def sources(self, model: str, revision: str, peer: Peer) -> list[str]:
-        """In a swarm, the address peer takes each group of revision's tensors from, in group order ("" for
-        this server: its own group's, and a refused peer's); [] in a tree, or for a peer not planned."""
-        if self.shape != "swarm":
-            return []
-        refused, planned = self._planned(model, revision, peer)
-        if peer not in planned:
-            return []
-        return ["" if p is peer or p.address in refused or p.address == peer.address else p.address for p in planned]
-
-    def _planned(self, model: str, revision: str, peer: Peer) -> tuple[set[str], list[Peer]]:
-        """The addresses refused for revision, and model's peers planned for it (peer itself always)."""
-        with self._lock:
-            refused = set(self._refused.get(model, {}).get(revision, set()))
-            planned = [p for p in self._peers.get(model, []) if p.address not in refused or p is peer]
-        return refused, planned
 
     def peers(self, model: str) -> list[str]:
         with self._lock:

@@ -32,15 +32,7 @@ upstream's hash like any block; a delta that cannot apply (no held block of that
 size, a payload that does not decode) is refused like a wrong block. A checked delta is kept
 (Holdings.encoded) so that this server forwards it unchanged to its own peers asking with the same since.
 
-Swarm: the upstream may name a source per group of the revision's tensors (swarm_groups: the
-manifest's tensors cut into contiguous runs of about equal bytes, alike at every puller) in place of
-one parent. Each group is a pull of its own as above (its stream, stall rule, wanted bitmap, and
-fallback to the upstream for that group only), all writing into the one Pull of the revision: a
-tensor is in one group only, so each tensor's checked prefix has one writer, and this server serves
-every group to its own peers as it arrives.
-
-Concurrency: one pull runs on its caller's thread (a swarm's groups on a thread each, joined before
-it returns or raises), with one watchdog thread per stream for the stall rule.
+Concurrency: one pull runs on its caller's thread, with one watchdog thread for the stall rule.
 Memory: the held revision's tensors are views of its memory, only read, which they keep alive while the pull runs.
 """
 
@@ -85,8 +77,6 @@ KEEPALIVE_FIRST_BLOCK_STALLS = 60
 UPSTREAM_STALL_S = 60.0
 # A peer's rate is judged over at least this many stall times from its first block.
 RATE_WINDOW_STALLS = 2
-# The most groups a swarm's event may name (a stream and a thread each, at most one per tensor pulled).
-MAX_SOURCES = 1024
 
 
 class BadBlock(Exception):
@@ -249,19 +239,6 @@ class _Watchdog:
         self._done.set()
 
 
-def swarm_groups(manifest: Manifest, count: int) -> list[list[str]]:
-    """manifest's tensors in its order cut into count contiguous runs of about equal bytes (a tensor goes
-    to the run its middle byte falls in; a run may be empty where tensors are fewer or larger): a swarm's
-    groups, computed from the manifest alone so that every puller cuts them alike."""
-    groups: list[list[str]] = [[] for _ in range(max(count, 1))]
-    total = max(sum(info.nbytes for info in manifest.tensors), 1)
-    seen = 0
-    for info in manifest.tensors:
-        groups[min(len(groups) - 1, (seen + info.nbytes // 2) * len(groups) // total)].append(info.name)
-        seen += info.nbytes
-    return groups
-
-
 def pull_blocks(
     holdings: Holdings,
     upstream: WeightStreamClient,
@@ -274,7 +251,6 @@ def pull_blocks(
     min_rate: float = 0.0,
     held: Held | None = None,
     use_deltas: bool = True,
-    sources: Sequence[str] = (),
 ) -> PullReport:
     """Fill views (tensors names of the revision manifest describes, in that order) from parent's blocks
     (or the upstream's, parent ""), each checked; the rest from the upstream where parent fails, stalls
@@ -282,117 +258,10 @@ def pull_blocks(
     Blocks that held has unchanged are copied from it, not asked for; use_deltas: blocks may come as
     deltas against held.
 
-    sources (a swarm; parent is then not used): the manifest's tensors cut into len(sources) groups
-    (swarm_groups), each group's tensors among names pulled as above from its source, all groups at
-    once (a thread each), into the one Pull of the revision; a source that fails leaves its own group
-    to the upstream, not the others; the k groups taken from peers each have a floor of min_rate / k
-    (they share this server's link).
-
-    Raises where the upstream itself fails or lies (the caller's pull then fails whole, once every
-    group's thread has ended)."""
+    Raises where the upstream itself fails or lies (the caller's pull then fails whole)."""
     model, revision = manifest.model, manifest.revision
     hashes = upstream.block_hashes(model, revision)
     checked_hashes(manifest, hashes)
-    if len(sources) > MAX_SOURCES:
-        raise UpstreamError(
-            f"the upstream named {len(sources)} swarm sources of revision {revision}, over {MAX_SOURCES}", LIED
-        )
-    if sources:
-        pulled = set(names)
-        runs = [
-            ([name for name in group if name in pulled], source)
-            for group, source in zip(swarm_groups(manifest, len(sources)), sources, strict=True)
-        ]
-        runs = [(group, source) for group, source in runs if group]
-    else:
-        runs = [(list(names), parent)]
-    # The floor is the link's: the groups taken from peers at once share it.
-    floor = min_rate / max(1, sum(1 for _, source in runs if source))
-    pull = holdings.begin(model, revision, {name: views[name] for name in names})
-    try:
-
-        def sequence(group: Sequence[str], source: str) -> PullReport:
-            return _pull_sequence(
-                holdings,
-                upstream,
-                connect,
-                manifest,
-                hashes,
-                views,
-                group,
-                source,
-                stall_s,
-                floor,
-                held,
-                use_deltas,
-                pull,
-            )
-
-        if len(runs) == 1:
-            reports = [sequence(*runs[0])]
-        else:
-            reports = _in_threads(sequence, runs)
-    except BaseException:
-        holdings.end(pull)
-        raise
-    report = PullReport(pull=pull)
-    for part in reports:
-        report.peer_bytes += part.peer_bytes
-        report.upstream_bytes += part.upstream_bytes
-        report.copied_bytes += part.copied_bytes
-        report.peer_wire_bytes += part.peer_wire_bytes
-        report.upstream_wire_bytes += part.upstream_wire_bytes
-        report.delta_blocks += part.delta_blocks
-        report.refused = report.refused or part.refused
-        report.known.update(part.known)  # each tensor is in one group only
-    return report
-
-
-def _in_threads(
-    sequence: Callable[[Sequence[str], str], PullReport], runs: Sequence[tuple[Sequence[str], str]]
-) -> list[PullReport]:
-    """sequence(group, source) of each run, a thread each; once all have ended, their reports in order, or
-    the first exception one raised."""
-    reports: list[PullReport | None] = [None] * len(runs)
-    errors: list[BaseException] = []
-
-    def run(index: int, group: Sequence[str], source: str) -> None:
-        try:
-            reports[index] = sequence(group, source)
-        except BaseException as exc:  # raised on the caller's thread below
-            errors.append(exc)
-
-    threads = [
-        threading.Thread(target=run, args=(i, group, source), name=f"weightstream-swarm-group-{i}", daemon=True)
-        for i, (group, source) in enumerate(runs)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return [report for report in reports if report is not None]
-
-
-def _pull_sequence(
-    holdings: Holdings,
-    upstream: WeightStreamClient,
-    connect: Callable[[str], WeightStreamClient],
-    manifest: Manifest,
-    hashes: dict[str, tuple[bytes, ...]],
-    views: dict[str, torch.Tensor],
-    names: Sequence[str],
-    parent: str,
-    stall_s: float,
-    min_rate: float,
-    held: Held | None,
-    use_deltas: bool,
-    pull: Pull,
-) -> PullReport:
-    """Take the blocks of tensors names (in that order, numbered across them) from parent into pull,
-    falling back to the upstream (pull_blocks' rules); its report (pull not set)."""
-    model, revision = manifest.model, manifest.revision
     sizes = {info.name: info.nbytes for info in manifest.tensors}
     order = [(name, j) for name in names for j in range(blocks_of(sizes[name]))]
     flats = {name: views[name].view(-1).view(torch.uint8) for name in names}
@@ -409,66 +278,72 @@ def _pull_sequence(
     receiving = _Receiving(manifest, order, hashes, flats, held_tensors, copies, holdings, since)
     counts = holdings.counts
     report = PullReport()
-    source = parent
-    receiving.copy_from(0, pull, report)
-    next_block = receiving.position
-    while next_block < len(order):
-        # A peer's own client, closed whatever happens to its stream (the upstream's is the caller's).
-        peer = connect(source) if source else None
-        client = peer if peer is not None else upstream
-        try:
-            stream = client.revision_blocks(
-                model,
-                revision,
-                names,
-                first_block=next_block,
-                refused_peer="" if source else report.refused,
-                keepalive_ms=keepalive_ms(stall_s) if source else 0,
-                since=since,
-                wanted=wanted,
-            )
-        except BaseException:
-            if peer is not None:
-                peer.close()
-            raise
-        # The upstream is held to the server-wide stall rule, not to a peer's.
-        # The first block of a peer may wait for the peer's own pull to start (its manifest,
-        # hashes and memory): see the module's docstring; a dead peer is refused at once.
-        watchdog = _Watchdog(
-            stream,
-            stall_s if source else max(stall_s, UPSTREAM_STALL_S),
-            FIRST_BLOCK_STALLS,
-            min_rate if source else 0.0,
-        )
-        try:
+    pull = holdings.begin(model, revision, {name: views[name] for name in names})
+    try:
+        source = parent
+        receiving.copy_from(0, pull, report)
+        next_block = receiving.position
+        while next_block < len(order):
+            # A peer's own client, closed whatever happens to its stream (the upstream's is the caller's).
+            peer = connect(source) if source else None
+            client = peer if peer is not None else upstream
             try:
-                receiving.receive(stream, watchdog, pull, report, source)
+                stream = client.revision_blocks(
+                    model,
+                    revision,
+                    names,
+                    first_block=next_block,
+                    refused_peer="" if source else report.refused,
+                    keepalive_ms=keepalive_ms(stall_s) if source else 0,
+                    since=since,
+                    wanted=wanted,
+                )
+            except BaseException:
+                if peer is not None:
+                    peer.close()
+                raise
+            # The upstream is held to the server-wide stall rule, not to a peer's.
+            # The first block of a peer may wait for the peer's own pull to start (its manifest,
+            # hashes and memory): see the module's docstring; a dead peer is refused at once.
+            watchdog = _Watchdog(
+                stream,
+                stall_s if source else max(stall_s, UPSTREAM_STALL_S),
+                FIRST_BLOCK_STALLS,
+                min_rate if source else 0.0,
+            )
+            try:
+                try:
+                    receiving.receive(stream, watchdog, pull, report, source)
+                finally:
+                    next_block = receiving.position  # a fallback goes on from the first block not taken
+                if next_block < len(order):
+                    raise EndedEarly(f"the stream ended at block {next_block} of {len(order)}")
+            except (WeightStreamError, BadBlock, EndedEarly) as exc:
+                if not source:
+                    code = exc.code if isinstance(exc, WeightStreamError) and exc.code is not None else LIED
+                    raise UpstreamError(f"the upstream's blocks of revision {revision}: {exc}", code) from exc
+                if watchdog.slow:
+                    why = f"sent {watchdog.rate():.0f} bytes/s, under --peer-min-rate {min_rate:.0f}"
+                elif watchdog.fired:
+                    why = watchdog.why
+                else:
+                    why = str(exc)[:300]
+                if isinstance(exc, BadBlock) and not (watchdog.fired or watchdog.slow):
+                    counts.refused(source)
+                    report.refused = source
+                    logger.warning("model %r: revision %s: peer %s refused: %s", model, revision, source, why)
+                else:
+                    logger.warning("model %r: revision %s: peer %s left: %s", model, revision, source, why)
+                counts.add(fallbacks=1)
+                source = ""
             finally:
-                next_block = receiving.position  # a fallback goes on from the first block not taken
-            if next_block < len(order):
-                raise EndedEarly(f"the stream ended at block {next_block} of {len(order)}")
-        except (WeightStreamError, BadBlock, EndedEarly) as exc:
-            if not source:
-                code = exc.code if isinstance(exc, WeightStreamError) and exc.code is not None else LIED
-                raise UpstreamError(f"the upstream's blocks of revision {revision}: {exc}", code) from exc
-            if watchdog.slow:
-                why = f"sent {watchdog.rate():.0f} bytes/s, under --peer-min-rate {min_rate:.0f}"
-            elif watchdog.fired:
-                why = watchdog.why
-            else:
-                why = str(exc)[:300]
-            if isinstance(exc, BadBlock) and not (watchdog.fired or watchdog.slow):
-                counts.refused(source)
-                report.refused = source
-                logger.warning("model %r: revision %s: peer %s refused: %s", model, revision, source, why)
-            else:
-                logger.warning("model %r: revision %s: peer %s left: %s", model, revision, source, why)
-            counts.add(fallbacks=1)
-            source = ""
-        finally:
-            watchdog.close()
-            if peer is not None:
-                peer.close()
+                watchdog.close()
+                if peer is not None:
+                    peer.close()
+    except BaseException:
+        holdings.end(pull)
+        raise
+    report.pull = pull
     return report
 
 

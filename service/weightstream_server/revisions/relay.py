@@ -313,7 +313,7 @@ class Relay:
                 # The model's files first (if it has any): seen after the published revision, they
                 # would count as a newer storage revision and take its place.
                 self._observe_storage(model)
-            self._pull(model, event.revision, event.peer, event.sources)
+            self._pull(model, event.revision, event.peer)
         except (ServerError, WeightStreamError) as exc:
             logger.warning("model %r: published revision %s of the upstream not taken: %s", model, event.revision, exc)
 
@@ -416,12 +416,12 @@ class Relay:
             return None
         return now if now.revision == held.id else None
 
-    def _pull(self, model: str, revision: str, parent: str = "", sources: Sequence[str] = ()) -> None:
-        if parent or any(sources):
+    def _pull(self, model: str, revision: str, parent: str = "") -> None:
+        if parent:
             self._upstream_fans_out = True
         if self._holdings is not None and self._upstream_fans_out:
             try:
-                self._pull_from_peers(model, revision, parent, sources)
+                self._pull_from_peers(model, revision, parent)
                 return
             except (ServerError, WeightStreamError) as exc:
                 self._holdings.forget(model, revision)
@@ -515,10 +515,9 @@ class Relay:
                 )
         return upstream, held, shared, start
 
-    def _pull_from_peers(self, model: str, revision: str, parent: str, sources: Sequence[str] = ()) -> None:
+    def _pull_from_peers(self, model: str, revision: str, parent: str) -> None:
         """Take revision as the blocks of its changed tensors from parent (a peer the upstream planned;
-        "" for the upstream itself), or in a swarm each group of them from its source (peer_pull.pull_blocks),
-        each checked against the upstream's block hashes; the blocks the
+        "" for the upstream itself), each checked against the upstream's block hashes; the blocks the
         published revision held here has unchanged are copied from it, and the others may come as
         deltas against it."""
         holdings = self._holdings
@@ -537,19 +536,7 @@ class Relay:
             stall_s = self._settings.peer_stall_seconds
             min_rate = self._settings.peer_min_rate
             reports.append(
-                pull_blocks(
-                    holdings,
-                    self._client,
-                    connect,
-                    upstream,
-                    views,
-                    names,
-                    parent,
-                    stall_s,
-                    min_rate,
-                    held,
-                    sources=sources,
-                )
+                pull_blocks(holdings, self._client, connect, upstream, views, names, parent, stall_s, min_rate, held)
             )
             return reports[-1].known
 
@@ -577,12 +564,12 @@ class Relay:
             self.counts.shared_bytes += shared_bytes
             self.counts.seconds += seconds
         logger.info(
-            "model %r: revision %s relayed: %d bytes from peers %s (%d on the wire), %d from the upstream "
+            "model %r: revision %s relayed: %d bytes from peer %s (%d on the wire), %d from the upstream "
             "(%d on the wire), %d blocks as deltas, %d copied and %d shared from %s, %.3f s",
             model,
             revision,
             report.peer_bytes,
-            ", ".join(source for source in (parent, *sources) if source) or "(none)",
+            parent or "(none)",
             report.peer_wire_bytes,
             report.upstream_bytes,
             report.upstream_wire_bytes,

@@ -155,7 +155,6 @@ class RevisionsServicer:
                     message = _watch_message(current, self._revisions.kept(request.model))
                     if joined is not None and self._fanout is not None:
                         message.peer = self._fanout.parent(request.model, current.id, joined)
-                        message.sources.extend(self._fanout.sources(request.model, current.id, joined))
                     yield message
                 after = current.id
         except Exception as exc:
